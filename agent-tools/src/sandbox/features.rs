@@ -1,0 +1,47 @@
+//! What the running kernel offers for confinement, probed once at start.
+
+use serde::Serialize;
+
+/// Kernel confinement features found on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KernelFeatures {
+    /// Landlock ABI version (0 when landlock is missing or disabled).
+    pub landlock_abi: u32,
+    /// Seccomp filter mode with `SECCOMP_RET_ERRNO` is available.
+    pub seccomp: bool,
+    /// Unprivileged user namespaces are enabled (reported; the sandbox does not rely on them).
+    pub user_namespaces: bool,
+    /// Network namespaces exist (reported; the sandbox does not rely on them).
+    pub network_namespaces: bool,
+    /// The server runs as root, so tool processes can drop to a per-episode uid.
+    pub can_switch_uid: bool,
+}
+
+impl KernelFeatures {
+    /// Probes the kernel. Never fails: a missing feature is reported as absent.
+    pub fn detect() -> Self {
+        Self {
+            landlock_abi: super::landlock::abi_version(),
+            seccomp: super::seccomp::available(),
+            user_namespaces: std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .is_some_and(|n| n > 0),
+            network_namespaces: std::path::Path::new("/proc/self/ns/net").exists(),
+            // SAFETY: geteuid has no preconditions.
+            can_switch_uid: unsafe { libc::geteuid() } == 0,
+        }
+    }
+
+    /// The features the sandbox needs and this kernel lacks, by name.
+    pub fn missing(&self) -> Vec<&'static str> {
+        let mut missing = Vec::new();
+        if self.landlock_abi == 0 {
+            missing.push("landlock");
+        }
+        if !self.seccomp {
+            missing.push("seccomp");
+        }
+        missing
+    }
+}

@@ -1,0 +1,154 @@
+//! Seccomp filters compiled once at start and installed in each child before exec.
+//!
+//! Denials return an errno instead of killing the process so that toolchains that probe for
+//! a feature (a socket, a namespace) see a normal error and go on.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+
+use super::SandboxError;
+
+/// Whether the kernel can install filters that return an errno.
+pub fn available() -> bool {
+    const SECCOMP_GET_ACTION_AVAIL: libc::c_ulong = 2;
+    let action: u32 = libc::SECCOMP_RET_ERRNO;
+    // SAFETY: the query only reads `action`.
+    let rc = unsafe { libc::syscall(libc::SYS_seccomp, SECCOMP_GET_ACTION_AVAIL, 0, &action) };
+    rc == 0
+}
+
+/// Syscalls refused with EPERM whatever their arguments.
+const DENIED: &[libc::c_long] = &[
+    libc::SYS_ptrace,
+    libc::SYS_process_vm_readv,
+    libc::SYS_process_vm_writev,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_chroot,
+    libc::SYS_bpf,
+    libc::SYS_perf_event_open,
+    libc::SYS_kexec_load,
+    libc::SYS_kexec_file_load,
+    libc::SYS_init_module,
+    libc::SYS_finit_module,
+    libc::SYS_delete_module,
+    libc::SYS_reboot,
+    libc::SYS_swapon,
+    libc::SYS_swapoff,
+    libc::SYS_keyctl,
+    libc::SYS_add_key,
+    libc::SYS_request_key,
+    libc::SYS_unshare,
+    libc::SYS_setns,
+    // io_uring can open sockets and files without the syscalls filtered here.
+    libc::SYS_io_uring_setup,
+    libc::SYS_io_uring_enter,
+    libc::SYS_io_uring_register,
+    // A new session would escape the process group the server kills on timeout.
+    libc::SYS_setsid,
+    libc::SYS_open_by_handle_at,
+    libc::SYS_name_to_handle_at,
+    libc::SYS_userfaultfd,
+    libc::SYS_acct,
+    libc::SYS_settimeofday,
+    libc::SYS_clock_settime,
+    libc::SYS_quotactl,
+    libc::SYS_syslog,
+    libc::SYS_fsopen,
+    libc::SYS_fsmount,
+    libc::SYS_move_mount,
+    libc::SYS_open_tree,
+];
+
+/// Namespace flags that `clone` may not carry.
+const CLONE_NS_FLAGS: &[u64] = &[
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWNET as u64,
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWCGROUP as u64,
+];
+
+fn arch() -> Result<TargetArch, SandboxError> {
+    TargetArch::try_from(std::env::consts::ARCH)
+        .map_err(|e| SandboxError::Seccomp(format!("unsupported architecture: {e}")))
+}
+
+fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, SandboxError> {
+    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)
+        .map_err(|e| SandboxError::Seccomp(e.to_string()))
+}
+
+fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SandboxError> {
+    SeccompRule::new(conds).map_err(|e| SandboxError::Seccomp(e.to_string()))
+}
+
+/// Compiles the filters, in the order they are to be installed.
+pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        DENIED.iter().map(|&nr| (nr as i64, Vec::new())).collect();
+    // Sockets by allow-list: only AF_UNIX. A deny-list of AF_INET would let AF_INET6,
+    // AF_PACKET or AF_NETLINK through.
+    for nr in [libc::SYS_socket, libc::SYS_socketpair] {
+        rules.insert(
+            nr as i64,
+            vec![rule(vec![cond(0, SeccompCmpOp::Ne, libc::AF_UNIX as u64)?])?],
+        );
+    }
+    let clone_rules = CLONE_NS_FLAGS
+        .iter()
+        .map(|&flag| rule(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag)?]))
+        .collect::<Result<Vec<_>, _>>()?;
+    rules.insert(libc::SYS_clone as i64, clone_rules);
+    // ioctl(TIOCSTI) pushes input into a terminal someone else reads.
+    rules.insert(
+        libc::SYS_ioctl as i64,
+        vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::TIOCSTI as u64)?])?],
+    );
+    let deny = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch()?,
+    )
+    .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
+
+    // clone3 passes its flags in memory a filter cannot read: answer ENOSYS so that libc
+    // falls back to clone, whose flags the first filter checks.
+    let clone3 = SeccompFilter::new(
+        [(libc::SYS_clone3 as i64, Vec::new())].into_iter().collect(),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch()?,
+    )
+    .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
+
+    [deny, clone3]
+        .into_iter()
+        .map(|f| BpfProgram::try_from(f).map_err(|e| SandboxError::Seccomp(e.to_string())))
+        .collect()
+}
+
+/// Installs one compiled filter on the calling thread. Async-signal-safe: only a syscall.
+pub fn install(prog: &BpfProgram) -> std::io::Result<()> {
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr() as *mut libc::sock_filter,
+    };
+    // SAFETY: fprog points at a live program for the duration of the call.
+    let rc = unsafe {
+        libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &fprog as *const _ as libc::c_ulong)
+    };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}

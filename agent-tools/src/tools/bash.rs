@@ -1,0 +1,208 @@
+//! `Bash`: one command in the sandbox, with a persistent working directory, capped output
+//! and the whole session killed when the command ends or times out.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::io::AsyncReadExt;
+
+use super::{ToolError, ToolOutput, Toolbox};
+use crate::sandbox::kill_session;
+
+/// The wrapper records the final working directory on exit, whatever way the command ends.
+const WRAPPER: &str = r#"trap 'pwd -P > "$CUDA_AGENT_CWD_FILE" 2>/dev/null' EXIT
+eval "$1""#;
+
+/// Bytes kept from the start and from the end of a stream.
+#[derive(Default)]
+struct Capped {
+    head: Vec<u8>,
+    tail: Vec<u8>,
+    total: usize,
+}
+
+impl Capped {
+    fn push(&mut self, buf: &[u8], cap: usize) {
+        self.total += buf.len();
+        let room = cap.saturating_sub(self.head.len());
+        let (to_head, rest) = buf.split_at(room.min(buf.len()));
+        self.head.extend_from_slice(to_head);
+        self.tail.extend_from_slice(rest);
+        if self.tail.len() > 2 * cap {
+            self.tail.drain(..self.tail.len() - cap);
+        }
+    }
+
+    /// Renders at most `cap` characters: all of it when it fits, else the start and the end
+    /// with a marker saying how much was cut.
+    fn render(&self, cap: usize) -> (String, bool) {
+        let mut all = self.head.clone();
+        if self.total <= self.head.len() + self.tail.len() {
+            all.extend_from_slice(&self.tail);
+            let text = String::from_utf8_lossy(&all).into_owned();
+            if text.chars().count() <= cap {
+                return (text, false);
+            }
+        }
+        let head = String::from_utf8_lossy(&self.head);
+        let tail = String::from_utf8_lossy(&self.tail);
+        let half = cap / 2;
+        let head: String = head.chars().take(half).collect();
+        let tail_chars: Vec<char> = tail.chars().collect();
+        let tail: String = tail_chars[tail_chars.len().saturating_sub(half)..].iter().collect();
+        let cut = self.total.saturating_sub(head.len() + tail.len());
+        (format!("{head}\n[... {cut} bytes of output truncated ...]\n{tail}"), true)
+    }
+}
+
+async fn read_capped<R: tokio::io::AsyncRead + Unpin>(mut r: R, cap: usize) -> Capped {
+    let mut c = Capped::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => c.push(&buf[..n], cap),
+        }
+    }
+    c
+}
+
+pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> Result<ToolOutput, ToolError> {
+    if command.trim().is_empty() {
+        return Err(ToolError::InvalidArgument("command is empty".into()));
+    }
+    if timeout.is_zero() {
+        return Err(ToolError::InvalidArgument("no tool time is left in this episode".into()));
+    }
+    let cwd_file = tb.state_dir.join("bash.cwd");
+    let _ = std::fs::remove_file(&cwd_file);
+    let mut jail = tb.jail.clone();
+    jail.env.push(("CUDA_AGENT_CWD_FILE".into(), cwd_file.clone().into()));
+    let cwd = if tb.cwd.is_dir() { tb.cwd.clone() } else { tb.workspace.root().to_path_buf() };
+    let args: Vec<OsString> = vec![
+        "--noprofile".into(),
+        "--norc".into(),
+        "-c".into(),
+        WRAPPER.into(),
+        "bash".into(),
+        command.into(),
+    ];
+    let mut sc = tb.sandbox.command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
+    let started = Instant::now();
+    let mut child = sc.cmd.spawn().map_err(|e| ToolError::io(Path::new("/bin/bash"), e))?;
+    drop(sc);
+    let pid = child.id().map(|p| p as i32);
+    let cap = tb.limits.max_output_chars;
+    // Readers keep draining so a chatty process never blocks on a full pipe.
+    let out_task = child.stdout.take().map(|s| tokio::spawn(read_capped(s, cap)));
+    let err_task = child.stderr.take().map(|s| tokio::spawn(read_capped(s, cap)));
+    let waited = tokio::time::timeout(timeout, child.wait()).await;
+    let timed_out = waited.is_err();
+    // Whatever happened, nothing the command started outlives the step.
+    let killed = match pid {
+        Some(sid) => tokio::task::spawn_blocking(move || kill_session(sid)).await.unwrap_or(0),
+        None => 0,
+    };
+    let status = match waited {
+        Ok(s) => s.ok(),
+        Err(_) => child.wait().await.ok(),
+    };
+    let elapsed = started.elapsed();
+    let collect = |t: Option<tokio::task::JoinHandle<Capped>>| async move {
+        match t {
+            Some(t) => tokio::time::timeout(Duration::from_secs(5), t).await.ok().and_then(Result::ok).unwrap_or_default(),
+            None => Capped::default(),
+        }
+    };
+    let stdout = collect(out_task).await;
+    let stderr = collect(err_task).await;
+    let exit_code = status.map(|s| {
+        use std::os::unix::process::ExitStatusExt;
+        s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
+    });
+
+    let mut note = None;
+    if let Some(new_cwd) = std::fs::read_to_string(&cwd_file).ok().map(|s| PathBuf::from(s.trim_end())) {
+        if new_cwd.starts_with(tb.workspace.root()) {
+            tb.cwd = new_cwd;
+        } else {
+            tb.cwd = tb.workspace.root().to_path_buf();
+            note = Some("[working directory was outside the workspace; reset to the workspace root]");
+        }
+    }
+
+    let (out_text, out_cut) = stdout.render(cap);
+    let (err_text, err_cut) = stderr.render(cap);
+    let mut text = out_text;
+    if !err_text.is_empty() {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str("[stderr]\n");
+        text.push_str(&err_text);
+    }
+    if timed_out {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&format!(
+            "[timed out after {:.1} s; the command and every process it started were killed]",
+            timeout.as_secs_f64()
+        ));
+    } else if let Some(code) = exit_code.filter(|c| *c != 0) {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&format!("[exit code {code}]"));
+    }
+    if let Some(n) = note {
+        text.push('\n');
+        text.push_str(n);
+    }
+    if text.is_empty() {
+        text.push_str("(no output)");
+    }
+    Ok(ToolOutput {
+        text,
+        is_error: timed_out || exit_code != Some(0),
+        data: json!({
+            "exit_code": exit_code,
+            "timed_out": timed_out,
+            "stdout": "separate",
+            "stdout_bytes": stdout.total,
+            "stderr_bytes": stderr.total,
+            "truncated": out_cut || err_cut,
+            "duration_ms": elapsed.as_millis() as u64,
+            "processes_killed": killed,
+            "cwd": tb.workspace.display(&tb.cwd),
+        }),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Capped;
+
+    #[test]
+    fn short_output_is_kept_whole() {
+        let mut c = Capped::default();
+        c.push(b"hello\n", 100);
+        assert_eq!(c.render(100), ("hello\n".to_string(), false));
+    }
+
+    #[test]
+    fn long_output_keeps_head_and_tail() {
+        let mut c = Capped::default();
+        for i in 0..10_000 {
+            c.push(format!("line {i}\n").as_bytes(), 1000);
+        }
+        let (text, cut) = c.render(1000);
+        assert!(cut);
+        assert!(text.starts_with("line 0\n"));
+        assert!(text.trim_end().ends_with("line 9999"));
+        assert!(text.contains("bytes of output truncated"));
+        assert!(text.len() < 1100);
+    }
+}

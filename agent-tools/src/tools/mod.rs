@@ -1,0 +1,423 @@
+//! The tools: argument types (their JSON schemas are generated from them), parsing of a call,
+//! and the per-episode [`Toolbox`] that runs calls.
+
+mod bash;
+mod files;
+mod glob;
+mod todo;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::sandbox::{Jail, Sandbox};
+use crate::workspace::Workspace;
+pub use todo::{Todo, TodoStatus};
+
+/// Errors a tool reports. Inside an episode these become error observations, not HTTP errors.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// An argument is malformed.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A path leads outside the workspace.
+    #[error("path is outside the workspace: {0}")]
+    OutsideWorkspace(String),
+    /// A protected file would change.
+    #[error("{0} is read-only: the harness files and the reference model cannot be changed")]
+    ReadOnly(String),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path, as given or resolved.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A MultiEdit edit could not be applied; nothing was written.
+    #[error("edit {index} of {total} failed, no change written: {reason}")]
+    Edit {
+        /// 1-based index of the failing edit.
+        index: usize,
+        /// Number of edits in the call.
+        total: usize,
+        /// Why it failed.
+        reason: String,
+    },
+    /// The sandbox could not start the process.
+    #[error("sandbox: {0}")]
+    Sandbox(#[from] crate::sandbox::SandboxError),
+}
+
+impl ToolError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        Self::Io { path: path.display().to_string(), source }
+    }
+}
+
+/// A call that cannot be run at all: unknown tool or arguments of the wrong shape.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// No tool of that name.
+    #[error("unknown tool {name:?}; available tools: {available}")]
+    UnknownTool {
+        /// The name given.
+        name: String,
+        /// The names that exist.
+        available: String,
+    },
+    /// The arguments do not fit the tool's schema.
+    #[error("invalid arguments for {tool}: {message}")]
+    BadArguments {
+        /// The tool.
+        tool: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Arguments of `Bash`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BashArgs {
+    /// The command to run with bash in the workspace. The working directory persists between calls.
+    pub command: String,
+    /// Timeout in milliseconds (default 120000, at most 600000).
+    #[serde(default)]
+    pub timeout: Option<u64>,
+    /// A short description of what the command does, in 5-10 words.
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+/// Arguments of `Glob`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GlobArgs {
+    /// The glob pattern, such as `**/*.cu` or `kernels/*.cpp`.
+    pub pattern: String,
+    /// Directory to search in (default: the workspace root).
+    #[serde(default)]
+    pub path: Option<String>,
+}
+
+/// One replacement inside a MultiEdit.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Edit {
+    /// The exact text to replace (empty, in the first edit, to create a new file).
+    pub old_string: String,
+    /// The text to put in its place.
+    pub new_string: String,
+    /// Replace every occurrence instead of requiring exactly one.
+    #[serde(default)]
+    pub replace_all: bool,
+}
+
+/// Arguments of `MultiEdit`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MultiEditArgs {
+    /// The file to edit (relative to the workspace root, or absolute inside it).
+    pub file_path: String,
+    /// Edits applied in order; all of them or none are written.
+    pub edits: Vec<Edit>,
+}
+
+/// Arguments of `TodoWrite`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TodoWriteArgs {
+    /// The whole updated todo list (it replaces the previous one).
+    pub todos: Vec<todo::TodoItem>,
+}
+
+/// Arguments of `Read`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadArgs {
+    /// The file to read.
+    pub file_path: String,
+    /// 1-based line to start at.
+    #[serde(default)]
+    pub offset: Option<usize>,
+    /// Number of lines to read (default 2000).
+    #[serde(default)]
+    pub limit: Option<usize>,
+}
+
+/// Arguments of `Write`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WriteArgs {
+    /// The file to write (created with its directories if missing, replaced otherwise).
+    pub file_path: String,
+    /// The complete new contents.
+    pub content: String,
+}
+
+/// Arguments of `Submit`: none.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitArgs {}
+
+/// A parsed tool call.
+#[derive(Debug, Clone)]
+pub enum ToolCall {
+    /// Run a shell command.
+    Bash(BashArgs),
+    /// Find files by pattern.
+    Glob(GlobArgs),
+    /// Apply edits to one file.
+    MultiEdit(MultiEditArgs),
+    /// Replace the todo list.
+    TodoWrite(TodoWriteArgs),
+    /// Read a file.
+    Read(ReadArgs),
+    /// Write a whole file.
+    Write(WriteArgs),
+    /// End the episode and ask for the final evaluation.
+    Submit(SubmitArgs),
+}
+
+struct ToolSpec {
+    name: &'static str,
+    description: &'static str,
+    schema: fn() -> schemars::Schema,
+}
+
+const TOOLS: &[ToolSpec] = &[
+    ToolSpec {
+        name: "Bash",
+        description: "Run a bash command in the workspace, inside the sandbox (no network). Returns stdout and stderr separately, the exit code and whether it timed out; output is capped and the middle of long output is cut. The working directory persists between calls; background processes are killed when the command ends.",
+        schema: || schemars::schema_for!(BashArgs),
+    },
+    ToolSpec {
+        name: "Glob",
+        description: "List files in the workspace matching a glob pattern (`*` stays within a directory, `**` crosses them), newest first.",
+        schema: || schemars::schema_for!(GlobArgs),
+    },
+    ToolSpec {
+        name: "MultiEdit",
+        description: "Apply several exact-string replacements to one file, in order and atomically: if any old_string is missing, or appears more than once without replace_all, nothing is written. An empty old_string in the first edit creates a new file.",
+        schema: || schemars::schema_for!(MultiEditArgs),
+    },
+    ToolSpec {
+        name: "TodoWrite",
+        description: "Replace the episode's todo list (each item: content, status pending|in_progress|completed, activeForm). Use it to plan and track the profile / implement / verify / tune loop.",
+        schema: || schemars::schema_for!(TodoWriteArgs),
+    },
+    ToolSpec {
+        name: "Read",
+        description: "Read a text file from the workspace with line numbers (cat -n style); offset and limit select lines.",
+        schema: || schemars::schema_for!(ReadArgs),
+    },
+    ToolSpec {
+        name: "Write",
+        description: "Write a whole file in the workspace, replacing it if it exists.",
+        schema: || schemars::schema_for!(WriteArgs),
+    },
+    ToolSpec {
+        name: "Submit",
+        description: "Submit model_new.py for the final evaluation and end the episode.",
+        schema: || schemars::schema_for!(SubmitArgs),
+    },
+];
+
+/// The names of all tools, in schema order.
+pub fn tool_names() -> Vec<&'static str> {
+    TOOLS.iter().map(|t| t.name).collect()
+}
+
+/// The OpenAI function-calling schemas of every tool.
+pub fn tool_schemas() -> Vec<Value> {
+    TOOLS
+        .iter()
+        .map(|t| {
+            let mut params = serde_json::to_value((t.schema)()).unwrap_or(Value::Null);
+            if let Some(obj) = params.as_object_mut() {
+                obj.remove("$schema");
+                obj.remove("title");
+                obj.entry("properties").or_insert_with(|| json!({}));
+            }
+            json!({
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": params}
+            })
+        })
+        .collect()
+}
+
+impl ToolCall {
+    /// Parses a call from a tool name and its arguments (an object, or a JSON string holding
+    /// one, as in OpenAI's `tool_calls`).
+    pub fn parse(name: &str, arguments: &Value) -> Result<Self, CallError> {
+        let spec = TOOLS.iter().find(|t| t.name == name).ok_or_else(|| CallError::UnknownTool {
+            name: name.to_string(),
+            available: tool_names().join(", "),
+        })?;
+        let tool = spec.name;
+        let args = match arguments {
+            Value::String(s) if s.trim().is_empty() => json!({}),
+            Value::String(s) => serde_json::from_str(s).map_err(|e| CallError::BadArguments {
+                tool,
+                message: format!("arguments string is not JSON: {e}"),
+            })?,
+            Value::Null => json!({}),
+            other => other.clone(),
+        };
+        fn de<T: serde::de::DeserializeOwned>(tool: &'static str, v: Value) -> Result<T, CallError> {
+            serde_json::from_value(v).map_err(|e| CallError::BadArguments { tool, message: e.to_string() })
+        }
+        Ok(match tool {
+            "Bash" => ToolCall::Bash(de(tool, args)?),
+            "Glob" => ToolCall::Glob(de(tool, args)?),
+            "MultiEdit" => ToolCall::MultiEdit(de(tool, args)?),
+            "TodoWrite" => ToolCall::TodoWrite(de(tool, args)?),
+            "Read" => ToolCall::Read(de(tool, args)?),
+            "Write" => ToolCall::Write(de(tool, args)?),
+            _ => ToolCall::Submit(de(tool, args)?),
+        })
+    }
+
+    /// The tool's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ToolCall::Bash(_) => "Bash",
+            ToolCall::Glob(_) => "Glob",
+            ToolCall::MultiEdit(_) => "MultiEdit",
+            ToolCall::TodoWrite(_) => "TodoWrite",
+            ToolCall::Read(_) => "Read",
+            ToolCall::Write(_) => "Write",
+            ToolCall::Submit(_) => "Submit",
+        }
+    }
+}
+
+/// What a tool call produced: text for the agent plus structured details.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ToolOutput {
+    /// The text the agent sees.
+    pub text: String,
+    /// The call failed (the text says why).
+    pub is_error: bool,
+    /// Structured details (exit code, matched paths, ...).
+    pub data: Value,
+}
+
+impl ToolOutput {
+    fn ok(text: impl Into<String>, data: Value) -> Self {
+        Self { text: text.into(), is_error: false, data }
+    }
+
+    fn error(err: &ToolError) -> Self {
+        Self { text: format!("Error: {err}"), is_error: true, data: json!({}) }
+    }
+}
+
+/// Limits on what tools return and how long they run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolLimits {
+    /// Characters of output kept per stream (the middle of longer output is cut).
+    pub max_output_chars: usize,
+    /// Bash timeout when the call names none.
+    pub default_bash_timeout: Duration,
+    /// Largest Bash timeout a call may ask for.
+    pub max_bash_timeout: Duration,
+    /// Most paths Glob lists.
+    pub max_glob_results: usize,
+    /// Lines Read returns when the call names no limit.
+    pub default_read_lines: usize,
+}
+
+impl Default for ToolLimits {
+    fn default() -> Self {
+        Self {
+            max_output_chars: 30_000,
+            default_bash_timeout: Duration::from_millis(120_000),
+            max_bash_timeout: Duration::from_millis(600_000),
+            max_glob_results: 1_000,
+            default_read_lines: 2_000,
+        }
+    }
+}
+
+/// One episode's tools: its workspace, jail, Bash working directory and todo list.
+#[derive(Debug)]
+pub struct Toolbox {
+    sandbox: Sandbox,
+    workspace: Workspace,
+    jail: Jail,
+    state_dir: PathBuf,
+    cwd: PathBuf,
+    todos: Vec<Todo>,
+    limits: ToolLimits,
+}
+
+impl Toolbox {
+    /// A toolbox over `workspace`; `state_dir` is a writable scratch directory of the jail
+    /// (its temp dir) where the tools keep per-call state.
+    pub fn new(sandbox: Sandbox, workspace: Workspace, jail: Jail, state_dir: PathBuf, limits: ToolLimits) -> Self {
+        let cwd = workspace.root().to_path_buf();
+        Self { sandbox, workspace, jail, state_dir, cwd, todos: Vec::new(), limits }
+    }
+
+    /// The workspace.
+    pub fn workspace(&self) -> &Workspace {
+        &self.workspace
+    }
+
+    /// The current todo list.
+    pub fn todos(&self) -> &[Todo] {
+        &self.todos
+    }
+
+    /// Restores a todo list (when an episode is reloaded).
+    pub fn set_todos(&mut self, todos: Vec<Todo>) {
+        self.todos = todos;
+    }
+
+    /// The Bash working directory.
+    pub fn cwd(&self) -> &Path {
+        &self.cwd
+    }
+
+    /// Runs one call. `budget` bounds how long it may take (the episode's remaining tool time).
+    /// Errors come back as error outputs; this never fails.
+    pub async fn run(&mut self, call: &ToolCall, budget: Duration) -> ToolOutput {
+        let result = match call {
+            ToolCall::Bash(a) => {
+                let timeout = a
+                    .timeout
+                    .map(Duration::from_millis)
+                    .unwrap_or(self.limits.default_bash_timeout)
+                    .min(self.limits.max_bash_timeout)
+                    .min(budget);
+                bash::run(self, &a.command, timeout).await
+            }
+            ToolCall::Glob(a) => glob::run(&self.workspace, a, self.limits.max_glob_results),
+            ToolCall::MultiEdit(a) => files::multi_edit(&self.workspace, a),
+            ToolCall::Read(a) => files::read(&self.workspace, a, &self.limits),
+            ToolCall::Write(a) => files::write(&self.workspace, a),
+            ToolCall::TodoWrite(a) => todo::write(&mut self.todos, a),
+            ToolCall::Submit(_) => Ok(ToolOutput::ok("Submitted model_new.py for evaluation.", json!({}))),
+        };
+        let mut out = result.unwrap_or_else(|e| ToolOutput::error(&e));
+        match self.workspace.restore_protected() {
+            Ok(restored) if !restored.is_empty() => {
+                out.text.push_str(&format!(
+                    "\n[read-only files were changed and have been restored: {}]",
+                    restored.join(", ")
+                ));
+                out.data["restored_read_only"] = json!(restored);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "restoring protected files failed"),
+        }
+        out
+    }
+}

@@ -1,0 +1,70 @@
+//! `TodoWrite`: the episode's todo list, replaced whole on every call.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::{ToolError, ToolOutput, TodoWriteArgs};
+
+/// State of one todo item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TodoStatus {
+    /// Not started.
+    Pending,
+    /// Being worked on.
+    InProgress,
+    /// Done.
+    Completed,
+}
+
+/// A todo item as the agent sends it: the current form `{content, status, activeForm}` or
+/// the older `{id, content, status, priority}`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct TodoItem {
+    /// What to do, in the imperative ("Profile the reference").
+    pub content: String,
+    /// Its state.
+    pub status: TodoStatus,
+    /// The same in the present continuous ("Profiling the reference").
+    #[serde(rename = "activeForm", default, skip_serializing_if = "Option::is_none")]
+    pub active_form: Option<String>,
+    /// Identifier (older form).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Priority: high, medium or low (older form).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<String>,
+}
+
+/// A stored todo item.
+pub type Todo = TodoItem;
+
+pub(super) fn write(todos: &mut Vec<Todo>, args: &TodoWriteArgs) -> Result<ToolOutput, ToolError> {
+    for (i, t) in args.todos.iter().enumerate() {
+        if t.content.trim().is_empty() {
+            return Err(ToolError::InvalidArgument(format!("todo {} has empty content", i + 1)));
+        }
+        if let Some(p) = &t.priority {
+            if !matches!(p.as_str(), "high" | "medium" | "low") {
+                return Err(ToolError::InvalidArgument(format!(
+                    "todo {} has priority {p:?}; use high, medium or low",
+                    i + 1
+                )));
+            }
+        }
+    }
+    *todos = args.todos.clone();
+    let count = |s: TodoStatus| todos.iter().filter(|t| t.status == s).count();
+    let (p, ip, c) = (count(TodoStatus::Pending), count(TodoStatus::InProgress), count(TodoStatus::Completed));
+    let mut text = format!("Todo list updated: {p} pending, {ip} in progress, {c} completed.");
+    for t in todos.iter() {
+        let mark = match t.status {
+            TodoStatus::Pending => "[ ]",
+            TodoStatus::InProgress => "[~]",
+            TodoStatus::Completed => "[x]",
+        };
+        text.push_str(&format!("\n{mark} {}", t.content));
+    }
+    Ok(ToolOutput::ok(text, json!({"todos": todos})))
+}
