@@ -201,6 +201,7 @@ impl Sandbox {
             return Err(SandboxError::Unconfined(missing.join(", ")));
         }
         let filters = if features.seccomp { seccomp::compile()? } else { Vec::new() };
+        become_subreaper();
         Ok(Self { inner: Arc::new(Inner { config, features, filters }) })
     }
 
@@ -308,40 +309,85 @@ impl Sandbox {
 
 /// A command ready to spawn, holding the landlock ruleset open until then.
 pub struct SandboxedCommand {
-    /// The command; spawn it with `cmd.spawn()`.
+    /// The command; spawn it with [`SandboxedCommand::spawn`] or adjust it first.
     pub cmd: tokio::process::Command,
     _ruleset: Option<landlock::Ruleset>,
 }
 
+impl SandboxedCommand {
+    /// Spawns the process; the ruleset is closed in the parent afterwards.
+    pub fn spawn(mut self) -> std::io::Result<tokio::process::Child> {
+        self.cmd.spawn()
+    }
+}
+
+/// Makes this process the reaper of its orphaned descendants, so killed tool processes are
+/// reaped here instead of piling up as zombies under an init that may never reap them
+/// (zombies would count against the episode uid's process limit).
+fn become_subreaper() {
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+}
+
+struct ProcEntry {
+    pid: i32,
+    ppid: i32,
+    session: i32,
+    zombie: bool,
+}
+
+fn processes() -> Vec<ProcEntry> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // Fields after the command name, which is in parentheses and may hold spaces:
+            // state ppid pgrp session ...
+            let rest = &stat[stat.rfind(')')? + 1..];
+            let mut f = rest.split_whitespace();
+            let state = f.next()?;
+            let ppid = f.next()?.parse().ok()?;
+            let _pgrp = f.next()?;
+            let session = f.next()?.parse().ok()?;
+            Some(ProcEntry { pid, ppid, session, zombie: state == "Z" })
+        })
+        .collect()
+}
+
+/// Reaps zombies of session `sid` that were reparented to this process. The session leader
+/// (pid `sid`) is left alone: it is the direct child its spawner waits for.
+fn reap_orphans(procs: &[ProcEntry], sid: i32) {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    for p in procs.iter().filter(|p| p.zombie && p.ppid == me && p.session == sid && p.pid != sid) {
+        let mut status = 0;
+        // SAFETY: waitpid on a specific zombie child of ours.
+        unsafe { libc::waitpid(p.pid, &mut status, libc::WNOHANG) };
+    }
+}
+
 /// Kills every process in session `sid` (the child's own session, whose id is its pid),
-/// including ones that moved to another process group. Repeats until none is left, so a
-/// process forking while being killed is caught on the next pass.
+/// including ones that moved to another process group, and reaps the orphans. Repeats until
+/// none is left, so a process forking while being killed is caught on the next pass.
 pub fn kill_session(sid: i32) -> usize {
     let mut killed = 0;
-    for _ in 0..20 {
-        let mut found = 0;
-        let Ok(entries) = std::fs::read_dir("/proc") else { return killed };
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let Some(pid) = name.to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-            // Fields after the command name, which is in parentheses and may hold spaces.
-            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { continue };
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            // rest: state ppid pgrp session ...
-            let (Some(state), Some(session)) = (fields.first(), fields.get(3)) else { continue };
-            if *state == "Z" || session.parse::<i32>().ok() != Some(sid) {
-                continue;
-            }
-            // SAFETY: kill has no memory preconditions.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            found += 1;
-        }
-        killed += found;
-        if found == 0 {
+    for _ in 0..100 {
+        let procs = processes();
+        let members: Vec<&ProcEntry> = procs.iter().filter(|p| p.session == sid && p.pid != sid).collect();
+        if members.is_empty() {
             break;
         }
-        std::thread::sleep(std::time::Duration::from_millis(2));
+        // SAFETY: kill has no memory preconditions; the leader may already be gone.
+        unsafe { libc::kill(sid, libc::SIGKILL) };
+        for p in members.iter().filter(|p| !p.zombie) {
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(p.pid, libc::SIGKILL) };
+            killed += 1;
+        }
+        reap_orphans(&procs, sid);
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
     killed
 }

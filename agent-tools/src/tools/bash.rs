@@ -89,10 +89,9 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
         "bash".into(),
         command.into(),
     ];
-    let mut sc = tb.sandbox.command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
+    let sc = tb.sandbox.command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
     let started = Instant::now();
-    let mut child = sc.cmd.spawn().map_err(|e| ToolError::io(Path::new("/bin/bash"), e))?;
-    drop(sc);
+    let mut child = sc.spawn().map_err(|e| ToolError::io(Path::new("/bin/bash"), e))?;
     let pid = child.id().map(|p| p as i32);
     let cap = tb.limits.max_output_chars;
     // Readers keep draining so a chatty process never blocks on a full pipe.
