@@ -1,0 +1,171 @@
+"""The server's final evaluation. Run by env-server from its own pristine copy, in a fresh
+sandbox, never from files the agent could touch.
+
+    evaluate.py baseline  --task model.py --device cpu              # eager and torch.compile times
+    evaluate.py candidate --task model.py --candidate DIR --device cpu --seeds 1,2,3,4,5 --phase build|run|all
+
+Prints one JSON object on stdout (and writes it to --out when given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_agent_harness as h  # noqa: E402
+import torch  # noqa: E402
+
+
+def guarded_identities() -> dict:
+    """Functions a candidate could patch to fool the checks or the timers."""
+    import torch.nn.functional as F
+
+    things = {
+        "time.perf_counter": time.perf_counter,
+        "torch.allclose": torch.allclose,
+        "torch.isfinite": torch.isfinite,
+        "torch.randn": torch.randn,
+        "torch.rand": torch.rand,
+        "torch.cuda.synchronize": torch.cuda.synchronize,
+        "torch.cuda.Event": torch.cuda.Event,
+        "torch.Tensor.__eq__": torch.Tensor.__eq__,
+        "torch.Tensor.double": torch.Tensor.double,
+        "torch.nn.Module.__call__": torch.nn.Module.__call__,
+        "F.linear": F.linear,
+        "h.compare": h.compare,
+        "h.time_callable": h.time_callable,
+        "h.OpTrace": h.OpTrace,
+        "json.dumps": json.dumps,
+    }
+    return {k: id(v) for k, v in things.items()}
+
+
+def baseline(args) -> dict:
+    device = h.pick_device(args.device)
+    h.pin_precision()
+    task = h.load_task(Path(args.task))
+    torch.manual_seed(0)
+    model = task.Model(*task.get_init_inputs()).to(device).eval()
+    inputs = h.seeded_inputs(task, 0, device)
+    result = {"env": h.environment(device), "eager": h.time_callable(model, inputs, device)}
+    if not args.no_compile:
+        compiled = torch.compile(model)
+        with torch.no_grad():
+            compiled(*inputs)  # compile outside the timed region
+        result["compile"] = h.time_callable(compiled, inputs, device)
+    return result
+
+
+def candidate(args) -> dict:
+    device = h.pick_device(args.device)
+    h.pin_precision()
+    task = h.load_task(Path(args.task))
+    cand_dir = Path(args.candidate)
+    identities = guarded_identities()
+    threads_before = threading.active_count()
+    counter = h.ExtensionCalls()
+    build_start = time.perf_counter()
+    try:
+        with h.quiet_stdout():
+            cand = h.load_candidate(cand_dir, device, counter)
+    except h.RuleBreak:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to build is the candidate's
+        raise h.RuleBreak("compile", f"{type(e).__name__}: {e}") from e
+    build_s = time.perf_counter() - build_start
+    if args.phase == "build":
+        return {"built": True, "build_s": build_s, "extensions": counter.modules}
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    details = {"build_s": build_s, "seeds": len(seeds), "extensions": counter.modules}
+    errors = []
+    previous_out = None
+    previous_ref = None
+    for i, seed in enumerate(seeds):
+        ref, new = h.make_models(task, cand, device, seed)
+        inputs = h.seeded_inputs(task, seed + 1, device)
+        ref_inputs, new_inputs = h.clone_inputs(inputs), h.clone_inputs(inputs)
+        with torch.no_grad():
+            ref_out = ref(*ref_inputs)
+            calls_before = counter.count
+            trace = h.OpTrace()
+            try:
+                with h.quiet_stdout(), trace:
+                    new_out = new(*new_inputs)
+                h.synchronize(device)
+            except Exception as e:  # noqa: BLE001
+                raise h.RuleBreak("runtime_error", f"input set {i + 1}: {type(e).__name__}: {e}") from e
+        bad_ops = trace.forbidden()
+        if bad_ops:
+            raise h.RuleBreak("pytorch_compute", f"the forward dispatched PyTorch compute operators: {', '.join(bad_ops[:8])}")
+        if counter.count == calls_before:
+            raise h.RuleBreak("no_custom_kernel", "no compiled extension function was called in the forward")
+        for a, b in zip(h.flatten_outputs(new_inputs), h.flatten_outputs(inputs)):
+            if isinstance(a, torch.Tensor) and not torch.equal(a, b):
+                raise h.RuleBreak("input_mutation", f"input set {i + 1}: the candidate changed its inputs in place")
+        try:
+            errors.append(h.compare(ref_out, new_out, args.atol, args.rtol))
+        except h.RuleBreak as e:
+            raise h.RuleBreak(e.rule, f"input set {i + 1} of {len(seeds)}: {e}") from e
+        # Outputs must follow the inputs: same output for different inputs where the reference differs is caching.
+        if previous_out is not None:
+            same_new = all(torch.equal(a, b) for a, b in zip(h.flatten_outputs(new_out), h.flatten_outputs(previous_out)) if isinstance(a, torch.Tensor))
+            same_ref = all(torch.equal(a, b) for a, b in zip(h.flatten_outputs(ref_out), h.flatten_outputs(previous_ref)) if isinstance(a, torch.Tensor))
+            if same_new and not same_ref:
+                raise h.RuleBreak("constant_output", "the output did not change when the inputs did")
+        previous_out = [t.clone() if isinstance(t, torch.Tensor) else t for t in h.flatten_outputs(new_out)]
+        previous_ref = [t.clone() if isinstance(t, torch.Tensor) else t for t in h.flatten_outputs(ref_out)]
+    details["max_abs_error"] = max(e["max_abs_error"] for e in errors)
+    details["max_rel_error"] = max(e["max_rel_error"] for e in errors)
+
+    ref, new = h.make_models(task, cand, device, seeds[0])
+    inputs = h.seeded_inputs(task, seeds[0] + 1, device)
+    with h.quiet_stdout():
+        timing = h.time_callable(new, inputs, device)
+    changed = [k for k, v in guarded_identities().items() if identities[k] != v]
+    if changed:
+        raise h.RuleBreak("patching", f"the candidate replaced {', '.join(changed)}")
+    if threading.active_count() > threads_before:
+        raise h.RuleBreak("background_work", "the candidate left background threads running")
+    return {"correct": True, "candidate": timing, "details": details, "env": h.environment(device)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("baseline", help="time eager and torch.compile")
+    b.add_argument("--task", required=True)
+    b.add_argument("--device", default="auto")
+    b.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    b.add_argument("--out")
+    c = sub.add_parser("candidate", help="build, check and time model_new.py")
+    c.add_argument("--task", required=True)
+    c.add_argument("--candidate", required=True, help="directory holding model_new.py (and kernels/)")
+    c.add_argument("--device", default="auto")
+    c.add_argument("--seeds", default="1,2,3,4,5")
+    c.add_argument("--phase", choices=["build", "run", "all"], default="all")
+    c.add_argument("--atol", type=float)
+    c.add_argument("--rtol", type=float)
+    c.add_argument("--out")
+    args = p.parse_args()
+    try:
+        result = baseline(args) if args.cmd == "baseline" else candidate(args)
+    except h.RuleBreak as e:
+        result = {"correct": False, "rule": e.rule, "reason": f"{e.rule}: {e}"}
+    except Exception as e:  # noqa: BLE001
+        result = {"correct": False, "rule": "harness_error", "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
