@@ -1,0 +1,25 @@
+import os
+
+import torch
+import torch.nn as nn
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+N = 1 << 16 if SMALL else 1 << 26
+
+
+class Model(nn.Module):
+    """Elementwise sum of two vectors."""
+
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def get_inputs():
+    return [torch.randn(N), torch.randn(N)]
+
+
+def get_init_inputs():
+    return []

@@ -1,0 +1,26 @@
+import os
+
+import torch
+import torch.nn as nn
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+BATCH, DIM = (64, 256) if SMALL else (8192, 8192)
+
+
+class Model(nn.Module):
+    """Sum over one dimension, keeping it."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sum(x, dim=self.dim, keepdim=True)
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return [1]
