@@ -1,0 +1,376 @@
+//! Wire types of the environment API (`/v1`). Field names follow Gymnasium
+//! (`observation, reward, terminated, truncated, done, info`); tool schemas are OpenAI
+//! function tools. The server derives its OpenAPI document from these types.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
+
+/// Episode options a reset may set.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResetOptions {
+    /// Most tool calls before the episode is truncated (default 200).
+    pub max_turns: Option<u32>,
+    /// Seconds of tool time before the episode is truncated (default 300).
+    pub time_budget_s: Option<f64>,
+}
+
+/// `POST /v1/episodes`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResetRequest {
+    /// A task id; when absent one is sampled from `split`.
+    pub task: Option<String>,
+    /// Split to sample from (default `all`).
+    pub split: Option<String>,
+    /// Seed for sampling the task.
+    pub seed: Option<u64>,
+    /// Limits for this episode.
+    pub options: Option<ResetOptions>,
+}
+
+/// What the agent sees after a reset or a step.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Observation {
+    /// The text for the agent: the task prompt after a reset, the tool output after a step.
+    pub text: String,
+    /// The tool that ran (absent after a reset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// The tool call failed.
+    #[serde(default)]
+    pub is_error: bool,
+    /// Structured details of the tool's result.
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub data: Value,
+}
+
+/// A task as listed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct TaskInfo {
+    /// Stable id, such as `L1/1_ReLU`.
+    pub id: String,
+    /// Difficulty level.
+    pub level: u8,
+    /// SHA-256 of the task source.
+    pub hash: String,
+}
+
+/// The limits an episode runs under.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct EpisodeLimits {
+    /// Most tool calls.
+    pub max_turns: u32,
+    /// Seconds of tool time.
+    pub time_budget_s: f64,
+    /// Characters of tool output kept per stream.
+    pub max_output_chars: usize,
+    /// Workspace disk quota in bytes.
+    pub disk_quota_bytes: u64,
+}
+
+/// `info` of a reset.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ResetInfo {
+    /// The task.
+    pub task: TaskInfo,
+    /// OpenAI function-tool schemas of the tools.
+    #[schema(value_type = Vec<Object>)]
+    pub tools: Vec<Value>,
+    /// The limits.
+    pub limits: EpisodeLimits,
+    /// Evaluation device (`cpu` or `cuda`).
+    pub device: String,
+}
+
+/// `POST /v1/episodes` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ResetResponse {
+    /// The new episode's id.
+    pub episode_id: String,
+    /// The task prompt and workspace listing.
+    pub observation: Observation,
+    /// Task, tools and limits.
+    pub info: ResetInfo,
+}
+
+/// A tool call in the plain form.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PlainAction {
+    /// Tool name.
+    pub tool: String,
+    /// Arguments: an object (or a JSON string holding one).
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub arguments: Value,
+}
+
+/// The function part of an OpenAI tool call.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct FunctionCall {
+    /// Tool name.
+    pub name: String,
+    /// Arguments, usually a JSON string.
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub arguments: Value,
+}
+
+/// A tool call in OpenAI's `tool_calls[i]` form.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct OpenAiToolCall {
+    /// The call id.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Always `function`.
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    /// The function.
+    pub function: FunctionCall,
+}
+
+/// A tool call, in either form.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum Action {
+    /// `{tool, arguments}`.
+    Plain(PlainAction),
+    /// `{id, type, function: {name, arguments}}`.
+    OpenAi(OpenAiToolCall),
+}
+
+impl Action {
+    /// Tool name and arguments, whichever the form.
+    pub fn parts(&self) -> (&str, &Value) {
+        match self {
+            Action::Plain(a) => (&a.tool, &a.arguments),
+            Action::OpenAi(a) => (&a.function.name, &a.function.arguments),
+        }
+    }
+}
+
+/// `POST /v1/episodes/{id}/step`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StepRequest {
+    /// The tool call.
+    pub action: Action,
+    /// Idempotency key: a retried step with the same key returns the first answer.
+    #[serde(default)]
+    pub request_id: Option<String>,
+}
+
+/// `info` of a step.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct StepInfo {
+    /// Turns taken so far, this one included.
+    pub turn: u32,
+    /// Seconds of tool time used so far.
+    pub tool_time_s: f64,
+    /// Why the episode was truncated, if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncation_reason: Option<String>,
+    /// The final evaluation, on the step that ended the episode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationResult>,
+    /// This answer is a replay of an earlier one with the same request_id.
+    #[serde(default)]
+    pub replayed: bool,
+}
+
+/// `POST /v1/episodes/{id}/step` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct StepResponse {
+    /// The tool's output.
+    pub observation: Observation,
+    /// 0 on non-terminal steps; the final reward on the last.
+    pub reward: f64,
+    /// The agent submitted.
+    pub terminated: bool,
+    /// Turns, time or quota ran out.
+    pub truncated: bool,
+    /// `terminated || truncated`.
+    pub done: bool,
+    /// Turn count, timing, evaluation.
+    pub info: StepInfo,
+}
+
+/// Lifecycle of an episode.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EpisodeStatus {
+    /// Taking steps.
+    Running,
+    /// The final evaluation is running.
+    Evaluating,
+    /// Ended by Submit.
+    Terminated,
+    /// Ended by a limit, an idle timeout or a server restart.
+    Truncated,
+    /// Closed by DELETE before it ended.
+    Closed,
+}
+
+/// `GET /v1/episodes/{id}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EpisodeState {
+    /// The id.
+    pub episode_id: String,
+    /// The task.
+    pub task: TaskInfo,
+    /// Status.
+    pub status: EpisodeStatus,
+    /// Turns taken.
+    pub turn: u32,
+    /// Seconds of tool time used.
+    pub tool_time_s: f64,
+    /// The limits.
+    pub limits: EpisodeLimits,
+    /// The current todo list.
+    #[schema(value_type = Vec<Object>)]
+    pub todos: Vec<Value>,
+    /// Why it was truncated, if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncation_reason: Option<String>,
+    /// The final evaluation, once done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<EvaluationResult>,
+}
+
+/// One record of a trajectory log.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TrajectoryRecord {
+    /// `reset`, `step`, `final` or `truncated`.
+    pub kind: String,
+    /// Seconds since the Unix epoch.
+    pub time: f64,
+    /// The record's content: the reset answer, `{request_id, action, response}`, or the result.
+    #[schema(value_type = Object)]
+    pub body: Value,
+}
+
+/// `GET /v1/episodes/{id}/trajectory`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Trajectory {
+    /// The episode.
+    pub episode_id: String,
+    /// Every record so far, in order.
+    pub records: Vec<TrajectoryRecord>,
+}
+
+/// A task to evaluate against: an id, or an inline source.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum TaskRef {
+    /// A task id.
+    Id(String),
+    /// A Python file defining Model, get_inputs and get_init_inputs.
+    Source {
+        /// The source.
+        source: String,
+    },
+}
+
+/// A solution: the text of `model_new.py`, or a set of files.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum SolutionRef {
+    /// The text of model_new.py.
+    Text(String),
+    /// Files by relative path (model_new.py plus, say, kernels/add.cu).
+    Files {
+        /// Path -> contents.
+        files: BTreeMap<String, String>,
+    },
+}
+
+/// Options of an evaluation.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluateOptions {
+    /// `cpu` or `cuda` (default: the server's device).
+    pub device: Option<String>,
+    /// Absolute and relative tolerance (default by dtype).
+    pub tolerance: Option<f64>,
+}
+
+/// `POST /v1/evaluate`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluateRequest {
+    /// The task.
+    pub task: TaskRef,
+    /// The solution.
+    pub solution: SolutionRef,
+    /// Options.
+    #[serde(default)]
+    pub options: Option<EvaluateOptions>,
+}
+
+/// Median times in milliseconds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Times {
+    /// Eager PyTorch.
+    pub eager: Option<f64>,
+    /// torch.compile.
+    pub compile: Option<f64>,
+    /// The candidate.
+    pub candidate: Option<f64>,
+}
+
+/// Speedups of the candidate (baseline time / candidate time).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Speedups {
+    /// Over eager.
+    pub eager: Option<f64>,
+    /// Over torch.compile.
+    pub compile: Option<f64>,
+}
+
+/// The result of a final evaluation.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct EvaluationResult {
+    /// Milestone reward: -1, 1, 2 or 3.
+    pub reward: f64,
+    /// Correct on every input set and no rule broken.
+    pub correct: bool,
+    /// Why not, naming the rule (`wrong_output: input set 3 of 5: ...`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Median times.
+    pub times_ms: Times,
+    /// Speedups.
+    pub speedup: Speedups,
+    /// Task id, device, timing spread, errors, build time.
+    #[schema(value_type = Object)]
+    pub details: Value,
+}
+
+/// Error answer body.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// What went wrong.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Machine-readable code (`unknown_episode`, `bad_request`, ...).
+    pub code: String,
+    /// Human-readable message.
+    pub message: String,
+}
+
+/// `GET /v1/tasks`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TaskList {
+    /// Every task.
+    pub tasks: Vec<TaskInfo>,
+    /// Split names.
+    pub splits: Vec<String>,
+}

@@ -1,0 +1,304 @@
+//! The HTTP layer: routes, JSON errors, auth, metrics and the OpenAPI document.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use env_api::*;
+use serde_json::{json, Value};
+use utoipa::OpenApi;
+
+use crate::episode::{EpisodeError, EpisodeManager};
+use crate::evaluation::{EvalError, Evaluator};
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// Episodes.
+    pub episodes: EpisodeManager,
+    /// The evaluation queue.
+    pub evaluator: Arc<Evaluator>,
+    /// Bearer token required on every call but health, if set.
+    pub api_key: Option<String>,
+    /// What `/v1/info` reports.
+    pub info: Value,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+}
+
+/// An error answer: status plus `{error: {code, message}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self { status, code, message: message.into() }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody { error: ErrorDetail { code: self.code.into(), message: self.message } };
+        let mut resp = (self.status, Json(body)).into_response();
+        if matches!(self.status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        }
+        resp
+    }
+}
+
+impl From<EpisodeError> for ApiError {
+    fn from(e: EpisodeError) -> Self {
+        let msg = e.to_string();
+        match e {
+            EpisodeError::Unknown(_) => Self::new(StatusCode::NOT_FOUND, "unknown_episode", msg),
+            EpisodeError::Task(kernelbench::TaskError::Unknown(_)) | EpisodeError::Task(kernelbench::TaskError::EmptySplit(_)) => {
+                Self::new(StatusCode::NOT_FOUND, "unknown_task", msg)
+            }
+            EpisodeError::Task(_) => Self::new(StatusCode::BAD_REQUEST, "bad_task", msg),
+            EpisodeError::Call(agent_tools::CallError::UnknownTool { .. }) => Self::new(StatusCode::BAD_REQUEST, "unknown_tool", msg),
+            EpisodeError::Call(_) => Self::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_arguments", msg),
+            EpisodeError::Ended(_) => Self::new(StatusCode::CONFLICT, "episode_ended", msg),
+            EpisodeError::AtCapacity(_) => Self::new(StatusCode::SERVICE_UNAVAILABLE, "at_capacity", msg),
+            EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
+            EpisodeError::Internal(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg),
+        }
+    }
+}
+
+impl From<EvalError> for ApiError {
+    fn from(e: EvalError) -> Self {
+        let msg = e.to_string();
+        match e {
+            EvalError::BadSolution(_) => Self::new(StatusCode::BAD_REQUEST, "bad_solution", msg),
+            EvalError::QueueFull(_) => Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", msg),
+            EvalError::Harness(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "harness_error", msg),
+        }
+    }
+}
+
+/// `Json` whose rejections are JSON errors too (malformed JSON, wrong types, too large).
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    Json<T>: FromRequest<S, Rejection = JsonRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(Self(v)),
+            Err(rej) => {
+                let status = rej.status();
+                let code = match &rej {
+                    JsonRejection::JsonSyntaxError(_) => "malformed_json",
+                    JsonRejection::JsonDataError(_) => "bad_request",
+                    JsonRejection::MissingJsonContentType(_) => "unsupported_media_type",
+                    _ if status == StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+                    _ => "bad_request",
+                };
+                Err(ApiError::new(status, code, rej.body_text()))
+            }
+        }
+    }
+}
+
+type ApiResult<T> = Result<Json<T>, ApiError>;
+
+/// Builds the router; tests drive it without a socket.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.max_body_bytes;
+    let protected = Router::new()
+        .route("/v1/episodes", post(reset))
+        .route("/v1/episodes/{id}", get(episode_state).delete(close))
+        .route("/v1/episodes/{id}/step", post(step))
+        .route("/v1/episodes/{id}/trajectory", get(trajectory))
+        .route("/v1/evaluate", post(evaluate))
+        .route("/v1/tasks", get(tasks))
+        .route("/v1/info", get(info))
+        .route("/metrics", get(metrics))
+        .route("/v1/openapi.json", get(openapi))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/v1/health", get(health))
+        .merge(protected)
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route; see /v1/openapi.json") })
+        .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this route") })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn auth(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| constant_time_eq(given.as_bytes(), key.as_bytes()));
+        if !ok {
+            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token").into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[utoipa::path(post, path = "/v1/episodes", request_body = ResetRequest,
+    responses((status = 200, body = ResetResponse), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
+async fn reset(State(s): State<Arc<AppState>>, body: axum::body::Bytes) -> ApiResult<ResetResponse> {
+    // An empty body is a reset with every default.
+    let req: ResetRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        ResetRequest::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            let code = if e.is_syntax() || e.is_eof() { "malformed_json" } else { "bad_request" };
+            ApiError::new(StatusCode::BAD_REQUEST, code, format!("reset body: {e}"))
+        })?
+    };
+    Ok(Json(s.episodes.reset(req).await?))
+}
+
+#[utoipa::path(post, path = "/v1/episodes/{id}/step", request_body = StepRequest,
+    params(("id" = String, Path, description = "episode id")),
+    responses((status = 200, body = StepResponse), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn step(State(s): State<Arc<AppState>>, Path(id): Path<String>, ApiJson(req): ApiJson<StepRequest>) -> ApiResult<StepResponse> {
+    let (tool, args) = req.action.parts();
+    Ok(Json(s.episodes.step(&id, tool, args, req.request_id.clone()).await?))
+}
+
+#[utoipa::path(get, path = "/v1/episodes/{id}", params(("id" = String, Path, description = "episode id")),
+    responses((status = 200, body = EpisodeState), (status = 404, body = ErrorBody)))]
+async fn episode_state(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<EpisodeState> {
+    Ok(Json(s.episodes.state(&id)?))
+}
+
+#[utoipa::path(get, path = "/v1/episodes/{id}/trajectory", params(("id" = String, Path, description = "episode id")),
+    responses((status = 200, body = Trajectory), (status = 404, body = ErrorBody)))]
+async fn trajectory(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<Trajectory> {
+    let records = s.episodes.trajectory(&id)?;
+    Ok(Json(Trajectory { episode_id: id, records }))
+}
+
+#[utoipa::path(delete, path = "/v1/episodes/{id}", params(("id" = String, Path, description = "episode id")),
+    responses((status = 200, body = EpisodeState), (status = 404, body = ErrorBody)))]
+async fn close(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<EpisodeState> {
+    Ok(Json(s.episodes.close(&id).await?))
+}
+
+#[utoipa::path(post, path = "/v1/evaluate", request_body = EvaluateRequest,
+    responses((status = 200, body = EvaluationResult), (status = 400, body = ErrorBody), (status = 429, body = ErrorBody)))]
+async fn evaluate(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<EvaluateRequest>) -> ApiResult<EvaluationResult> {
+    let task = match &req.task {
+        TaskRef::Id(id) => s.episodes.tasks().get(id).map_err(EpisodeError::from)?.clone(),
+        TaskRef::Source { source } => kernelbench::Task::inline(source).map_err(EpisodeError::from)?,
+    };
+    let files: BTreeMap<String, String> = match req.solution {
+        SolutionRef::Text(t) => [("model_new.py".to_string(), t)].into(),
+        SolutionRef::Files { files } => files,
+    };
+    let opts = req.options.unwrap_or_default();
+    if let Some(d) = &opts.device {
+        if d != s.evaluator.device().as_str() {
+            return Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_device", format!("this server evaluates on {}, not {d}", s.evaluator.device().as_str())));
+        }
+    }
+    if opts.tolerance.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", "tolerance must be a positive number"));
+    }
+    Ok(Json(s.evaluator.evaluate(&task, &files, opts.tolerance).await?))
+}
+
+#[utoipa::path(get, path = "/v1/tasks", responses((status = 200, body = TaskList)))]
+async fn tasks(State(s): State<Arc<AppState>>) -> Json<TaskList> {
+    let t = s.episodes.tasks();
+    Json(TaskList {
+        tasks: t.iter().map(|t| TaskInfo { id: t.id.clone(), level: t.level, hash: t.hash.clone() }).collect(),
+        splits: t.splits(),
+    })
+}
+
+#[utoipa::path(get, path = "/v1/health", responses((status = 200, description = "alive")))]
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+#[utoipa::path(get, path = "/v1/info", responses((status = 200, description = "version, devices, capacity, sandbox")))]
+async fn info(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let mut v = s.info.clone();
+    v["open_episodes"] = json!(s.episodes.open_count());
+    v["evaluations_in_flight"] = json!(s.evaluator.in_flight());
+    v["device_slots"] = json!(s
+        .evaluator
+        .slots()
+        .iter()
+        .map(|d| json!({"index": d.index, "leases": d.leases.load(Ordering::Relaxed), "busy_s": d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3}))
+        .collect::<Vec<_>>());
+    Json(v)
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
+    let c = &s.episodes.counters;
+    let mut out = String::new();
+    let _ = writeln!(out, "# TYPE cuda_agent_resets_total counter\ncuda_agent_resets_total {}", c.resets.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# TYPE cuda_agent_steps_total counter");
+    for (tool, n) in c.steps.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        let _ = writeln!(out, "cuda_agent_steps_total{{tool=\"{tool}\"}} {n}");
+    }
+    let _ = writeln!(out, "# TYPE cuda_agent_tool_errors_total counter\ncuda_agent_tool_errors_total {}", c.tool_errors.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# TYPE cuda_agent_step_replays_total counter\ncuda_agent_step_replays_total {}", c.replays.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# TYPE cuda_agent_episodes_ended_total counter");
+    for (how, n) in c.ended.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        let _ = writeln!(out, "cuda_agent_episodes_ended_total{{how=\"{how}\"}} {n}");
+    }
+    let _ = writeln!(out, "# TYPE cuda_agent_final_rewards_total counter");
+    for (r, n) in c.rewards.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        let _ = writeln!(out, "cuda_agent_final_rewards_total{{reward=\"{r}\"}} {n}");
+    }
+    let _ = writeln!(out, "# TYPE cuda_agent_open_episodes gauge\ncuda_agent_open_episodes {}", s.episodes.open_count());
+    let _ = writeln!(out, "# TYPE cuda_agent_evaluations_in_flight gauge\ncuda_agent_evaluations_in_flight {}", s.evaluator.in_flight());
+    let _ = writeln!(out, "# TYPE cuda_agent_evaluations_total counter\ncuda_agent_evaluations_total {}", s.evaluator.finished.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# TYPE cuda_agent_device_leases_total counter");
+    for d in s.evaluator.slots() {
+        let _ = writeln!(out, "cuda_agent_device_leases_total{{device=\"{}\"}} {}", d.index, d.leases.load(Ordering::Relaxed));
+    }
+    let _ = writeln!(out, "# TYPE cuda_agent_device_busy_seconds_total counter");
+    for d in s.evaluator.slots() {
+        let _ = writeln!(out, "cuda_agent_device_busy_seconds_total{{device=\"{}\"}} {}", d.index, d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3);
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}
+
+/// The OpenAPI document, generated from the wire types and handlers.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "cuda-agent environment", description = "Gym-style episodes for writing fast CUDA kernels."),
+    paths(reset, step, episode_state, trajectory, close, evaluate, tasks, health, info),
+    components(schemas(
+        ResetRequest, ResetOptions, ResetResponse, ResetInfo, Observation, TaskInfo, EpisodeLimits, StepRequest, Action,
+        PlainAction, OpenAiToolCall, FunctionCall, StepResponse, StepInfo, EpisodeState, EpisodeStatus, Trajectory,
+        TrajectoryRecord, EvaluateRequest, EvaluateOptions, TaskRef, SolutionRef, EvaluationResult, Times, Speedups,
+        ErrorBody, ErrorDetail, TaskList
+    ))
+)]
+pub struct ApiDoc;
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}

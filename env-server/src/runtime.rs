@@ -1,0 +1,156 @@
+//! What the server finds on its machine at start: the Python that runs the harness (with
+//! torch), the evaluation device, and the pristine harness files it lays out.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The harness files, compiled into the server so that its copy cannot be tampered with.
+pub const HARNESS_FILES: &[(&str, &str)] = &[
+    ("SKILL.md", include_str!("../../skills/SKILL.md")),
+    ("verify.py", include_str!("../../skills/verify.py")),
+    ("profile.py", include_str!("../../skills/profile.py")),
+    ("cuda_agent_harness.py", include_str!("../../skills/cuda_agent_harness.py")),
+    ("evaluate.py", include_str!("../../skills/evaluate.py")),
+];
+
+/// The files laid read-only into every workspace (evaluate.py is the server's alone).
+pub const WORKSPACE_FILES: &[&str] = &["SKILL.md", "verify.py", "profile.py", "cuda_agent_harness.py"];
+
+/// Errors found at start.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// Python could not be run or lacks torch.
+    #[error("python {python}: {message}")]
+    Python {
+        /// The interpreter.
+        python: String,
+        /// What failed.
+        message: String,
+    },
+    /// CUDA was asked for and is not there.
+    #[error("--device cuda: torch sees no CUDA device on this machine")]
+    NoCuda,
+    /// A file could not be written.
+    #[error("{0}: {1}")]
+    Io(PathBuf, #[source] std::io::Error),
+}
+
+/// The Python environment, as it reported itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PythonInfo {
+    /// The interpreter's real path.
+    pub executable: PathBuf,
+    /// sys.prefix.
+    pub prefix: PathBuf,
+    /// sys.base_prefix.
+    pub base_prefix: PathBuf,
+    /// torch.__version__.
+    pub torch: String,
+    /// torch.version.cuda.
+    pub torch_cuda: Option<String>,
+    /// Number of CUDA devices torch sees.
+    pub gpus: usize,
+    /// Their names.
+    pub gpu_names: Vec<String>,
+}
+
+impl PythonInfo {
+    /// Runs `python` once to learn where it lives and what torch sees.
+    pub fn probe(python: &Path) -> Result<Self, RuntimeError> {
+        let script = "import json,os,sys\nimport torch\nn=torch.cuda.device_count() if torch.cuda.is_available() else 0\nprint(json.dumps({'executable':os.path.realpath(sys.executable),'prefix':sys.prefix,'base_prefix':sys.base_prefix,'torch':torch.__version__,'torch_cuda':torch.version.cuda,'gpus':n,'gpu_names':[torch.cuda.get_device_name(i) for i in range(n)]}))";
+        let err = |message: String| RuntimeError::Python { python: python.display().to_string(), message };
+        let out = std::process::Command::new(python)
+            .args(["-c", script])
+            .output()
+            .map_err(|e| err(e.to_string()))?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            return Err(err(format!("cannot import torch: {}", stderr.lines().last().unwrap_or(""))));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(text.lines().last().unwrap_or("")).map_err(|e| err(format!("bad probe output: {e}")))
+    }
+
+    /// Directories the sandbox must let tool processes read: Python's and CUDA's.
+    pub fn toolchain_dirs(&self) -> Vec<PathBuf> {
+        let mut dirs = vec![self.prefix.clone(), self.base_prefix.clone()];
+        if let Some(root) = self.executable.parent().and_then(Path::parent) {
+            dirs.push(root.to_path_buf());
+        }
+        for cuda in ["/usr/local/cuda", "/usr/local/nvidia"] {
+            if let Ok(real) = Path::new(cuda).canonicalize() {
+                dirs.push(real);
+                dirs.push(PathBuf::from(cuda));
+            }
+        }
+        dirs.sort();
+        dirs.dedup();
+        dirs
+    }
+
+    /// The PATH tool processes get: the venv's bin first, then CUDA's, then the system's.
+    pub fn path_dirs(&self) -> Vec<PathBuf> {
+        let mut dirs = vec![self.prefix.join("bin")];
+        if let Some(bin) = self.executable.parent() {
+            dirs.push(bin.to_path_buf());
+        }
+        if Path::new("/usr/local/cuda/bin").exists() {
+            dirs.push(PathBuf::from("/usr/local/cuda/bin"));
+        }
+        dirs.extend(["/usr/local/bin", "/usr/bin", "/bin"].map(PathBuf::from));
+        dirs.dedup();
+        dirs
+    }
+}
+
+/// The evaluation device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// C++ candidates on the CPU.
+    Cpu,
+    /// CUDA candidates on the GPUs.
+    Cuda,
+}
+
+impl Device {
+    /// Its name as the harness takes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+
+    /// Resolves `auto|cpu|cuda` against what torch sees.
+    pub fn choose(asked: &str, python: &PythonInfo) -> Result<Self, RuntimeError> {
+        match asked {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" if python.gpus > 0 => Ok(Device::Cuda),
+            "cuda" => Err(RuntimeError::NoCuda),
+            _ if python.gpus > 0 => Ok(Device::Cuda),
+            _ => Ok(Device::Cpu),
+        }
+    }
+}
+
+/// Writes the pristine harness into `dir` (read-only), replacing whatever was there.
+pub fn install_harness(dir: &Path) -> Result<(), RuntimeError> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |p: &Path, e| RuntimeError::Io(p.to_path_buf(), e);
+    if dir.exists() {
+        for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
+            let _ = std::fs::set_permissions(e.path(), std::fs::Permissions::from_mode(0o644));
+        }
+        std::fs::remove_dir_all(dir).map_err(|e| io(dir, e))?;
+    }
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    for (name, text) in HARNESS_FILES {
+        let p = dir.join(name);
+        std::fs::write(&p, text).map_err(|e| io(&p, e))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444)).map_err(|e| io(&p, e))?;
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(|e| io(dir, e))?;
+    Ok(())
+}
