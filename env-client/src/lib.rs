@@ -1,0 +1,165 @@
+//! Rust client of the environment API. Steps carry a `request_id`, so a step retried after a
+//! transport error never runs twice on the server.
+
+use std::time::Duration;
+
+use env_api::{
+    Action, EpisodeState, ErrorBody, EvaluateRequest, EvaluationResult, PlainAction, ResetRequest, ResetResponse,
+    StepRequest, StepResponse, TaskList, Trajectory,
+};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with an error.
+    #[error("HTTP {status} {code}: {message}")]
+    Api {
+        /// HTTP status.
+        status: u16,
+        /// The error code (`unknown_episode`, ...).
+        code: String,
+        /// The message.
+        message: String,
+    },
+    /// The request did not get an answer.
+    #[error("transport: {0}")]
+    Transport(#[from] reqwest::Error),
+}
+
+impl ClientError {
+    /// Whether retrying may help (transport failure, 429, 503).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Transport(_) => true,
+            ClientError::Api { status, .. } => matches!(status, 429 | 502 | 503 | 504),
+        }
+    }
+}
+
+/// A client of one server.
+#[derive(Debug, Clone)]
+pub struct EnvClient {
+    base: String,
+    http: reqwest::Client,
+    api_key: Option<String>,
+    retries: u32,
+}
+
+impl EnvClient {
+    /// A client of `base` (such as `http://127.0.0.1:8080`). Requests time out after `timeout`
+    /// (which must cover a final evaluation).
+    pub fn new(base: &str, timeout: Duration) -> Result<Self, ClientError> {
+        let http = reqwest::Client::builder().timeout(timeout).pool_max_idle_per_host(1024).build()?;
+        Ok(Self { base: base.trim_end_matches('/').to_string(), http, api_key: None, retries: 3 })
+    }
+
+    /// Sends `Authorization: Bearer KEY`.
+    pub fn with_api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(key.into());
+        self
+    }
+
+    /// How many times a step is retried on retryable errors.
+    pub fn with_retries(mut self, n: u32) -> Self {
+        self.retries = n;
+        self
+    }
+
+    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, format!("{}{path}", self.base));
+        match &self.api_key {
+            Some(k) => r.bearer_auth(k),
+            None => r,
+        }
+    }
+
+    async fn send<T: DeserializeOwned>(&self, rb: reqwest::RequestBuilder) -> Result<T, ClientError> {
+        let resp = rb.send().await?;
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp.json().await?);
+        }
+        let text = resp.text().await.unwrap_or_default();
+        let (code, message) = match serde_json::from_str::<ErrorBody>(&text) {
+            Ok(e) => (e.error.code, e.error.message),
+            Err(_) => ("http_error".into(), text),
+        };
+        Err(ClientError::Api { status: status.as_u16(), code, message })
+    }
+
+    /// `GET /v1/health`.
+    pub async fn health(&self) -> Result<Value, ClientError> {
+        self.send(self.req(reqwest::Method::GET, "/v1/health")).await
+    }
+
+    /// `GET /v1/info`.
+    pub async fn info(&self) -> Result<Value, ClientError> {
+        self.send(self.req(reqwest::Method::GET, "/v1/info")).await
+    }
+
+    /// `GET /v1/tasks`.
+    pub async fn tasks(&self) -> Result<TaskList, ClientError> {
+        self.send(self.req(reqwest::Method::GET, "/v1/tasks")).await
+    }
+
+    /// `POST /v1/episodes`.
+    pub async fn reset(&self, req: &ResetRequest) -> Result<ResetResponse, ClientError> {
+        self.send(self.req(reqwest::Method::POST, "/v1/episodes").json(req)).await
+    }
+
+    /// `POST /v1/episodes/{id}/step` with a fresh request_id, retried on retryable errors.
+    pub async fn step(&self, id: &str, tool: &str, arguments: Value) -> Result<StepResponse, ClientError> {
+        let request_id = format!("{:016x}{:016x}", rand_u64(), rand_u64());
+        self.step_with_id(id, tool, arguments, &request_id).await
+    }
+
+    /// A step with a given request_id (the server answers a repeat with the first answer).
+    pub async fn step_with_id(&self, id: &str, tool: &str, arguments: Value, request_id: &str) -> Result<StepResponse, ClientError> {
+        let body = StepRequest {
+            action: Action::Plain(PlainAction { tool: tool.into(), arguments }),
+            request_id: Some(request_id.into()),
+        };
+        let mut attempt = 0;
+        loop {
+            let r = self.send(self.req(reqwest::Method::POST, &format!("/v1/episodes/{id}/step")).json(&body)).await;
+            match r {
+                Err(e) if e.is_retryable() && attempt < self.retries => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// `GET /v1/episodes/{id}`.
+    pub async fn state(&self, id: &str) -> Result<EpisodeState, ClientError> {
+        self.send(self.req(reqwest::Method::GET, &format!("/v1/episodes/{id}"))).await
+    }
+
+    /// `GET /v1/episodes/{id}/trajectory`.
+    pub async fn trajectory(&self, id: &str) -> Result<Trajectory, ClientError> {
+        self.send(self.req(reqwest::Method::GET, &format!("/v1/episodes/{id}/trajectory"))).await
+    }
+
+    /// `DELETE /v1/episodes/{id}`.
+    pub async fn close(&self, id: &str) -> Result<EpisodeState, ClientError> {
+        self.send(self.req(reqwest::Method::DELETE, &format!("/v1/episodes/{id}"))).await
+    }
+
+    /// `POST /v1/evaluate`.
+    pub async fn evaluate(&self, req: &EvaluateRequest) -> Result<EvaluationResult, ClientError> {
+        self.send(self.req(reqwest::Method::POST, "/v1/evaluate").json(req)).await
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // RandomState is seeded from the OS; mixing in a counter keeps ids distinct in one process.
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.finish()
+}
