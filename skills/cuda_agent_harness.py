@@ -9,6 +9,8 @@ are thin front ends over this module.
 from __future__ import annotations
 
 import contextlib
+import cProfile  # noqa: F401 - cache the standard library's profile modules before any
+import profile  # noqa: F401   candidate directory (which may hold profile.py) joins sys.path
 import hashlib
 import importlib.util
 import math
@@ -164,7 +166,7 @@ def build_kernels_dir(candidate_dir: Path, device: torch.device, counter: Extens
 def load_candidate(candidate_dir: Path, device: torch.device, counter: ExtensionCalls) -> types.ModuleType:
     install_extension_counter(counter)
     build_kernels_dir(candidate_dir, device, counter)
-    sys.path.insert(0, str(candidate_dir))
+    sys.path.insert(0, str(candidate_dir))  # model_new.py may import its own helpers
     path = candidate_dir / "model_new.py"
     if not path.exists():
         raise RuleBreak("missing_solution", "model_new.py was not written")

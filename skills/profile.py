@@ -16,7 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This directory holds profile.py, which must not shadow the standard library's profile
+# module (torch imports it): look here last.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != _HERE] + [_HERE]
 import cuda_agent_harness as h  # noqa: E402
 import torch  # noqa: E402
 

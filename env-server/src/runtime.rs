@@ -39,8 +39,10 @@ pub enum RuntimeError {
 /// The Python environment, as it reported itself.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PythonInfo {
-    /// The interpreter's real path.
+    /// The interpreter as invoked (inside its venv).
     pub executable: PathBuf,
+    /// The interpreter with symlinks resolved.
+    pub real_executable: PathBuf,
     /// sys.prefix.
     pub prefix: PathBuf,
     /// sys.base_prefix.
@@ -58,7 +60,7 @@ pub struct PythonInfo {
 impl PythonInfo {
     /// Runs `python` once to learn where it lives and what torch sees.
     pub fn probe(python: &Path) -> Result<Self, RuntimeError> {
-        let script = "import json,os,sys\nimport torch\nn=torch.cuda.device_count() if torch.cuda.is_available() else 0\nprint(json.dumps({'executable':os.path.realpath(sys.executable),'prefix':sys.prefix,'base_prefix':sys.base_prefix,'torch':torch.__version__,'torch_cuda':torch.version.cuda,'gpus':n,'gpu_names':[torch.cuda.get_device_name(i) for i in range(n)]}))";
+        let script = "import json,os,sys\nimport torch\nn=torch.cuda.device_count() if torch.cuda.is_available() else 0\nprint(json.dumps({'executable':sys.executable,'real_executable':os.path.realpath(sys.executable),'prefix':sys.prefix,'base_prefix':sys.base_prefix,'torch':torch.__version__,'torch_cuda':torch.version.cuda,'gpus':n,'gpu_names':[torch.cuda.get_device_name(i) for i in range(n)]}))";
         let err = |message: String| RuntimeError::Python { python: python.display().to_string(), message };
         let out = std::process::Command::new(python)
             .args(["-c", script])
@@ -75,7 +77,7 @@ impl PythonInfo {
     /// Directories the sandbox must let tool processes read: Python's and CUDA's.
     pub fn toolchain_dirs(&self) -> Vec<PathBuf> {
         let mut dirs = vec![self.prefix.clone(), self.base_prefix.clone()];
-        if let Some(root) = self.executable.parent().and_then(Path::parent) {
+        if let Some(root) = self.real_executable.parent().and_then(Path::parent) {
             dirs.push(root.to_path_buf());
         }
         for cuda in ["/usr/local/cuda", "/usr/local/nvidia"] {
@@ -92,7 +94,7 @@ impl PythonInfo {
     /// The PATH tool processes get: the venv's bin first, then CUDA's, then the system's.
     pub fn path_dirs(&self) -> Vec<PathBuf> {
         let mut dirs = vec![self.prefix.join("bin")];
-        if let Some(bin) = self.executable.parent() {
+        if let Some(bin) = self.real_executable.parent() {
             dirs.push(bin.to_path_buf());
         }
         if Path::new("/usr/local/cuda/bin").exists() {

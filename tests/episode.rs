@@ -1,0 +1,157 @@
+//! Whole episodes against the real server binary over a real socket.
+
+mod server;
+
+use env_api::{EvaluateRequest, ResetOptions, ResetRequest, SolutionRef, TaskRef};
+use serde_json::json;
+use server::Server;
+
+/// A correct C++ candidate for L1/2_Add (CPU): one compiled loop, no PyTorch compute.
+const ADD_CANDIDATE: &str = r#"
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+SRC = r"""
+#include <torch/extension.h>
+torch::Tensor add(torch::Tensor a, torch::Tensor b) {
+    auto out = torch::empty_like(a);
+    const float* pa = a.data_ptr<float>();
+    const float* pb = b.data_ptr<float>();
+    float* po = out.data_ptr<float>();
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+    return out;
+}
+"""
+ext = load_inline(name="e2e_add", cpp_sources=SRC, functions=["add"], extra_cflags=["-O3"])
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, a, b):
+        return ext.add(a.contiguous(), b.contiguous())
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_episode_with_every_tool_then_submit() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    let c = server.client();
+    assert_eq!(c.health().await.unwrap()["status"], "ok");
+    let reset = c.reset(&ResetRequest { task: Some("L1/2_Add".into()), ..Default::default() }).await.unwrap();
+    let id = reset.episode_id.clone();
+    assert_eq!(reset.info.task.id, "L1/2_Add");
+
+    let s = c.step(&id, "TodoWrite", json!({"todos": [
+        {"content": "Write the kernel", "status": "in_progress", "activeForm": "Writing the kernel"},
+        {"content": "Verify", "status": "pending", "activeForm": "Verifying"}]})).await.unwrap();
+    assert!(!s.observation.is_error, "{}", s.observation.text);
+    let s = c.step(&id, "Glob", json!({"pattern": "*.py"})).await.unwrap();
+    assert!(s.observation.text.contains("verify.py"), "{}", s.observation.text);
+    let s = c.step(&id, "Read", json!({"file_path": "model.py"})).await.unwrap();
+    assert!(s.observation.text.contains("class Model"), "{}", s.observation.text);
+    let s = c.step(&id, "Write", json!({"file_path": "model_new.py", "content": ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] - pb[i]")})).await.unwrap();
+    assert!(!s.observation.is_error, "{}", s.observation.text);
+    let s = c.step(&id, "MultiEdit", json!({"file_path": "model_new.py", "edits": [{"old_string": "pa[i] - pb[i]", "new_string": "pa[i] + pb[i]"}]})).await.unwrap();
+    assert!(!s.observation.is_error, "{}", s.observation.text);
+    // The agent's own check, inside the sandbox, with the workspace's harness copy.
+    let s = c.step(&id, "Bash", json!({"command": "python verify.py --device cpu", "timeout": 300000})).await.unwrap();
+    assert!(s.observation.text.contains("\"correct\": true"), "{}", s.observation.text);
+    let s = c.step(&id, "Submit", json!({})).await.unwrap();
+    assert!(s.terminated && s.done && !s.truncated);
+    let eval = s.info.evaluation.clone().expect("final evaluation");
+    assert!(eval.correct, "{eval:?}");
+    assert!(s.reward >= 1.0, "{eval:?}");
+    assert!(eval.times_ms.candidate.unwrap() > 0.0 && eval.times_ms.eager.unwrap() > 0.0);
+
+    let state = c.state(&id).await.unwrap();
+    assert_eq!(state.status, env_api::EpisodeStatus::Terminated);
+    assert_eq!(state.result.as_ref().map(|r| r.reward), Some(s.reward));
+    let t = c.trajectory(&id).await.unwrap();
+    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind.as_str()).collect();
+    assert_eq!(kinds, ["reset", "step", "step", "step", "step", "step", "step", "step", "final"]);
+    let tools: Vec<&str> = t.records.iter().filter_map(|r| r.body.pointer("/action/tool").and_then(|v| v.as_str())).collect();
+    assert_eq!(tools, ["TodoWrite", "Glob", "Read", "Write", "MultiEdit", "Bash", "Submit"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_mid_episode_loses_no_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut server = Server::start(&data, &["--skip-compile"]);
+    let c = server.client();
+    let reset = c.reset(&ResetRequest { task: Some("L1/1_ReLU".into()), ..Default::default() }).await.unwrap();
+    let id = reset.episode_id;
+    c.step_with_id(&id, "Bash", json!({"command": "echo one"}), "req-1").await.unwrap();
+    c.step(&id, "Glob", json!({"pattern": "*"})).await.unwrap();
+    server.kill();
+
+    let server = Server::start(&data, &["--skip-compile"]);
+    let c = server.client();
+    let state = c.state(&id).await.unwrap();
+    assert_eq!(state.status, env_api::EpisodeStatus::Truncated);
+    assert_eq!(state.truncation_reason.as_deref(), Some("server_restart"));
+    assert_eq!(state.turn, 2);
+    let t = c.trajectory(&id).await.unwrap();
+    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind.as_str()).collect();
+    assert_eq!(kinds, ["reset", "step", "step", "truncated"]);
+    // The retried request still answers as before; a new step is refused.
+    let again = c.step_with_id(&id, "Bash", json!({"command": "echo one"}), "req-1").await.unwrap();
+    assert!(again.info.replayed);
+    assert_eq!(again.observation.text, "one\n");
+    let err = c.step(&id, "Glob", json!({"pattern": "*"})).await.unwrap_err();
+    assert!(err.to_string().contains("episode_ended"), "{err}");
+    // The workspace of the interrupted episode is cleaned up.
+    assert!(!data.join("episodes").join(&id).exists());
+    // And a new episode works.
+    let reset = c.reset(&ResetRequest { options: Some(ResetOptions { max_turns: Some(3), time_budget_s: None }), ..Default::default() }).await.unwrap();
+    assert_eq!(reset.info.limits.max_turns, 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn evaluate_scores_right_wrong_and_inline_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &[]);
+    let c = server.client();
+    let right = c
+        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Text(ADD_CANDIDATE.into()), options: None })
+        .await
+        .unwrap();
+    assert!(right.correct, "{right:?}");
+    assert!(right.reward >= 1.0);
+    assert!(right.times_ms.compile.is_some(), "torch.compile baseline timed: {right:?}");
+    assert!(right.speedup.eager.is_some());
+
+    let wrong = c
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Id("L1/2_Add".into()),
+            solution: SolutionRef::Text(ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] + pb[i] * 1.001f").replace("e2e_add", "e2e_add_wrong")),
+            options: None,
+        })
+        .await
+        .unwrap();
+    assert!(!wrong.correct);
+    assert_eq!(wrong.reward, -1.0);
+    let reason = wrong.reason.unwrap();
+    assert!(reason.starts_with("wrong_output: input set 1 of 5"), "{reason}");
+
+    let broken = c
+        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Text("import nonexistent_module\n".into()), options: None })
+        .await
+        .unwrap();
+    assert_eq!(broken.reward, -1.0);
+    assert!(broken.reason.unwrap().starts_with("compile:"));
+
+    // A user's own module, inline; PyTorch compute in the forward breaks rule 1.
+    let source = "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\ndef get_inputs():\n    return [torch.randn(64)]\ndef get_init_inputs():\n    return []\n";
+    let cheat = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n";
+    let r = c
+        .evaluate(&EvaluateRequest { task: TaskRef::Source { source: source.into() }, solution: SolutionRef::Text(cheat.into()), options: None })
+        .await
+        .unwrap();
+    assert_eq!(r.reward, -1.0);
+    assert!(r.reason.as_deref().unwrap_or("").starts_with("pytorch_compute"), "{r:?}");
+}

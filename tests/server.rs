@@ -1,0 +1,86 @@
+//! Starts the real `env-server` binary on a free port.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use env_client::EnvClient;
+
+pub fn python() -> PathBuf {
+    std::env::var_os("CUDA_AGENT_PYTHON").map(Into::into).unwrap_or_else(|| "python3".into())
+}
+
+fn binary() -> PathBuf {
+    // target/<profile>/deps/<test> -> target/<profile>/env-server
+    let exe = std::env::current_exe().expect("test exe");
+    let bin = exe.parent().and_then(Path::parent).expect("target dir").join("env-server");
+    // Cargo does not rebuild another package's binary for these tests: make sure it is current.
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    BUILT.call_once(|| {
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "-p", "env-server", "--bin", "env-server"]);
+        if bin.parent().is_some_and(|d| d.ends_with("release")) {
+            cmd.arg("--release");
+        }
+        let ok = cmd.status().expect("cargo build");
+        assert!(ok.success(), "building env-server failed");
+    });
+    bin
+}
+
+pub struct Server {
+    pub child: Child,
+    pub url: String,
+    pub data_dir: PathBuf,
+}
+
+impl Server {
+    pub fn start(data_dir: &Path, extra: &[&str]) -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let url = format!("http://127.0.0.1:{port}");
+        let log = std::fs::File::create(data_dir.with_extension("log")).unwrap();
+        let child = Command::new(binary())
+            .args(["--bind", &format!("127.0.0.1:{port}"), "--data-dir"])
+            .arg(data_dir)
+            .arg("--python")
+            .arg(python())
+            .args(["--device", "cpu"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start env-server");
+        let s = Self { child, url, data_dir: data_dir.to_path_buf() };
+        s.wait_ready();
+        s
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(self.url.trim_start_matches("http://")).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("env-server did not come up; see {}", self.data_dir.with_extension("log").display());
+    }
+
+    pub fn client(&self) -> EnvClient {
+        EnvClient::new(&self.url, Duration::from_secs(600)).unwrap()
+    }
+
+    /// SIGKILL: no chance to flush or clean up, as in a crash.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
