@@ -7,3 +7,5 @@ venv="$(scripts/python-env.sh)"
 export CUDA_AGENT_PYTHON="$venv/bin/python"
 echo "python: $CUDA_AGENT_PYTHON ($("$CUDA_AGENT_PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
 cargo test --workspace --locked "$@"
+# The Python client against the real server binary cargo just built.
+"$CUDA_AGENT_PYTHON" -m pytest -q tests/python

@@ -188,8 +188,9 @@ fn write_with_mode(path: &Path, contents: &[u8], mode: u32) -> Result<(), ToolEr
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(contents)?;
+        // No fsync: a workspace does not outlive a server restart (the episode is truncated),
+        // and the rename alone keeps readers from seeing a half-written file.
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        f.sync_data()?;
         std::fs::rename(&tmp, path)
     })();
     if let Err(e) = result {

@@ -110,6 +110,16 @@ pub enum StartError {
     /// The data directory.
     #[error("data directory {0}: {1}")]
     DataDir(PathBuf, #[source] std::io::Error),
+    /// Sandboxed processes (under their own uids) could not reach the data directory.
+    #[error("data directory {data_dir} is unreachable for sandboxed processes: {blocker} is not searchable by other users (mode {mode:o}); choose a --data-dir whose parents are, or chmod o+x {blocker}")]
+    Unreachable {
+        /// The data directory.
+        data_dir: PathBuf,
+        /// The ancestor that blocks.
+        blocker: PathBuf,
+        /// Its mode.
+        mode: u32,
+    },
 }
 
 /// Probes the machine, installs the harness, recovers episodes and returns the app state.
@@ -124,6 +134,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         std::fs::create_dir_all(&d).map_err(|e| StartError::DataDir(d.clone(), e))?;
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711)).map_err(|e| StartError::DataDir(d.clone(), e))?;
     }
+    raise_open_file_limit();
     let python = runtime::PythonInfo::probe(&cfg.python)?;
     let device = runtime::Device::choose(&cfg.device, &python)?;
     let mut sandbox_cfg = SandboxConfig::with_toolchains(python.toolchain_dirs());
@@ -133,6 +144,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let status = sandbox.status();
     if !status.confined {
         tracing::warn!(?status, "running UNCONFINED: results are marked unconfined");
+    }
+    if status.uid_isolation {
+        check_reachable(&data_dir)?;
     }
     let harness_dir = data_dir.join("harness");
     runtime::install_harness(&harness_dir)?;
@@ -208,4 +222,29 @@ pub fn spawn_janitor(state: Arc<AppState>) {
             }
         }
     });
+}
+
+/// Each open episode keeps its trajectory log open: lift the soft descriptor limit to the hard one.
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+/// Tool processes run under their own uids, so every ancestor of the data directory must be
+/// searchable by others (they still cannot list it: 0711 is enough).
+fn check_reachable(data_dir: &std::path::Path) -> Result<(), StartError> {
+    use std::os::unix::fs::PermissionsExt;
+    for dir in data_dir.ancestors().skip(1) {
+        let mode = std::fs::metadata(dir).map(|m| m.permissions().mode()).unwrap_or(0o755);
+        if mode & 0o001 == 0 {
+            return Err(StartError::Unreachable { data_dir: data_dir.to_path_buf(), blocker: dir.to_path_buf(), mode: mode & 0o7777 });
+        }
+    }
+    Ok(())
 }
