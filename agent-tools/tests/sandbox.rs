@@ -45,6 +45,18 @@ async fn other_workspaces_and_server_files_are_unreadable() {
 }
 
 #[tokio::test]
+async fn proc_is_writable_only_for_the_process_itself() {
+    let mut f = fixture();
+    let out = f.bash("echo mine > /proc/self/comm && cat /proc/self/comm; echo evil > /proc/1/comm").await;
+    assert!(out.text.contains("Permission denied"), "{}", out.text);
+    let out = f.bash("echo evil > /proc/sys/kernel/hostname").await;
+    assert!(out.is_error, "{}", out.text);
+    assert!(out.text.contains("Permission denied") || out.text.contains("Read-only"), "{}", out.text);
+    let out = f.bash("touch /proc/newfile").await;
+    assert!(out.is_error, "{}", out.text);
+}
+
+#[tokio::test]
 async fn a_planted_symlink_does_not_lead_out() {
     let mut f = fixture();
     let out = f.bash(&format!("ln -s {} leak && cat leak/model_new.py", f.other_workspace.display())).await;

@@ -79,6 +79,8 @@ pub enum Access {
     ReadOnly,
     /// Read, write and ioctl on a device node (such as `/dev/null` or `/dev/nvidia0`).
     Device,
+    /// Read, execute and write existing files, but create, remove or rename nothing.
+    WriteExisting,
     /// Everything beneath.
     ReadWrite,
 }
@@ -124,6 +126,7 @@ impl Ruleset {
             let mut rights = match access {
                 Access::ReadOnly => EXECUTE | READ_FILE | READ_DIR,
                 Access::Device => READ_FILE | WRITE_FILE | IOCTL_DEV | TRUNCATE,
+                Access::WriteExisting => EXECUTE | READ_FILE | READ_DIR | WRITE_FILE,
                 Access::ReadWrite => handled,
             } & handled;
             if !is_dir {

@@ -70,17 +70,23 @@ pub struct SandboxConfig {
     pub read_only: Vec<PathBuf>,
     /// Device nodes every tool process may read, write and ioctl.
     pub devices: Vec<PathBuf>,
+    /// Trees whose existing files tool processes may write (but where they create nothing).
+    pub write_existing: Vec<PathBuf>,
     /// Resource limits.
     pub limits: ResourceLimits,
     /// Run without the missing kernel features instead of refusing to start.
     pub allow_unconfined: bool,
+    /// Apply landlock (turning it off is for diagnosis, and makes the sandbox unconfined).
+    pub landlock: bool,
+    /// Apply seccomp (turning it off is for diagnosis, and makes the sandbox unconfined).
+    pub seccomp: bool,
 }
 
 impl SandboxConfig {
     /// The usual system locations plus the given toolchain directories.
     pub fn with_toolchains(toolchains: impl IntoIterator<Item = PathBuf>) -> Self {
         let mut read_only: Vec<PathBuf> = [
-            "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/opt", "/proc",
+            "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/opt",
             "/sys", "/dev/shm", "/run/nvidia-persistenced",
         ]
         .iter()
@@ -99,7 +105,12 @@ impl SandboxConfig {
                 }
             }
         }
-        Self { read_only, devices, limits: ResourceLimits::default(), allow_unconfined: false }
+        // CUDA's runtime writes to the process's own /proc entries during initialisation
+        // (measured on an H200: without it cudaGetDeviceCount fails with error 304). Other
+        // processes' entries stay out of reach: file modes, the per-episode uid, and
+        // landlock's ptrace scoping guard them.
+        let write_existing = vec![PathBuf::from("/proc")];
+        Self { read_only, devices, write_existing, limits: ResourceLimits::default(), allow_unconfined: false, landlock: true, seccomp: true }
     }
 }
 
@@ -195,7 +206,13 @@ impl std::fmt::Debug for Sandbox {
 impl Sandbox {
     /// Probes the kernel and compiles the filters; refuses to go on unconfined unless allowed.
     pub fn new(config: SandboxConfig) -> Result<Self, SandboxError> {
-        let features = KernelFeatures::detect();
+        let mut features = KernelFeatures::detect();
+        if !config.landlock {
+            features.landlock_abi = 0;
+        }
+        if !config.seccomp {
+            features.seccomp = false;
+        }
         let missing = features.missing();
         if !missing.is_empty() && !config.allow_unconfined {
             return Err(SandboxError::Unconfined(missing.join(", ")));
@@ -243,6 +260,7 @@ impl Sandbox {
             rules.extend(inner.config.read_only.iter().map(|p| (p.as_path(), Access::ReadOnly)));
             rules.extend(jail.read_only.iter().map(|p| (p.as_path(), Access::ReadOnly)));
             rules.extend(inner.config.devices.iter().map(|p| (p.as_path(), Access::Device)));
+            rules.extend(inner.config.write_existing.iter().map(|p| (p.as_path(), Access::WriteExisting)));
             rules.extend(jail.writable.iter().map(|p| (p.as_path(), Access::ReadWrite)));
             Some(landlock::Ruleset::build(inner.features.landlock_abi, &rules)?)
         } else {

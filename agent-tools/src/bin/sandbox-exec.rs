@@ -1,0 +1,82 @@
+//! `sandbox-exec`: run one command in the tool sandbox, for diagnosing what a toolchain needs.
+//!
+//!     sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--uid N] -- CMD ARGS...
+//!
+//! The working directory (and first writable directory) is a fresh temp dir unless `--rw` is
+//! given. Prints the command's output and exits with its status.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use agent_tools::{create_private_dir, Jail, Sandbox, SandboxConfig};
+
+fn usage() -> ! {
+    eprintln!("usage: sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--uid N] -- CMD ARGS...");
+    std::process::exit(2)
+}
+
+fn main() {
+    let mut args = std::env::args_os().skip(1);
+    let (mut rw, mut ro, mut landlock, mut seccomp, mut uid) = (Vec::<PathBuf>::new(), Vec::<PathBuf>::new(), true, true, None);
+    let mut cmd: Vec<OsString> = Vec::new();
+    while let Some(a) = args.next() {
+        match a.to_str() {
+            Some("--rw") => rw.push(args.next().unwrap_or_else(|| usage()).into()),
+            Some("--ro") => ro.push(args.next().unwrap_or_else(|| usage()).into()),
+            Some("--no-landlock") => landlock = false,
+            Some("--no-seccomp") => seccomp = false,
+            Some("--uid") => uid = args.next().and_then(|s| s.to_str()?.parse::<u32>().ok()).or_else(|| usage()),
+            Some("--") => {
+                cmd.extend(args.by_ref());
+                break;
+            }
+            _ => usage(),
+        }
+    }
+    if cmd.is_empty() {
+        usage();
+    }
+    let owner = uid.map(|u| (u, u));
+    let scratch = std::env::temp_dir().join(format!("sandbox-exec-{}", std::process::id()));
+    if rw.is_empty() {
+        std::fs::create_dir_all(&scratch).expect("scratch dir");
+        std::fs::set_permissions(&scratch, std::os::unix::fs::PermissionsExt::from_mode(0o711)).expect("chmod");
+        let ws = scratch.join("ws");
+        create_private_dir(&ws, owner).expect("workspace");
+        rw.push(ws);
+    }
+    let mut cfg = SandboxConfig::with_toolchains(ro);
+    cfg.landlock = landlock;
+    cfg.seccomp = seccomp;
+    cfg.allow_unconfined = !(landlock && seccomp);
+    let sandbox = match Sandbox::new(cfg) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("sandbox-exec: {e}");
+            std::process::exit(2)
+        }
+    };
+    let path: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
+    let mut jail = Jail::standard(&rw[0], &rw[0], &path, &[], owner);
+    jail.writable = rw.clone();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let code = rt.block_on(async {
+        let mut sc = match sandbox.command(&jail, std::path::Path::new(&cmd[0]), &cmd[1..], &rw[0]) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("sandbox-exec: {e}");
+                return 2;
+            }
+        };
+        sc.cmd.stdout(std::process::Stdio::inherit()).stderr(std::process::Stdio::inherit());
+        match sc.spawn() {
+            Ok(mut child) => child.wait().await.ok().and_then(|s| s.code()).unwrap_or(1),
+            Err(e) => {
+                eprintln!("sandbox-exec: {}: {e}", cmd[0].to_string_lossy());
+                127
+            }
+        }
+    });
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::process::exit(code)
+}

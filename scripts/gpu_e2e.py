@@ -1,0 +1,99 @@
+"""On a GPU machine: the env-server binary on CUDA, end to end, with no dependency but the
+standard library. One episode whose agent writes a CUDA candidate, runs nvcc, verify.py and
+profile.py inside the sandbox and submits; then /v1/evaluate of every example candidate in
+skills/examples/cuda/. Prints what it sees and a table.
+
+    python3 scripts/gpu_e2e.py [--server target/release/env-server]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def call(url, method="GET", body=None, timeout=1200):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"http_error": e.code, "body": e.read().decode()}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--server", default=str(ROOT / "target/release/env-server"))
+    args = p.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="cuda-agent-gpu-"))
+    base.chmod(0o711)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen([args.server, "--bind", f"127.0.0.1:{port}", "--data-dir", str(base / "data"),
+                             "--python", sys.executable, "--device", "cuda"], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    print(open(base / "server.log").read())
+                    raise SystemExit("server exited")
+                time.sleep(0.1)
+        info = call(url + "/v1/info")
+        print("info:", json.dumps({k: info.get(k) for k in ("device", "gpus", "torch", "task_size", "sandbox")}))
+        cand = (ROOT / "skills/examples/cuda/L1_2_Add.py").read_text()
+        ep = call(url + "/v1/episodes", "POST", {"task": "L1/2_Add"})
+        eid = ep["episode_id"]
+        steps = [
+            ("Write", {"file_path": "model_new.py", "content": cand}),
+            ("Bash", {"command": "nvidia-smi -L; nvcc --version | tail -2; id -u", "timeout": 60000}),
+            ("Bash", {"command": "python verify.py", "timeout": 600000}),
+            ("Bash", {"command": "python profile.py --compare eager compile", "timeout": 600000}),
+            ("Submit", {}),
+        ]
+        for tool, a in steps:
+            t = time.time()
+            r = call(url + f"/v1/episodes/{eid}/step", "POST", {"action": {"tool": tool, "arguments": a}})
+            obs = r.get("observation", r)
+            print(f"--- {tool} ({time.time() - t:.1f} s) ---\n{obs.get('text', obs) if isinstance(obs, dict) else obs}")
+            if r.get("done"):
+                print("final:", json.dumps(r["info"].get("evaluation"), indent=1)[:3000])
+        print("| candidate | reward | eager ms | compile ms | candidate ms | vs eager | vs compile | seconds |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for f in sorted((ROOT / "skills/examples/cuda").glob("*.py")):
+            level, rest = f.stem.split("_", 1)
+            task = f"L{level[1:]}/{rest}"
+            t = time.time()
+            r = call(url + "/v1/evaluate", "POST", {"task": task, "solution": f.read_text()})
+            if "reward" not in r:
+                print(f"| {task} | error {r} |")
+                continue
+            tm, sp = r["times_ms"], r["speedup"]
+            fmt = lambda x: "-" if x is None else f"{x:.4f}"
+            print(f"| {task} | {r['reward']} | {fmt(tm['eager'])} | {fmt(tm['compile'])} | {fmt(tm['candidate'])} | "
+                  f"{fmt(sp['eager'])} | {fmt(sp['compile'])} | {time.time() - t:.0f} |" + (f" {r['reason']}" if r.get("reason") else ""))
+        print("\n".join(l for l in urllib.request.urlopen(url + "/metrics").read().decode().splitlines() if "device" in l or "reward" in l))
+    finally:
+        proc.kill()
+        proc.wait()
+        if os.environ.get("KEEP") is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
