@@ -126,7 +126,8 @@ impl Ruleset {
             let mut rights = match access {
                 Access::ReadOnly => EXECUTE | READ_FILE | READ_DIR,
                 Access::Device => READ_FILE | WRITE_FILE | IOCTL_DEV | TRUNCATE,
-                Access::WriteExisting => EXECUTE | READ_FILE | READ_DIR | WRITE_FILE,
+                // TRUNCATE too: fopen(path, "w") opens with O_TRUNC.
+                Access::WriteExisting => EXECUTE | READ_FILE | READ_DIR | WRITE_FILE | TRUNCATE,
                 Access::ReadWrite => handled,
             } & handled;
             if !is_dir {
