@@ -151,11 +151,24 @@ def build_kernels_dir(candidate_dir: Path, device: torch.device, counter: Extens
     import torch.utils.cpp_extension as cpp
 
     digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
+    name = f"kernels_ext_{digest}"
+    # Build from copies at a stable path inside the extension's build directory, so that a
+    # cached build of the same sources is up to date for ninja wherever the candidate lives.
+    src_dir = Path(cpp._get_build_directory(name, verbose=False)) / "src"
+    src_dir.mkdir(exist_ok=True)
+    for p in sorted(kdir.iterdir()):
+        if p.is_file():  # sources and headers alike
+            dest = src_dir / p.name
+            data = p.read_bytes()
+            if not dest.exists() or dest.read_bytes() != data:
+                dest.write_bytes(data)
+    stable = [str(src_dir / p.name) for p in sources]
     module = cpp.load(
-        name=f"kernels_ext_{digest}",
-        sources=[str(p) for p in sources],
+        name=name,
+        sources=stable,
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3"] if has_cuda else None,
+        extra_include_paths=[str(src_dir)],
         with_cuda=has_cuda,
         verbose=False,
     )

@@ -124,6 +124,32 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
     assert!(right.reward >= 1.0);
     assert!(right.times_ms.compile.is_some(), "torch.compile baseline timed: {right:?}");
     assert!(right.speedup.eager.is_some());
+    // The same sources again: the build is found in the cache.
+    let again = c
+        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Text(ADD_CANDIDATE.into()), options: None })
+        .await
+        .unwrap();
+    assert!(again.correct, "{again:?}");
+    assert_eq!(again.details["build_cache_hit"], true, "{again:?}");
+
+    // The kernels/ layout: sources and a header compiled into one module, `import kernels_ext`.
+    let files = [
+        ("kernels/add.h".to_string(), "#pragma once\n#include <torch/extension.h>\ntorch::Tensor add(torch::Tensor a, torch::Tensor b);\n".to_string()),
+        (
+            "kernels/add.cpp".to_string(),
+            "#include \"add.h\"\ntorch::Tensor add(torch::Tensor a, torch::Tensor b) {\n  auto o = torch::empty_like(a);\n  const float* x = a.data_ptr<float>(); const float* y = b.data_ptr<float>(); float* z = o.data_ptr<float>();\n  for (int64_t i = 0; i < a.numel(); ++i) z[i] = x[i] + y[i];\n  return o;\n}\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"add\", &add); }\n".to_string(),
+        ),
+        (
+            "model_new.py".to_string(),
+            "import torch\nimport kernels_ext\nclass ModelNew(torch.nn.Module):\n    def forward(self, a, b):\n        return kernels_ext.add(a.contiguous(), b.contiguous())\n".to_string(),
+        ),
+    ];
+    let layout = c
+        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Files { files: files.into_iter().collect() }, options: None })
+        .await
+        .unwrap();
+    assert!(layout.correct, "{layout:?}");
+    assert!(layout.reward >= 1.0);
 
     let wrong = c
         .evaluate(&EvaluateRequest {

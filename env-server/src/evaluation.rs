@@ -86,6 +86,7 @@ pub struct Evaluator {
     waiting: AtomicUsize,
     baselines: Mutex<HashMap<String, Value>>,
     next_uid: AtomicU64,
+    build_locks: Mutex<HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
     /// Evaluations finished.
     pub finished: AtomicU64,
 }
@@ -115,6 +116,7 @@ impl Evaluator {
             waiting: AtomicUsize::new(0),
             baselines: Mutex::new(baselines),
             next_uid: AtomicU64::new(0),
+            build_locks: Mutex::new(HashMap::new()),
             finished: AtomicU64::new(0),
         }
     }
@@ -206,18 +208,27 @@ impl Evaluator {
         let eager = baseline.pointer("/eager/median_ms").and_then(Value::as_f64);
         let compile = baseline.pointer("/compile/median_ms").and_then(Value::as_f64);
 
-        // Build: off the device, bounded.
+        // Build: off the device, bounded. Extensions build into a directory keyed by the
+        // solution's hash, the same path every time, so a rebuild of the same sources is a
+        // no-op for ninja; builds of one hash are serialised (torch's own lock file would
+        // otherwise be left stale by a build killed at its time limit).
         let digest = self.build_digest(files);
-        let cache = self.cfg.data_dir.join("build-cache").join(&digest);
-        let ext = tmp.join("torch_extensions");
-        if cache.is_dir() {
-            copy_tree(&cache, &ext, owner).map_err(|e| io_err(&cache, e))?;
-        }
+        let ext = self.cfg.data_dir.join("build-cache").join(&digest);
+        let cache_hit = ext.is_dir();
+        let jail = {
+            let mut j = jail;
+            j.writable.push(ext.clone());
+            j.env.push(("TORCH_EXTENSIONS_DIR".into(), ext.clone().into()));
+            j
+        };
         let build = {
+            let digest_lock = self.build_lock(&digest);
+            let _same_sources = digest_lock.lock().await;
             let _permit = self.builds.acquire().await.map_err(|e| EvalError::Harness(e.to_string()))?;
+            prepare_build_dir(&ext, owner).map_err(|e| io_err(&ext, e))?;
             self.run_harness(&jail, dir, &["candidate", "--phase", "build"], task, None).await?
         };
-        let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "baseline": baseline, "build_cache_hit": cache.is_dir()});
+        let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "baseline": baseline, "build_cache_hit": cache_hit});
         let fail = |reason: String, mut details: Value, extra: &Value| {
             if let Some(o) = extra.as_object() {
                 for (k, v) in o {
@@ -236,13 +247,6 @@ impl Evaluator {
         if build.get("built").and_then(Value::as_bool) != Some(true) {
             let reason = build.get("reason").and_then(Value::as_str).unwrap_or("build failed").to_string();
             return Ok(fail(reason, details, &json!({})));
-        }
-        if !cache.is_dir() && ext.is_dir() {
-            let staging = cache.with_extension("partial");
-            let _ = std::fs::remove_dir_all(&staging);
-            if copy_tree(&ext, &staging, None).is_ok() {
-                let _ = std::fs::rename(&staging, &cache);
-            }
         }
 
         // Check and time: on a leased device, with seeds the agent never saw.
@@ -275,6 +279,12 @@ impl Evaluator {
             speedup: Speedups { eager: ratio(eager), compile: ratio(compile) },
             details,
         })
+    }
+
+    fn build_lock(&self, digest: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.build_locks.lock().unwrap_or_else(|e| e.into_inner());
+        locks.retain(|_, l| std::sync::Arc::strong_count(l) > 1);
+        locks.entry(digest.to_string()).or_default().clone()
     }
 
     fn build_digest(&self, files: &BTreeMap<String, String>) -> String {
@@ -415,22 +425,17 @@ fn chown(p: &Path, owner: Option<(u32, u32)>) {
     }
 }
 
-/// Copies a tree keeping modification times (so a cached build is seen as up to date).
-fn copy_tree(from: &Path, to: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
-    for e in walkdir::WalkDir::new(from).follow_links(false) {
+/// Makes a build directory usable by this evaluation's uid and drops lock files a killed
+/// build left behind (the caller holds the per-hash lock, so none is live).
+fn prepare_build_dir(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for e in walkdir::WalkDir::new(dir).follow_links(false) {
         let e = e.map_err(std::io::Error::other)?;
-        let rel = e.path().strip_prefix(from).map_err(std::io::Error::other)?;
-        let dest = to.join(rel);
-        if e.file_type().is_dir() {
-            std::fs::create_dir_all(&dest)?;
-        } else if e.file_type().is_file() {
-            std::fs::copy(e.path(), &dest)?;
-            let mtime = e.metadata().map_err(std::io::Error::other)?.modified()?;
-            std::fs::File::options().write(true).open(&dest)?.set_modified(mtime)?;
-        } else {
+        if e.file_type().is_file() && e.file_name() == "lock" {
+            std::fs::remove_file(e.path())?;
             continue;
         }
-        chown(&dest, owner);
+        chown(e.path(), owner);
     }
     Ok(())
 }
