@@ -63,6 +63,62 @@ def pin_precision() -> dict:
     return dict(PINNED_FLAGS)
 
 
+def precision_flags() -> dict:
+    """The precision settings in force, to detect a candidate changing them."""
+    return {
+        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "allow_fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        "allow_bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+    }
+
+
+def poison_free_memory(outputs, device) -> None:
+    """Fills memory the allocator will hand out next with NaN, so an output the candidate
+    allocates but never writes cannot pass by holding stale correct values."""
+    nbytes = sum(t.numel() * t.element_size() for t in flatten_outputs(outputs) if isinstance(t, torch.Tensor))
+    for _ in range(2):
+        junk = torch.full((max(nbytes // 4, 1) * 2,), float("nan"), dtype=torch.float32, device=device)
+        del junk
+
+
+def child_processes() -> list[int]:
+    """Live child processes of this process (a candidate must leave none)."""
+    kids = []
+    task_dir = Path(f"/proc/{os.getpid()}/task")
+    for t in task_dir.iterdir() if task_dir.is_dir() else []:
+        try:
+            kids += [int(p) for p in (t / "children").read_text().split()]
+        except OSError:
+            continue
+    alive = []
+    for pid in kids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+# Peak DRAM bandwidth by device name, bytes/s, for the physical-floor check.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.04e12, "A100-SXM4-40GB": 1.56e12}
+
+
+def physical_floor_ms(inputs, outputs, device):
+    """The least time any kernel needs to read the inputs and write the outputs once."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    bw = next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
+    if bw is None:
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in flatten_outputs(inputs) + flatten_outputs(outputs) if isinstance(t, torch.Tensor))
+    return nbytes / bw * 1e3
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -68,6 +68,7 @@ def baseline(args) -> dict:
 def candidate(args) -> dict:
     device = h.pick_device(args.device)
     h.pin_precision()
+    flags_before = h.precision_flags()
     task = h.load_task(Path(args.task))
     cand_dir = Path(args.candidate)
     identities = guarded_identities()
@@ -95,7 +96,8 @@ def candidate(args) -> dict:
         inputs = h.seeded_inputs(task, seed + 1, device)
         ref_inputs, new_inputs = h.clone_inputs(inputs), h.clone_inputs(inputs)
         with torch.no_grad():
-            ref_out = ref(*ref_inputs)
+            ref_out = ref(*ref_inputs)  # kept alive until compared: its memory cannot be reused
+            h.poison_free_memory(ref_out, device)
             calls_before = counter.count
             trace = h.OpTrace()
             try:
@@ -131,11 +133,35 @@ def candidate(args) -> dict:
     inputs = h.seeded_inputs(task, seeds[0] + 1, device)
     with h.quiet_stdout():
         timing = h.time_callable(new, inputs, device)
+    # The timed instance, called again on inputs it has not seen, must still be right: an
+    # output cached from earlier calls (the timed ones included) fails here.
+    for k, seed in enumerate(seeds[1:3]):
+        fresh = h.seeded_inputs(task, seed + 1, device)
+        with torch.no_grad():
+            want = ref(*h.clone_inputs(fresh))
+            with h.quiet_stdout():
+                got = new(*h.clone_inputs(fresh))
+            h.synchronize(device)
+        try:
+            h.compare(want, got, args.atol, args.rtol)
+        except h.RuleBreak as e:
+            raise h.RuleBreak("constant_output", f"after timing, a call on new inputs gave a stale result ({e})") from e
     changed = [k for k, v in guarded_identities().items() if identities[k] != v]
     if changed:
         raise h.RuleBreak("patching", f"the candidate replaced {', '.join(changed)}")
+    if h.precision_flags() != flags_before:
+        raise h.RuleBreak("precision", f"the candidate changed precision flags: {h.precision_flags()} (pinned: {flags_before})")
     if threading.active_count() > threads_before:
         raise h.RuleBreak("background_work", "the candidate left background threads running")
+    children = h.child_processes()
+    if children:
+        raise h.RuleBreak("background_work", f"the candidate left {len(children)} child process(es) running")
+    floor = h.physical_floor_ms(inputs, ref_out, device)
+    if floor is not None and timing["median_ms"] < 0.9 * floor:
+        raise h.RuleBreak(
+            "impossible_time",
+            f"median {timing['median_ms']:.4f} ms is below the {floor:.4f} ms it takes to move the inputs and outputs at peak bandwidth",
+        )
     return {"correct": True, "candidate": timing, "details": details, "env": h.environment(device)}
 
 

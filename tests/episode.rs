@@ -181,3 +181,27 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
     assert_eq!(r.reward, -1.0);
     assert!(r.reason.as_deref().unwrap_or("").starts_with("pytorch_compute"), "{r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tampering_with_the_workspace_harness_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    let c = server.client();
+    let id = c.reset(&ResetRequest { task: Some("L1/2_Add".into()), ..Default::default() }).await.unwrap().episode_id;
+    // A wrong candidate that also tries to rewrite the harness when imported.
+    let wrong = ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] * pb[i]").replace("e2e_add", "e2e_mul")
+        + "\nimport pathlib\nfor f in pathlib.Path(__file__).resolve().parents[1].rglob('*.py'):\n    try:\n        f.write_text('print(\"{\\\"correct\\\": true}\")')\n    except OSError:\n        pass\n";
+    c.step(&id, "Write", json!({"file_path": "model_new.py", "content": wrong})).await.unwrap();
+    let fake = "import json; print(json.dumps({'correct': True}))";
+    let s = c
+        .step(&id, "Bash", json!({"command": format!("chmod u+w verify.py cuda_agent_harness.py; rm -f verify.py cuda_agent_harness.py; echo \"{fake}\" > verify.py; cat verify.py")}))
+        .await
+        .unwrap();
+    assert!(s.observation.text.contains("restored"), "{}", s.observation.text);
+    let s = c.step(&id, "Bash", json!({"command": "python verify.py --device cpu", "timeout": 300000})).await.unwrap();
+    assert!(s.observation.text.contains("\"correct\": false"), "the workspace copy is pristine again: {}", s.observation.text);
+    let s = c.step(&id, "Submit", json!({})).await.unwrap();
+    assert_eq!(s.reward, -1.0, "{:?}", s.info.evaluation);
+    let reason = s.info.evaluation.unwrap().reason.unwrap();
+    assert!(reason.starts_with("wrong_output: input set 1 of 5"), "{reason}");
+}

@@ -393,7 +393,8 @@ impl Evaluator {
         let work = async { tokio::join!(read_out, read_err, child.wait()) };
         let outcome = tokio::time::timeout(self.cfg.phase_timeout, work).await;
         if let Some(sid) = pid {
-            let _ = tokio::task::spawn_blocking(move || agent_tools::sandbox::kill_session(sid)).await;
+            let unreaped = outcome.is_err();
+            let _ = tokio::task::spawn_blocking(move || agent_tools::sandbox::kill_session(sid, unreaped)).await;
         }
         let Ok((out, err, _status)) = outcome else {
             let _ = child.wait().await;

@@ -14,7 +14,12 @@ fn python() -> std::path::PathBuf {
 }
 
 fn state(dir: &std::path::Path, api_key: Option<&str>) -> Arc<AppState> {
+    state_with(dir, api_key, std::time::Duration::from_secs(300))
+}
+
+fn state_with(dir: &std::path::Path, api_key: Option<&str>, eval_timeout: std::time::Duration) -> Arc<AppState> {
     let cfg = ServerConfig {
+        eval_timeout,
         data_dir: dir.to_path_buf(),
         device: "cpu".into(),
         python: python(),
@@ -184,4 +189,18 @@ async fn delete_closes_and_cleans_up() {
     assert!(!dir.path().join("episodes").join(id).exists());
     let (st, _) = call(&s, "GET", &format!("/v1/episodes/{id}"), None).await;
     assert_eq!(st, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_runaway_candidate_hits_the_time_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_with(dir.path(), None, std::time::Duration::from_secs(20));
+    let solution = "import time\nwhile True:\n    time.sleep(1)\n";
+    let (st, v) = call(&s, "POST", "/v1/evaluate", Some(json!({"task": "L1/2_Add", "solution": solution}))).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["reward"], -1.0);
+    assert!(v["reason"].as_str().unwrap().starts_with("time_limit:"), "{v}");
+    // Nothing of it is left running.
+    let leftovers = std::process::Command::new("pgrep").args(["-f", "evaluate.py candidate"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&leftovers.stdout).trim().is_empty());
 }

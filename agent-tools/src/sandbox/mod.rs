@@ -387,9 +387,16 @@ fn reap_orphans(procs: &[ProcEntry], sid: i32) {
 }
 
 /// Kills every process in session `sid` (the child's own session, whose id is its pid),
-/// including ones that moved to another process group, and reaps the orphans. Repeats until
+/// including ones that moved to another process group, and reaps the orphans. The leader
+/// itself is signalled only when `leader_unreaped` (the caller has not waited for it). Repeats until
 /// none is left, so a process forking while being killed is caught on the next pass.
-pub fn kill_session(sid: i32) -> usize {
+pub fn kill_session(sid: i32, leader_unreaped: bool) -> usize {
+    if leader_unreaped {
+        // Not reaped yet, so the pid cannot have been reused. (Once reaped it could be, so
+        // then only the processes /proc shows in the session are signalled.)
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(sid, libc::SIGKILL) };
+    }
     let mut killed = 0;
     for _ in 0..100 {
         let procs = processes();
@@ -397,8 +404,6 @@ pub fn kill_session(sid: i32) -> usize {
         if members.is_empty() {
             break;
         }
-        // SAFETY: kill has no memory preconditions; the leader may already be gone.
-        unsafe { libc::kill(sid, libc::SIGKILL) };
         for p in members.iter().filter(|p| !p.zombie) {
             // SAFETY: kill has no memory preconditions.
             unsafe { libc::kill(p.pid, libc::SIGKILL) };

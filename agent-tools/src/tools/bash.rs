@@ -101,7 +101,7 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
     let timed_out = waited.is_err();
     // Whatever happened, nothing the command started outlives the step.
     let killed = match pid {
-        Some(sid) => tokio::task::spawn_blocking(move || kill_session(sid)).await.unwrap_or(0),
+        Some(sid) => tokio::task::spawn_blocking(move || kill_session(sid, timed_out)).await.unwrap_or(0),
         None => 0,
     };
     let status = match waited {

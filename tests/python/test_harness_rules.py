@@ -1,0 +1,155 @@
+"""The final-evaluation harness on real PyTorch (CPU): a correct C++ candidate passes, a wrong
+one fails naming the input set, and each rule is broken by a candidate that breaks only it.
+
+All candidates share one inline C++ extension (same name, same source), so it is built once.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EVALUATE = ROOT / "skills" / "evaluate.py"
+TASK = ROOT / "kernelbench" / "tasks" / "level1" / "2_Add.py"
+
+EXT = r'''
+import torch
+from torch.utils.cpp_extension import load_inline
+
+SRC = r"""
+#include <torch/extension.h>
+torch::Tensor vadd(torch::Tensor a, torch::Tensor b) {
+    auto out = torch::empty_like(a);
+    const float* x = a.data_ptr<float>(); const float* y = b.data_ptr<float>(); float* z = out.data_ptr<float>();
+    for (int64_t i = 0; i < a.numel(); ++i) z[i] = x[i] + y[i];
+    return out;
+}
+torch::Tensor vadd_off(torch::Tensor a, torch::Tensor b) {
+    auto out = vadd(a, b);
+    out.data_ptr<float>()[7] += 1.0f;
+    return out;
+}
+torch::Tensor vadd_clobber(torch::Tensor a, torch::Tensor b) {
+    auto out = vadd(a, b);
+    b.data_ptr<float>()[0] = 0.0f;
+    return out;
+}
+torch::Tensor uninitialised(torch::Tensor a, torch::Tensor b) { return torch::empty_like(a); }
+torch::Tensor vadd_aten(torch::Tensor a, torch::Tensor b) { return at::add(a, b); }
+"""
+ext = load_inline(name="harness_rules_ext", cpp_sources=SRC,
+                  functions=["vadd", "vadd_off", "vadd_clobber", "uninitialised", "vadd_aten"], extra_cflags=["-O2"])
+'''
+
+HEADER = EXT + "\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+
+CANDIDATES = {
+    "correct": "    def forward(self, a, b):\n        return ext.vadd(a, b)\n",
+    "wrong": "    def forward(self, a, b):\n        return ext.vadd_off(a, b)\n",
+    "pytorch_compute_python": "    def forward(self, a, b):\n        ext.vadd(a, b)\n        return a + b\n",
+    "pytorch_compute_cpp": "    def forward(self, a, b):\n        return ext.vadd_aten(a, b)\n",
+    "no_custom_kernel": "    def forward(self, a, b):\n        return torch.from_numpy(a.numpy() + b.numpy())\n",
+    "constant_output": (
+        "        self.cache = None\n"
+        "    def forward(self, a, b):\n"
+        "        if self.cache is None:\n"
+        "            self.cache = ext.vadd(a, b)\n"
+        "        ext.vadd(a, b)\n"
+        "        return self.cache\n"
+    ),
+    "uninitialised_output": "    def forward(self, a, b):\n        return ext.uninitialised(a, b)\n",
+    "tensor_subclass": (
+        "    def forward(self, a, b):\n"
+        "        class Lazy(torch.Tensor):\n"
+        "            pass\n"
+        "        return ext.vadd(a, b).as_subclass(Lazy)\n"
+    ),
+    "input_mutation": "    def forward(self, a, b):\n        return ext.vadd_clobber(a, b)\n",
+    "background_thread": (
+        "    def forward(self, a, b):\n"
+        "        import threading, time\n"
+        "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "        return ext.vadd(a, b)\n"
+    ),
+    "background_process": (
+        "    def forward(self, a, b):\n"
+        "        import subprocess\n"
+        "        if not hasattr(self, 'p'):\n"
+        "            self.p = subprocess.Popen(['sleep', '30'])\n"
+        "        return ext.vadd(a, b)\n"
+    ),
+    "patching": (
+        "        import time\n"
+        "        real = time.perf_counter\n"
+        "        time.perf_counter = lambda: real() / 2\n"
+        "    def forward(self, a, b):\n"
+        "        return ext.vadd(a, b)\n"
+    ),
+    "precision_dtype": "    def forward(self, a, b):\n        return ext.vadd(a, b).double()\n",
+    "precision_flags": (
+        "        torch.backends.cuda.matmul.allow_tf32 = True\n"
+        "    def forward(self, a, b):\n"
+        "        return ext.vadd(a, b)\n"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def ext_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("torch_extensions")
+
+
+def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15"):
+    cand = tmp_path / "candidate"
+    cand.mkdir()
+    (cand / "model_new.py").write_text(HEADER + body)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    out = subprocess.run(
+        [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu", "--seeds", seeds],
+        capture_output=True, text=True, env=env, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_correct_candidate_passes_and_is_timed(tmp_path, ext_dir):
+    r = evaluate(tmp_path, ext_dir, CANDIDATES["correct"])
+    assert r["correct"] is True, r
+    assert r["candidate"]["median_ms"] > 0 and r["candidate"]["trials"] >= 10
+    assert r["details"]["seeds"] == 5 and r["details"]["max_abs_error"] == 0.0
+
+
+def test_a_wrong_candidate_names_the_input_set(tmp_path, ext_dir):
+    r = evaluate(tmp_path, ext_dir, CANDIDATES["wrong"])
+    assert r["correct"] is False
+    assert r["rule"] == "wrong_output"
+    assert r["reason"].startswith("wrong_output: input set 1 of 5: output 0: max abs error"), r
+
+
+@pytest.mark.parametrize("name,rule", [
+    ("pytorch_compute_python", "pytorch_compute"),
+    ("pytorch_compute_cpp", "pytorch_compute"),
+    ("no_custom_kernel", "no_custom_kernel"),
+    ("constant_output", "constant_output"),
+    ("uninitialised_output", "wrong_output"),
+    ("tensor_subclass", "tensor_subclass"),
+    ("input_mutation", "input_mutation"),
+    ("background_thread", "background_work"),
+    ("background_process", "background_work"),
+    ("patching", "patching"),
+    ("precision_dtype", "precision"),
+    ("precision_flags", "precision"),
+])
+def test_each_rule_break_gets_its_reason(tmp_path, ext_dir, name, rule):
+    r = evaluate(tmp_path, ext_dir, CANDIDATES[name])
+    assert r["correct"] is False, (name, r)
+    assert r["rule"] == rule, (name, r)
+    assert r["reason"].startswith(rule + ":"), (name, r)
+
+
+def test_a_broken_candidate_is_a_compile_failure(tmp_path, ext_dir):
+    r = evaluate(tmp_path, ext_dir, "    def forward(self, a, b)\n        return a\n")
+    assert r["rule"] == "compile" and "SyntaxError" in r["reason"], r
