@@ -188,9 +188,31 @@ async fn tampering_with_the_workspace_harness_changes_nothing() {
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
     let c = server.client();
     let id = c.reset(&ResetRequest { task: Some("L1/2_Add".into()), ..Default::default() }).await.unwrap().episode_id;
-    // A wrong candidate that also tries to rewrite the harness when imported.
-    let wrong = ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] * pb[i]").replace("e2e_add", "e2e_mul")
-        + "\nimport pathlib\nfor f in pathlib.Path(__file__).resolve().parents[1].rglob('*.py'):\n    try:\n        f.write_text('print(\"{\\\"correct\\\": true}\")')\n    except OSError:\n        pass\n";
+    // A wrong candidate (a * b) that, when imported in the evaluation sandbox, tries to
+    // replace the reference task with one that agrees with it, and to rewrite the harness.
+    let tamper = r#"
+import pathlib
+_here = pathlib.Path(__file__).resolve().parent
+_task = _here.parent / "task.py"
+def _fake():
+    _task.write_text(_task.read_text().replace("return a + b", "return a * b"))
+def _swap():
+    fake = _task.read_text().replace("return a + b", "return a * b")
+    _task.unlink()
+    _task.write_text(fake)
+for _attempt in (_fake, _swap):
+    try:
+        _attempt()
+    except OSError:
+        pass
+import sys
+for _f in pathlib.Path(sys.argv[0]).resolve().parent.glob("*.py"):
+    try:
+        _f.write_text("print('{}')")
+    except OSError:
+        pass
+"#;
+    let wrong = ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] * pb[i]").replace("e2e_add", "e2e_mul") + tamper;
     c.step(&id, "Write", json!({"file_path": "model_new.py", "content": wrong})).await.unwrap();
     let fake = "import json; print(json.dumps({'correct': True}))";
     let s = c

@@ -181,13 +181,19 @@ impl Evaluator {
             let uid = 150_000 + (self.next_uid.fetch_add(1, Ordering::Relaxed) % 50_000) as u32;
             (uid, uid)
         });
+        // The evaluation dir and the reference task.py belong to the server (readable, not
+        // writable, by the evaluation uid): a candidate runs as that uid and must not be able
+        // to replace the reference it is judged against. Only candidate/ and tmp/ are its own.
         let tmp = dir.join("tmp");
         let cand = dir.join("candidate");
-        for d in [dir, &tmp, &cand] {
+        std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).map_err(|e| io_err(dir, e))?;
+        for d in [&tmp, &cand] {
             create_private_dir(d, owner).map_err(|e| io_err(d, e))?;
         }
         let task_path = dir.join("task.py");
         std::fs::write(&task_path, &task.source).map_err(|e| io_err(&task_path, e))?;
+        std::fs::set_permissions(&task_path, std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(|e| io_err(&task_path, e))?;
         for (name, text) in files {
             let p = cand.join(name);
             if let Some(parent) = p.parent() {
@@ -198,9 +204,9 @@ impl Evaluator {
             chown(&p, owner);
         }
         let jail = {
-            let mut j = Jail::standard(dir, &tmp, &self.python.path_dirs(), &self.cfg.extra_env, owner);
-            j.writable = vec![dir.to_path_buf()];
-            j.read_only.push(self.harness_dir.clone());
+            let mut j = Jail::standard(&cand, &tmp, &self.python.path_dirs(), &self.cfg.extra_env, owner);
+            j.writable = vec![cand.clone(), tmp.clone()];
+            j.read_only.extend([dir.to_path_buf(), self.harness_dir.clone()]);
             j
         };
 
