@@ -332,7 +332,7 @@ impl Evaluator {
     }
 
     /// Runs `f` holding the least-recently-picked free device slot exclusively.
-    async fn with_lease<'a, F, Fut>(&'a self, f: F) -> Result<Value, EvalError>
+    async fn with_lease<F, Fut>(&self, f: F) -> Result<Value, EvalError>
     where
         F: FnOnce(usize) -> Fut,
         Fut: std::future::Future<Output = Result<Value, EvalError>>,

@@ -18,16 +18,21 @@ fn state(dir: &std::path::Path, api_key: Option<&str>) -> Arc<AppState> {
 }
 
 fn state_with(dir: &std::path::Path, api_key: Option<&str>, eval_timeout: std::time::Duration) -> Arc<AppState> {
-    let cfg = ServerConfig {
-        eval_timeout,
+    state_from(ServerConfig { data_dir: dir.to_path_buf(), api_key: api_key.map(str::to_string), eval_timeout, ..test_config(dir) })
+}
+
+fn test_config(dir: &std::path::Path) -> ServerConfig {
+    ServerConfig {
         data_dir: dir.to_path_buf(),
         device: "cpu".into(),
         python: python(),
-        api_key: api_key.map(str::to_string),
         skip_compile: true,
         max_body_bytes: 64 * 1024,
         ..ServerConfig::default()
-    };
+    }
+}
+
+fn state_from(cfg: ServerConfig) -> Arc<AppState> {
     build_state(cfg).expect("server state")
 }
 
@@ -203,4 +208,37 @@ async fn a_runaway_candidate_hits_the_time_limit() {
     // Nothing of it is left running.
     let leftovers = std::process::Command::new("pgrep").args(["-f", "evaluate.py candidate"]).output().unwrap();
     assert!(String::from_utf8_lossy(&leftovers.stdout).trim().is_empty());
+}
+
+#[tokio::test]
+async fn a_full_server_answers_503_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(ServerConfig { max_episodes: 2, ..test_config(dir.path()) });
+    let (_, a) = call(&s, "POST", "/v1/episodes", None).await;
+    let (st, _) = call(&s, "POST", "/v1/episodes", None).await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, v) = call(&s, "POST", "/v1/episodes", None).await;
+    assert_eq!((st, v["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("at_capacity")), "{v}");
+    let (_, info) = call(&s, "GET", "/v1/info", None).await;
+    assert_eq!(info["open_episodes"], 2);
+    call(&s, "DELETE", &format!("/v1/episodes/{}", a["episode_id"].as_str().unwrap()), None).await;
+    let (st, _) = call(&s, "POST", "/v1/episodes", None).await;
+    assert_eq!(st, StatusCode::OK, "a slot is free again");
+}
+
+#[tokio::test]
+async fn idle_episodes_expire_and_are_cleaned_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(ServerConfig { idle_timeout: std::time::Duration::from_millis(200), ..test_config(dir.path()) });
+    let (_, r) = call(&s, "POST", "/v1/episodes", None).await;
+    let id = r["episode_id"].as_str().unwrap().to_string();
+    assert_eq!(s.episodes.expire_idle().await, 0, "not idle yet");
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(s.episodes.expire_idle().await, 1);
+    let (_, v) = call(&s, "GET", &format!("/v1/episodes/{id}"), None).await;
+    assert_eq!(v["status"], "truncated");
+    assert_eq!(v["truncation_reason"], "idle_timeout");
+    assert!(!dir.path().join("episodes").join(&id).exists());
+    let (_, t) = call(&s, "GET", &format!("/v1/episodes/{id}/trajectory"), None).await;
+    assert_eq!(t["records"].as_array().unwrap().last().unwrap()["kind"], "truncated");
 }

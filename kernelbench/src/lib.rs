@@ -144,7 +144,7 @@ impl TaskSet {
                 .map_err(|e| io(&d, e))?
                 .flatten()
                 .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "py") && !p.file_name().is_some_and(|n| n == "__init__.py"))
+                .filter(|p| p.extension().is_some_and(|x| x == "py") && p.file_name().is_none_or(|n| n != "__init__.py"))
                 .collect();
             files.sort();
             for f in files {

@@ -93,12 +93,12 @@ fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SandboxError> {
 /// Compiles the filters, in the order they are to be installed.
 pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        DENIED.iter().map(|&nr| (nr as i64, Vec::new())).collect();
+        DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
     // Sockets by allow-list: only AF_UNIX. A deny-list of AF_INET would let AF_INET6,
     // AF_PACKET or AF_NETLINK through.
     for nr in [libc::SYS_socket, libc::SYS_socketpair] {
         rules.insert(
-            nr as i64,
+            nr,
             vec![rule(vec![cond(0, SeccompCmpOp::Ne, libc::AF_UNIX as u64)?])?],
         );
     }
@@ -106,11 +106,11 @@ pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
         .iter()
         .map(|&flag| rule(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag)?]))
         .collect::<Result<Vec<_>, _>>()?;
-    rules.insert(libc::SYS_clone as i64, clone_rules);
+    rules.insert(libc::SYS_clone, clone_rules);
     // ioctl(TIOCSTI) pushes input into a terminal someone else reads.
     rules.insert(
-        libc::SYS_ioctl as i64,
-        vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::TIOCSTI as u64)?])?],
+        libc::SYS_ioctl,
+        vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::TIOCSTI)?])?],
     );
     let deny = SeccompFilter::new(
         rules,
@@ -123,7 +123,7 @@ pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
     // clone3 passes its flags in memory a filter cannot read: answer ENOSYS so that libc
     // falls back to clone, whose flags the first filter checks.
     let clone3 = SeccompFilter::new(
-        [(libc::SYS_clone3 as i64, Vec::new())].into_iter().collect(),
+        [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
         SeccompAction::Allow,
         SeccompAction::Errno(libc::ENOSYS as u32),
         arch()?,
