@@ -140,6 +140,25 @@ fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
 }
 
 impl Episode {
+    /// A running episode at turn 0 (`toolbox` and `log` are None for one rebuilt from its log).
+    fn new(id: String, task: Task, dir: PathBuf, limits: EpisodeLimits, toolbox: Option<Toolbox>, log: Option<TrajectoryLog>) -> Self {
+        Self {
+            id,
+            task,
+            dir,
+            toolbox,
+            limits,
+            turn: 0,
+            tool_time: Duration::ZERO,
+            status: EpisodeStatus::Running,
+            truncation_reason: None,
+            result: None,
+            responses: HashMap::new(),
+            log,
+            last_active: Instant::now(),
+        }
+    }
+
     fn state(&self) -> EpisodeState {
         EpisodeState {
             episode_id: self.id.clone(),
@@ -249,21 +268,7 @@ impl EpisodeManager {
                 Some(Ok(l)) => l,
                 _ => continue,
             };
-            let mut ep = Episode {
-                id: id.clone(),
-                task,
-                dir: self.cfg.data_dir.join("episodes").join(&id),
-                toolbox: None,
-                limits,
-                turn: 0,
-                tool_time: Duration::ZERO,
-                status: EpisodeStatus::Running,
-                truncation_reason: None,
-                result: None,
-                responses: HashMap::new(),
-                log: None,
-                last_active: Instant::now(),
-            };
+            let mut ep = Episode::new(id.clone(), task, self.cfg.data_dir.join("episodes").join(&id), limits, None, None);
             for r in &records {
                 match r.kind.as_str() {
                     "step" => {
@@ -360,21 +365,7 @@ impl EpisodeManager {
         let mut log = TrajectoryLog::open(&self.trajectories_dir(), &id).map_err(|e| EpisodeError::Internal(e.to_string()))?;
         log.append("reset", json!({"request": req, "response": resp, "task_source": task.source}))
             .map_err(|e| EpisodeError::Internal(e.to_string()))?;
-        let ep = Episode {
-            id: id.clone(),
-            task,
-            dir,
-            toolbox: Some(toolbox),
-            limits,
-            turn: 0,
-            tool_time: Duration::ZERO,
-            status: EpisodeStatus::Running,
-            truncation_reason: None,
-            result: None,
-            responses: HashMap::new(),
-            log: Some(log),
-            last_active: Instant::now(),
-        };
+        let ep = Episode::new(id.clone(), task, dir, limits, Some(toolbox), Some(log));
         let state = ep.state();
         self.episodes
             .write()
