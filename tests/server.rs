@@ -12,22 +12,25 @@ pub fn python() -> PathBuf {
     std::env::var_os("CUDA_AGENT_PYTHON").map(Into::into).unwrap_or_else(|| "python3".into())
 }
 
-fn binary() -> PathBuf {
-    // target/<profile>/deps/<test> -> target/<profile>/env-server
+/// The path of a workspace binary, built first: Cargo does not rebuild another package's
+/// binary for these tests.
+pub fn binary_of(package: &str, name: &str) -> PathBuf {
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
     let exe = std::env::current_exe().expect("test exe");
-    let bin = exe.parent().and_then(Path::parent).expect("target dir").join("env-server");
-    // Cargo does not rebuild another package's binary for these tests: make sure it is current.
-    static BUILT: std::sync::Once = std::sync::Once::new();
-    BUILT.call_once(|| {
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "-p", "env-server", "--bin", "env-server"]);
-        if bin.parent().is_some_and(|d| d.ends_with("release")) {
-            cmd.arg("--release");
-        }
-        let ok = cmd.status().expect("cargo build");
-        assert!(ok.success(), "building env-server failed");
-    });
+    let bin = exe.parent().and_then(Path::parent).expect("target dir").join(name);
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "-p", package, "--bin", name]);
+    if bin.parent().is_some_and(|d| d.ends_with("release")) {
+        cmd.arg("--release");
+    }
+    let ok = cmd.status().expect("cargo build");
+    assert!(ok.success(), "building {name} failed");
     bin
+}
+
+fn binary() -> PathBuf {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| binary_of("env-server", "env-server")).clone()
 }
 
 pub struct Server {

@@ -451,11 +451,12 @@ impl EpisodeManager {
         let truncated = truncation_reason.is_some();
         let mut reward = 0.0;
         let mut evaluation = None;
+        let mut submitted = BTreeMap::new();
         if terminated || truncated {
             ep.status = EpisodeStatus::Evaluating;
             *slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
-            let files = ep.solution_files();
-            let result = self.final_evaluation(&ep.task, &files).await;
+            submitted = ep.solution_files();
+            let result = self.final_evaluation(&ep.task, &submitted).await;
             reward = result.reward;
             evaluation = Some(result.clone());
             ep.result = Some(result);
@@ -479,7 +480,8 @@ impl EpisodeManager {
             ep.responses.insert(rid, resp.clone());
         }
         if resp.done {
-            let body = json!({"result": ep.result});
+            // The files judged, so replay and fine-tuning can use the solution itself.
+            let body = json!({"result": ep.result, "task": ep.task.id, "files": submitted});
             ep.log("final", body)?;
             self.cleanup(&mut ep);
         }

@@ -208,3 +208,5 @@ impl TaskSet {
         Ok(tasks[(z % tasks.len() as u64) as usize])
     }
 }
+
+pub mod report;

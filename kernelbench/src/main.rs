@@ -1,0 +1,229 @@
+//! `kernelbench`: list tasks, replay solutions through a server, and print the report.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use env_api::{EvaluateRequest, SolutionRef, TaskRef};
+use kernelbench::report::{by_level, markdown, ResultRecord};
+use kernelbench::{Task, TaskSet};
+
+/// Tasks in KernelBench format: list, replay, report.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// List tasks (id, level, hash).
+    List {
+        /// A KernelBench checkout (level1/ level2/ level3/) or a directory of task files (default: the bundled suite).
+        #[arg(long)]
+        kernelbench_dir: Option<PathBuf>,
+        /// Only this split (all, level1, level2, level3).
+        #[arg(long, default_value = "all")]
+        split: String,
+    },
+    /// Evaluate solutions through a running server's /v1/evaluate and print the report.
+    Replay {
+        /// Server URL.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        server: String,
+        /// Bearer token.
+        #[arg(long, env = "CUDA_AGENT_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// Solutions: `<dir>/L1/19_ReLU.py`, `<dir>/L1_19_ReLU.py`, or KernelBench's
+        /// `level_1_problem_19_sample_0_kernel.py`.
+        #[arg(long, conflicts_with = "trajectories")]
+        solutions: Option<PathBuf>,
+        /// The server's trajectory logs (`<data-dir>/trajectories`): the files of each finished episode.
+        #[arg(long)]
+        trajectories: Option<PathBuf>,
+        /// Task source (default: the bundled suite); must match the server's.
+        #[arg(long)]
+        kernelbench_dir: Option<PathBuf>,
+        /// Tasks to score (a missing solution counts as a failure).
+        #[arg(long, default_value = "all")]
+        split: String,
+        /// Evaluations at once.
+        #[arg(long, default_value_t = 4)]
+        jobs: usize,
+        /// Results, one JSON object per line; tasks already in it are skipped (resume).
+        #[arg(long, default_value = "replay-results.jsonl")]
+        out: PathBuf,
+        /// Write the report as JSON too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Print the report of a results file.
+    Report {
+        /// Results (from replay), one JSON object per line.
+        results: PathBuf,
+        /// Write the report as JSON too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+fn load_tasks(dir: &Option<PathBuf>) -> anyhow::Result<TaskSet> {
+    Ok(match dir {
+        Some(d) => TaskSet::load_dir(d)?,
+        None => TaskSet::bundled(),
+    })
+}
+
+/// Finds the solution files for a task in a solutions directory.
+fn solution_for(dir: &Path, task: &Task) -> Option<BTreeMap<String, String>> {
+    let flat = task.id.replace('/', "_");
+    let number = task.name.split('_').next().unwrap_or("");
+    let mut candidates = vec![dir.join(format!("{}.py", task.id)), dir.join(format!("{flat}.py"))];
+    let prefix = format!("level_{}_problem_{number}_sample_", task.level);
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        let mut kb: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix) && n.ends_with("_kernel.py")))
+            .collect();
+        kb.sort();
+        candidates.extend(kb);
+    }
+    let path = candidates.into_iter().find(|p| p.is_file())?;
+    let text = std::fs::read_to_string(path).ok()?;
+    Some([("model_new.py".to_string(), text)].into())
+}
+
+/// The last finished episode's files per task, from trajectory logs.
+fn solutions_from_trajectories(dir: &Path) -> anyhow::Result<BTreeMap<String, BTreeMap<String, String>>> {
+    let mut out = BTreeMap::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).with_context(|| dir.display().to_string())?.flatten().map(|e| e.path()).collect();
+    files.sort();
+    for f in files.into_iter().filter(|p| p.extension().is_some_and(|x| x == "jsonl")) {
+        let text = std::fs::read_to_string(&f)?;
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            if v["kind"] != "final" {
+                continue;
+            }
+            let (Some(task), Some(fs)) = (v["body"]["task"].as_str(), v["body"]["files"].as_object()) else { continue };
+            let map: BTreeMap<String, String> = fs.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect();
+            out.insert(task.to_string(), map);
+        }
+    }
+    Ok(out)
+}
+
+fn read_results(path: &Path) -> anyhow::Result<Vec<ResultRecord>> {
+    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
+    Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+}
+
+fn print_report(results: &[ResultRecord], json: Option<&Path>) -> anyhow::Result<()> {
+    let table = by_level(results);
+    print!("{}", markdown(&table));
+    if let Some(p) = json {
+        std::fs::write(p, serde_json::to_vec_pretty(&table)?)?;
+    }
+    Ok(())
+}
+
+fn failure(task: &Task, reason: &str) -> ResultRecord {
+    ResultRecord { task: task.id.clone(), level: task.level, reward: -1.0, correct: false, speedup_eager: None, speedup_compile: None, reason: Some(reason.into()) }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn replay(
+    server: String,
+    api_key: Option<String>,
+    solutions: Option<PathBuf>,
+    trajectories: Option<PathBuf>,
+    tasks: TaskSet,
+    split: String,
+    jobs: usize,
+    out: PathBuf,
+) -> anyhow::Result<Vec<ResultRecord>> {
+    let mut client = env_client::EnvClient::new(&server, Duration::from_secs(3600))?;
+    if let Some(k) = api_key {
+        client = client.with_api_key(k);
+    }
+    client.health().await.with_context(|| format!("server {server}"))?;
+    let done: BTreeSet<String> = if out.exists() { read_results(&out)?.into_iter().map(|r| r.task).collect() } else { BTreeSet::new() };
+    let from_logs = match &trajectories {
+        Some(d) => solutions_from_trajectories(d)?,
+        None => BTreeMap::new(),
+    };
+    let todo: Vec<Task> = tasks.split(&split).into_iter().filter(|t| !done.contains(&t.id)).cloned().collect();
+    let bar = indicatif::ProgressBar::new(todo.len() as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}<{eta}]").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    let file = Arc::new(std::sync::Mutex::new(std::fs::OpenOptions::new().create(true).append(true).open(&out)?));
+    let sem = Arc::new(tokio::sync::Semaphore::new(jobs.max(1)));
+    let mut handles = Vec::new();
+    for task in todo {
+        let files = match (&solutions, from_logs.get(&task.id)) {
+            (Some(dir), _) => solution_for(dir, &task),
+            (None, Some(f)) => Some(f.clone()),
+            _ => None,
+        };
+        let (client, sem, file, bar) = (client.clone(), sem.clone(), file.clone(), bar.clone());
+        handles.push(tokio::spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let rec = match files {
+                None => failure(&task, "missing_solution: no solution file for this task"),
+                Some(files) => {
+                    let req = EvaluateRequest { task: TaskRef::Id(task.id.clone()), solution: SolutionRef::Files { files }, options: None };
+                    match client.evaluate(&req).await {
+                        Ok(r) => ResultRecord {
+                            task: task.id.clone(),
+                            level: task.level,
+                            reward: r.reward,
+                            correct: r.correct,
+                            speedup_eager: r.speedup.eager,
+                            speedup_compile: r.speedup.compile,
+                            reason: r.reason,
+                        },
+                        Err(e) => failure(&task, &format!("evaluation_error: {e}")),
+                    }
+                }
+            };
+            if let Ok(mut f) = file.lock() {
+                let _ = writeln!(f, "{}", serde_json::to_string(&rec).unwrap_or_default());
+            }
+            bar.set_message(task.id.clone());
+            bar.inc(1);
+        }));
+    }
+    for h in handles {
+        h.await?;
+    }
+    bar.finish_and_clear();
+    // Every task of the split, in the order of the file (resumed runs included).
+    let wanted: BTreeSet<String> = tasks.split(&split).into_iter().map(|t| t.id.clone()).collect();
+    Ok(read_results(&out)?.into_iter().filter(|r| wanted.contains(&r.task)).collect())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::List { kernelbench_dir, split } => {
+            let tasks = load_tasks(&kernelbench_dir)?;
+            for t in tasks.split(&split) {
+                println!("{}\tlevel {}\t{}", t.id, t.level, &t.hash[..16]);
+            }
+            eprintln!("{} tasks", tasks.split(&split).len());
+        }
+        Cmd::Replay { server, api_key, solutions, trajectories, kernelbench_dir, split, jobs, out, json } => {
+            anyhow::ensure!(solutions.is_some() || trajectories.is_some(), "give --solutions DIR or --trajectories DIR");
+            let tasks = load_tasks(&kernelbench_dir)?;
+            let results = replay(server, api_key, solutions, trajectories, tasks, split, jobs, out).await?;
+            print_report(&results, json.as_deref())?;
+        }
+        Cmd::Report { results, json } => print_report(&read_results(&results)?, json.as_deref())?,
+    }
+    Ok(())
+}
