@@ -1,0 +1,26 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+N, C, H, W = (2, 4, 16, 16) if SMALL else (32, 64, 256, 256)
+
+
+class Model(nn.Module):
+    """2x2 max pooling, stride 2."""
+
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(x, 2)
+
+
+def get_inputs():
+    return [torch.randn(N, C, H, W)]
+
+
+def get_init_inputs():
+    return []

@@ -1,0 +1,26 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+BATCH, DIM = (32, 512) if SMALL else (4096, 32768)
+
+
+class Model(nn.Module):
+    """Log-softmax over the last dimension."""
+
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(x, dim=-1)
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return []

@@ -1,0 +1,28 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+BATCH, DIM = (32, 256) if SMALL else (16384, 4096)
+
+
+class Model(nn.Module):
+    """RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * weight."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return [DIM]

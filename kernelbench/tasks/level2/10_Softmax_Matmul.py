@@ -1,0 +1,26 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+B, S, D = (2, 32, 16) if SMALL else (32, 1024, 128)
+
+
+class Model(nn.Module):
+    """Attention weights applied to values: softmax(scores) @ v."""
+
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def get_inputs():
+    return [torch.randn(B, S, S), torch.randn(B, S, D)]
+
+
+def get_init_inputs():
+    return []

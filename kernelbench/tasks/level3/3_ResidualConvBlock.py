@@ -1,0 +1,34 @@
+import os
+
+import torch
+import torch.nn as nn
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+N, C, H, W = (2, 8, 16, 16) if SMALL else (32, 64, 128, 128)
+
+
+class Model(nn.Module):
+    """A ResNet basic block: conv-bn-relu-conv-bn plus the input, then ReLU (inference)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        with torch.no_grad():
+            for bn in (self.bn1, self.bn2):
+                bn.running_mean.normal_()
+                bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + x)
+
+
+def get_inputs():
+    return [torch.randn(N, C, H, W)]
+
+
+def get_init_inputs():
+    return [C]
