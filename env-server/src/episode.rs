@@ -1,6 +1,6 @@
 //! Episodes: a workspace, a toolbox, limits and a trajectory log each; many at once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as SyncMutex, RwLock};
@@ -79,7 +79,9 @@ struct Episode {
     status: EpisodeStatus,
     truncation_reason: Option<String>,
     result: Option<EvaluationResult>,
-    responses: HashMap<String, StepResponse>,
+    /// request_ids answered so far. The answers themselves stay in the trajectory log (read
+    /// back on the rare retry), so memory does not grow with the output of every turn.
+    answered: HashSet<String>,
     log: Option<TrajectoryLog>,
     last_active: Instant,
 }
@@ -153,7 +155,7 @@ impl Episode {
             status: EpisodeStatus::Running,
             truncation_reason: None,
             result: None,
-            responses: HashMap::new(),
+            answered: HashSet::new(),
             log,
             last_active: Instant::now(),
         }
@@ -276,7 +278,7 @@ impl EpisodeManager {
                             ep.turn = resp.info.turn;
                             ep.tool_time = Duration::from_secs_f64(resp.info.tool_time_s);
                             if let Some(rid) = r.body.get("request_id").and_then(Value::as_str) {
-                                ep.responses.insert(rid.to_string(), resp.clone());
+                                ep.answered.insert(rid.to_string());
                             }
                             if resp.done {
                                 ep.status = if resp.terminated { EpisodeStatus::Terminated } else { EpisodeStatus::Truncated };
@@ -404,13 +406,11 @@ impl EpisodeManager {
     pub async fn step(&self, id: &str, tool: &str, arguments: &Value, request_id: Option<String>) -> Result<StepResponse, EpisodeError> {
         let slot = self.slot(id)?;
         let mut ep = slot.episode.lock().await;
-        if let Some(rid) = &request_id {
-            if let Some(prev) = ep.responses.get(rid) {
-                self.counters.replays.fetch_add(1, Ordering::Relaxed);
-                let mut prev = prev.clone();
-                prev.info.replayed = true;
-                return Ok(prev);
-            }
+        if let Some(rid) = request_id.as_deref().filter(|rid| ep.answered.contains(*rid)) {
+            let mut prev = self.logged_answer(id, rid)?;
+            self.counters.replays.fetch_add(1, Ordering::Relaxed);
+            prev.info.replayed = true;
+            return Ok(prev);
         }
         if ep.is_done() {
             return Err(EpisodeError::Ended(id.to_string()));
@@ -477,7 +477,7 @@ impl EpisodeManager {
         let action = json!({"tool": tool, "arguments": arguments});
         ep.log("step", json!({"request_id": request_id, "action": action, "response": resp}))?;
         if let Some(rid) = request_id {
-            ep.responses.insert(rid, resp.clone());
+            ep.answered.insert(rid);
         }
         if resp.done {
             // The files judged, so replay and fine-tuning can use the solution itself.
@@ -487,6 +487,16 @@ impl EpisodeManager {
         }
         *slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
         Ok(resp)
+    }
+
+    /// The answer first given to `request_id`, from the trajectory log.
+    fn logged_answer(&self, id: &str, request_id: &str) -> Result<StepResponse, EpisodeError> {
+        let records = trajectory::read(&self.trajectories_dir().join(format!("{id}.jsonl"))).map_err(|e| EpisodeError::Internal(e.to_string()))?;
+        records
+            .iter()
+            .filter(|r| r.kind == "step" && r.body.get("request_id").and_then(Value::as_str) == Some(request_id))
+            .find_map(|r| serde_json::from_value(r.body["response"].clone()).ok())
+            .ok_or_else(|| EpisodeError::Internal(format!("request {request_id} is answered but not in the log")))
     }
 
     async fn final_evaluation(&self, task: &Task, files: &BTreeMap<String, String>) -> EvaluationResult {
