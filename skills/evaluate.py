@@ -87,6 +87,7 @@ def candidate(args) -> dict:
         return {"built": True, "build_s": build_s, "extensions": counter.modules}
 
     seeds = [int(s) for s in args.seeds.split(",")]
+    allowed = h.ALLOWED_OPS | {op.strip() for op in (args.allow_ops or "").split(",") if op.strip()}
     details = {"build_s": build_s, "seeds": len(seeds), "extensions": counter.modules}
     errors = []
     previous_out = None
@@ -106,7 +107,7 @@ def candidate(args) -> dict:
                 h.synchronize(device)
             except Exception as e:  # noqa: BLE001
                 raise h.RuleBreak("runtime_error", f"input set {i + 1}: {type(e).__name__}: {e}") from e
-        bad_ops = trace.forbidden()
+        bad_ops = trace.forbidden(allowed)
         if bad_ops:
             raise h.RuleBreak("pytorch_compute", f"the forward dispatched PyTorch compute operators: {', '.join(bad_ops[:8])}")
         if counter.count == calls_before:
@@ -126,6 +127,21 @@ def candidate(args) -> dict:
                 raise h.RuleBreak("constant_output", "the output did not change when the inputs did")
         previous_out = [t.clone() if isinstance(t, torch.Tensor) else t for t in h.flatten_outputs(new_out)]
         previous_ref = [t.clone() if isinstance(t, torch.Tensor) else t for t in h.flatten_outputs(ref_out)]
+    # A second shape, where the task offers one: a kernel hard-coded to the first fails here.
+    if hasattr(task, "get_inputs_alt"):
+        ref, new = h.make_models(task, cand, device, seeds[0])
+        torch.manual_seed(seeds[-1] + 7)
+        alt = h.to_device(list(task.get_inputs_alt()), device)
+        with torch.no_grad():
+            want = ref(*h.clone_inputs(alt))
+            try:
+                with h.quiet_stdout():
+                    got = new(*h.clone_inputs(alt))
+                h.synchronize(device)
+                h.compare(want, got, args.atol, args.rtol)
+            except Exception as e:  # noqa: BLE001 - a crash on the other shape counts too
+                raise h.RuleBreak("hard_coded_shape", f"wrong on a second input shape: {e}") from e
+        details["second_shape"] = True
     details["max_abs_error"] = max(e["max_abs_error"] for e in errors)
     details["max_rel_error"] = max(e["max_rel_error"] for e in errors)
 
@@ -179,6 +195,7 @@ def main() -> int:
     c.add_argument("--device", default="auto")
     c.add_argument("--seeds", default="1,2,3,4,5")
     c.add_argument("--phase", choices=["build", "run", "all"], default="all")
+    c.add_argument("--allow-ops", help="comma-separated aten operators the candidate may also dispatch")
     c.add_argument("--atol", type=float)
     c.add_argument("--rtol", type=float)
     c.add_argument("--out")

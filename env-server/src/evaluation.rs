@@ -59,6 +59,8 @@ pub struct EvaluatorConfig {
     pub extra_env: Vec<(String, String)>,
     /// Skip torch.compile baselines (faster CPU test runs; compile speedup then unknown).
     pub skip_compile: bool,
+    /// Aten operators candidates may dispatch beyond the harness's allocation/view/copy list.
+    pub allow_ops: Vec<String>,
 }
 
 /// One device lease; `busy_ms` and `leases` feed `/metrics`.
@@ -261,6 +263,9 @@ impl Evaluator {
         let mut args: Vec<String> = vec!["candidate".into(), "--phase".into(), "run".into(), "--seeds".into(), seeds];
         if let Some(t) = tolerance {
             args.extend(["--atol".into(), t.to_string(), "--rtol".into(), t.to_string()]);
+        }
+        if !self.cfg.allow_ops.is_empty() {
+            args.extend(["--allow-ops".into(), self.cfg.allow_ops.join(",")]);
         }
         let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
         let run = self.with_lease(|slot| self.run_harness(&jail, dir, &args_ref, task, Some(slot))).await?;

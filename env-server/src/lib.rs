@@ -63,6 +63,8 @@ pub struct ServerConfig {
     pub task_size: Option<String>,
     /// Skip torch.compile baselines.
     pub skip_compile: bool,
+    /// Aten operators candidates may dispatch beyond allocation, views and copies.
+    pub allow_ops: Vec<String>,
     /// Largest request body.
     pub max_body_bytes: usize,
 }
@@ -87,6 +89,7 @@ impl Default for ServerConfig {
             limits: ResourceLimits::default(),
             task_size: None,
             skip_compile: false,
+            allow_ops: Vec::new(),
             max_body_bytes: 8 << 20,
         }
     }
@@ -167,6 +170,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             phase_timeout: cfg.eval_timeout,
             extra_env: extra_env.clone(),
             skip_compile: cfg.skip_compile,
+            allow_ops: cfg.allow_ops.clone(),
         },
         sandbox.clone(),
         python.clone(),

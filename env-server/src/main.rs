@@ -56,6 +56,10 @@ struct Args {
     /// Skip torch.compile baselines (the compile milestone is then never reached).
     #[arg(long)]
     skip_compile: bool,
+    /// Aten operators candidates may dispatch in their forward beyond allocation, views and
+    /// copies (comma separated, such as `mm,addmm` to allow PyTorch's matmul).
+    #[arg(long, value_delimiter = ',')]
+    allow_ops: Vec<String>,
 }
 
 #[tokio::main]
@@ -78,6 +82,7 @@ async fn main() -> anyhow::Result<()> {
         eval_timeout: Duration::from_secs(args.eval_timeout_s),
         task_size: args.task_size,
         skip_compile: args.skip_compile,
+        allow_ops: args.allow_ops,
         ..ServerConfig::default()
     };
     if let Some(n) = args.max_builds {

@@ -89,6 +89,7 @@ CANDIDATES = {
         "    def forward(self, a, b):\n"
         "        return ext.vadd(a, b)\n"
     ),
+    "hard_coded_shape": "    def forward(self, a, b):\n        return ext.vadd(a[:65536], b[:65536])\n",
     "precision_dtype": "    def forward(self, a, b):\n        return ext.vadd(a, b).double()\n",
     "precision_flags": (
         "        torch.backends.cuda.matmul.allow_tf32 = True\n"
@@ -103,14 +104,14 @@ def ext_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("torch_extensions")
 
 
-def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15"):
+def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15", extra=()):
     cand = tmp_path / "candidate"
-    cand.mkdir()
+    cand.mkdir(parents=True)
     (cand / "model_new.py").write_text(HEADER + body)
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     out = subprocess.run(
-        [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu", "--seeds", seeds],
+        [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu", "--seeds", seeds, *extra],
         capture_output=True, text=True, env=env, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -140,6 +141,7 @@ def test_a_wrong_candidate_names_the_input_set(tmp_path, ext_dir):
     ("background_thread", "background_work"),
     ("background_process", "background_work"),
     ("patching", "patching"),
+    ("hard_coded_shape", "hard_coded_shape"),
     ("precision_dtype", "precision"),
     ("precision_flags", "precision"),
 ])
@@ -148,6 +150,13 @@ def test_each_rule_break_gets_its_reason(tmp_path, ext_dir, name, rule):
     assert r["correct"] is False, (name, r)
     assert r["rule"] == rule, (name, r)
     assert r["reason"].startswith(rule + ":"), (name, r)
+
+
+def test_the_op_allowlist_is_configurable(tmp_path, ext_dir):
+    body = CANDIDATES["pytorch_compute_python"]
+    cand = tmp_path / "c1"
+    r = evaluate(cand, ext_dir, body, extra=["--allow-ops", "add"])
+    assert r["correct"] is True, r
 
 
 def test_a_broken_candidate_is_a_compile_failure(tmp_path, ext_dir):

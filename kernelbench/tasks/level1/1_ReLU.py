@@ -23,3 +23,8 @@ def get_inputs():
 
 def get_init_inputs():
     return []
+
+
+def get_inputs_alt():
+    """Another shape, to catch kernels hard-coded to the first."""
+    return [torch.randn(BATCH // 2 + 1, DIM + 4)]

@@ -23,3 +23,8 @@ def get_inputs():
 
 def get_init_inputs():
     return []
+
+
+def get_inputs_alt():
+    """Another shape (not a multiple of 4), to catch kernels hard-coded to the first."""
+    return [torch.randn(N + 3), torch.randn(N + 3)]
