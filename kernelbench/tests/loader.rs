@@ -5,7 +5,10 @@ use kernelbench::{TaskError, TaskSet};
 #[test]
 fn bundled_suite_has_all_levels_and_stable_ids() {
     let set = TaskSet::bundled();
-    assert!(set.len() >= 32, "{}", set.len());
+    assert!(set.len() >= 60, "{}", set.len());
+    for level in ["level1", "level2", "level3"] {
+        assert!(set.split(level).len() >= 8, "{level}");
+    }
     let relu = set.get("L1/1_ReLU").unwrap();
     assert_eq!(relu.level, 1);
     assert_eq!(relu.hash.len(), 64);

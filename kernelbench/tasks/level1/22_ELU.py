@@ -1,0 +1,26 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+BATCH, DIM = (16, 4096) if SMALL else (8192, 16384)
+
+
+class Model(nn.Module):
+    """Elementwise ELU."""
+
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.elu(x, alpha=1.0)
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return []

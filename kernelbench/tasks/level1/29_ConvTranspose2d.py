@@ -1,0 +1,27 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+N, C, H, W = (2, 8, 16, 16) if SMALL else (16, 64, 64, 64)
+
+
+class Model(nn.Module):
+    """A transposed 2x2 convolution, stride 2 (upsampling)."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.conv = nn.ConvTranspose2d(c_in, c_out, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def get_inputs():
+    return [torch.randn(N, C, H, W)]
+
+
+def get_init_inputs():
+    return [C, C // 2]

@@ -1,0 +1,27 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+N, C, H, W = (2, 8, 16, 16) if SMALL else (32, 64, 128, 128)
+
+
+class Model(nn.Module):
+    """GroupNorm with 4 groups, affine."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def get_inputs():
+    return [torch.randn(N, C, H, W)]
+
+
+def get_init_inputs():
+    return [C]

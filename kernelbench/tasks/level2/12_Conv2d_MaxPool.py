@@ -1,0 +1,27 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+N, C, H, W = (2, 8, 16, 16) if SMALL else (32, 64, 128, 128)
+
+
+class Model(nn.Module):
+    """A 3x3 convolution then 2x2 max pooling."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(self.conv(x), 2)
+
+
+def get_inputs():
+    return [torch.randn(N, C, H, W)]
+
+
+def get_init_inputs():
+    return [C, 2 * C]

@@ -1,0 +1,26 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+M, K, N = (64, 64, 64) if SMALL else (4096, 4096, 4096)
+
+
+class Model(nn.Module):
+    """A matrix product, tanh, then a scale."""
+
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.matmul(a, b)) * 2.0
+
+
+def get_inputs():
+    return [torch.randn(M, K) * 0.05, torch.randn(K, N) * 0.05]
+
+
+def get_init_inputs():
+    return []

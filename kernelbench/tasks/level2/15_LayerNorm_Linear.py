@@ -1,0 +1,28 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+BATCH, DIM, OUT = (32, 64, 64) if SMALL else (8192, 4096, 4096)
+
+
+class Model(nn.Module):
+    """LayerNorm then a linear layer (a pre-norm projection)."""
+
+    def __init__(self, dim: int, out_features: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.linear = nn.Linear(dim, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm(x))
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return [DIM, OUT]

@@ -1,0 +1,28 @@
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
+BATCH, DIM, OUT = (32, 64, 64) if SMALL else (8192, 4096, 4096)
+
+
+class Model(nn.Module):
+    """RMSNorm then a linear layer without bias (a Llama-style projection)."""
+
+    def __init__(self, dim: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.linear = nn.Linear(dim, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight)
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return [DIM, OUT]
