@@ -62,6 +62,39 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Synthesize fused tasks from PyTorch's own operators, filtered as the CUDA Agent recipe does.
+    Synth {
+        /// Tasks to accept.
+        #[arg(long, default_value_t = 100)]
+        count: usize,
+        /// Seed of the composition (the same seed gives the same tasks).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Device the filters run on (cpu or cuda).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Output directory: level2/*.py and manifest.jsonl (appended: a rerun adds to it, skipping duplicates).
+        #[arg(long, default_value = "synth-tasks")]
+        out: PathBuf,
+        /// Python interpreter with torch.
+        #[arg(long, env = "CUDA_AGENT_PYTHON", default_value = "python3")]
+        python: PathBuf,
+        /// Input sizes the filters use (default: small on CPU, full on CUDA).
+        #[arg(long, value_parser = ["small", "full"])]
+        size: Option<String>,
+        /// Shortest eager runtime kept, ms.
+        #[arg(long, default_value_t = 1.0)]
+        min_ms: f64,
+        /// Longest eager runtime kept, ms.
+        #[arg(long, default_value_t = 100.0)]
+        max_ms: f64,
+        /// torch.compile backend of the compile filter (`inductor`; `eager` only checks that it traces).
+        #[arg(long, default_value = "inductor")]
+        compile_backend: String,
+        /// Also run a known non-deterministic and a known constant composition through the filters.
+        #[arg(long)]
+        plant_bad: bool,
+    },
     /// Print the report of a results file.
     Report {
         /// Results (from replay), one JSON object per line.
@@ -207,6 +240,61 @@ async fn replay(
     Ok(read_results(&out)?.into_iter().filter(|r| wanted.contains(&r.task)).collect())
 }
 
+/// The synthesis worker, compiled in so the command works from any directory.
+const SYNTH_PY: &str = include_str!("../synth/synth.py");
+
+fn synth(python: &Path, args: &[String], count: usize, out: &Path) -> anyhow::Result<()> {
+    use std::io::BufRead as _;
+    std::fs::create_dir_all(out)?;
+    let script = out.join(".synth.py");
+    std::fs::write(&script, SYNTH_PY)?;
+    let started = std::time::Instant::now();
+    let mut child = std::process::Command::new(python)
+        .arg(&script)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", python.display()))?;
+    let bar = indicatif::ProgressBar::new(count as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} accepted, {msg} [{elapsed}<{eta}]").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    let (mut accepted, mut rejected, mut seeds) = (0usize, BTreeMap::<String, usize>::new(), 0u64);
+    let mut patterns = BTreeMap::<String, usize>::new();
+    for line in std::io::BufReader::new(child.stdout.take().context("stdout")?).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line?) else { continue };
+        match v["event"].as_str() {
+            Some("seeds") => seeds = v["count"].as_u64().unwrap_or(0),
+            Some("candidate") if v["verdict"] == "accepted" => {
+                accepted += 1;
+                *patterns.entry(v["pattern"].as_str().unwrap_or("?").to_string()).or_default() += 1;
+                bar.inc(1);
+            }
+            Some("candidate") => {
+                let reason = v["reason"].as_str().unwrap_or("?");
+                let kind = reason.split(':').next().unwrap_or(reason).to_string();
+                *rejected.entry(kind).or_default() += 1;
+                bar.set_message(format!("{} rejected", rejected.values().sum::<usize>()));
+            }
+            _ => {}
+        }
+    }
+    let status = child.wait()?;
+    bar.finish_and_clear();
+    let _ = std::fs::remove_file(&script);
+    anyhow::ensure!(status.success(), "the synthesis worker failed ({status})");
+    let total_rejected: usize = rejected.values().sum();
+    println!("seed operators mined: {seeds}");
+    println!("accepted {accepted} of {} candidates in {:.1} s -> {}", accepted + total_rejected, started.elapsed().as_secs_f64(), out.display());
+    println!("| pattern | accepted |\n| --- | --- |");
+    for (p, n) in &patterns {
+        println!("| {p} | {n} |");
+    }
+    println!("| rejection | candidates |\n| --- | --- |");
+    for (r, n) in &rejected {
+        println!("| {r} | {n} |");
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
@@ -224,6 +312,31 @@ async fn main() -> anyhow::Result<()> {
             print_report(&results, json.as_deref())?;
         }
         Cmd::Report { results, json } => print_report(&read_results(&results)?, json.as_deref())?,
+        Cmd::Synth { count, seed, device, out, python, size, min_ms, max_ms, compile_backend, plant_bad } => {
+            let mut args: Vec<String> = vec![
+                "--count".into(),
+                count.to_string(),
+                "--seed".into(),
+                seed.to_string(),
+                "--device".into(),
+                device,
+                "--out".into(),
+                out.display().to_string(),
+                "--min-ms".into(),
+                min_ms.to_string(),
+                "--max-ms".into(),
+                max_ms.to_string(),
+                "--compile-backend".into(),
+                compile_backend,
+            ];
+            if let Some(s) = size {
+                args.extend(["--size".into(), s]);
+            }
+            if plant_bad {
+                args.push("--plant-bad".into());
+            }
+            synth(&python, &args, count, &out)?;
+        }
     }
     Ok(())
 }
