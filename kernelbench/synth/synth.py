@@ -325,7 +325,8 @@ def main():
             seen.add(digest)
             t0 = time.perf_counter()
             reason = verdict(source, device, small, args)
-        rec = {"event": "candidate", "hash": digest, "family": family, "pattern": pattern, "ops": ops,
+        shapes = {"full": list(FAMILIES[family][0]), "small": list(FAMILIES[family][1])}
+        rec = {"event": "candidate", "hash": digest, "family": family, "shapes": shapes, "pattern": pattern, "ops": ops,
                "planted": plant, "verdict": "accepted" if reason is None else "rejected", "reason": reason}
         if reason is None:
             accepted += 1
