@@ -361,6 +361,25 @@ class OpTrace:
         return seen
 
 
+def traced_forward(model, inputs, counter: ExtensionCalls, device, allowed=ALLOWED_OPS, label=""):
+    """Runs the candidate's forward under the operator trace and checks rules 1 and 2: no
+    PyTorch compute operators dispatched, at least one compiled extension function called."""
+    before = counter.count
+    trace = OpTrace()
+    try:
+        with torch.no_grad(), quiet_stdout(), trace:
+            out = model(*inputs)
+        synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any crash is the candidate's
+        raise RuleBreak("runtime_error", f"{label}{type(e).__name__}: {e}") from e
+    bad = trace.forbidden(allowed)
+    if bad:
+        raise RuleBreak("pytorch_compute", f"the forward dispatched PyTorch compute operators: {', '.join(bad[:8])}")
+    if counter.count == before:
+        raise RuleBreak("no_custom_kernel", "no compiled extension function was called in the forward")
+    return out
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -99,19 +99,7 @@ def candidate(args) -> dict:
         with torch.no_grad():
             ref_out = ref(*ref_inputs)  # kept alive until compared: its memory cannot be reused
             h.poison_free_memory(ref_out, device)
-            calls_before = counter.count
-            trace = h.OpTrace()
-            try:
-                with h.quiet_stdout(), trace:
-                    new_out = new(*new_inputs)
-                h.synchronize(device)
-            except Exception as e:  # noqa: BLE001
-                raise h.RuleBreak("runtime_error", f"input set {i + 1}: {type(e).__name__}: {e}") from e
-        bad_ops = trace.forbidden(allowed)
-        if bad_ops:
-            raise h.RuleBreak("pytorch_compute", f"the forward dispatched PyTorch compute operators: {', '.join(bad_ops[:8])}")
-        if counter.count == calls_before:
-            raise h.RuleBreak("no_custom_kernel", "no compiled extension function was called in the forward")
+        new_out = h.traced_forward(new, new_inputs, counter, device, allowed, label=f"input set {i + 1}: ")
         for a, b in zip(h.flatten_outputs(new_inputs), h.flatten_outputs(inputs)):
             if isinstance(a, torch.Tensor) and not torch.equal(a, b):
                 raise h.RuleBreak("input_mutation", f"input set {i + 1}: the candidate changed its inputs in place")

@@ -234,7 +234,7 @@ impl Evaluator {
             let _same_sources = digest_lock.lock().await;
             let _permit = self.builds.acquire().await.map_err(|e| EvalError::Harness(e.to_string()))?;
             prepare_build_dir(&ext, owner).map_err(|e| io_err(&ext, e))?;
-            self.run_harness(&jail, dir, &["candidate", "--phase", "build"], task, None).await?
+            self.run_harness(&jail, dir, &["candidate", "--phase", "build"], None).await?
         };
         let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "baseline": baseline, "build_cache_hit": cache_hit});
         let fail = |reason: String, mut details: Value, extra: &Value| {
@@ -268,7 +268,7 @@ impl Evaluator {
             args.extend(["--allow-ops".into(), self.cfg.allow_ops.join(",")]);
         }
         let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
-        let run = self.with_lease(|slot| self.run_harness(&jail, dir, &args_ref, task, Some(slot))).await?;
+        let run = self.with_lease(|slot| self.run_harness(&jail, dir, &args_ref, Some(slot))).await?;
         details["elapsed_s"] = json!(started.elapsed().as_secs_f64());
         details["confined"] = json!(self.sandbox.is_confined());
         if run.get("correct").and_then(Value::as_bool) != Some(true) {
@@ -321,7 +321,7 @@ impl Evaluator {
         if self.cfg.skip_compile {
             args.push("--no-compile");
         }
-        let v = self.with_lease(|slot| self.run_harness(jail, dir, &args, task, Some(slot))).await?;
+        let v = self.with_lease(|slot| self.run_harness(jail, dir, &args, Some(slot))).await?;
         if v.get("eager").is_none() {
             let reason = v.get("reason").and_then(Value::as_str).unwrap_or("no eager time");
             return Err(EvalError::Harness(format!("baseline of {}: {reason}", task.id)));
@@ -369,7 +369,7 @@ impl Evaluator {
         out
     }
 
-    async fn run_harness(&self, jail: &Jail, dir: &Path, args: &[&str], _task: &Task, slot: Option<usize>) -> Result<Value, EvalError> {
+    async fn run_harness(&self, jail: &Jail, dir: &Path, args: &[&str], slot: Option<usize>) -> Result<Value, EvalError> {
         let mut jail = jail.clone();
         if self.cfg.device == Device::Cuda {
             let visible = slot.map(|s| s.to_string()).unwrap_or_else(|| "0".into());
