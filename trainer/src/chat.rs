@@ -1,0 +1,155 @@
+//! Chat templates (ChatML as Qwen2.5 uses it, and Llama 3) and tool-call parsing.
+//!
+//! Rendering is split so that a rollout can append tokens turn by turn without
+//! re-tokenising what the policy sampled: `prompt` renders the opening turns up to the first
+//! assistant header, `observation` renders a tool result and the next assistant header.
+
+use serde_json::Value;
+
+/// A chat template family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ChatTemplate {
+    /// `<|im_start|>role\n...<|im_end|>` (Qwen2 / Qwen2.5).
+    Chatml,
+    /// `<|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|>` (Llama 3).
+    Llama3,
+}
+
+impl ChatTemplate {
+    /// Picks the template from a checkpoint's `tokenizer_config.json` chat template text.
+    pub fn detect(chat_template: &str) -> Option<Self> {
+        if chat_template.contains("<|im_start|>") {
+            Some(Self::Chatml)
+        } else if chat_template.contains("<|start_header_id|>") {
+            Some(Self::Llama3)
+        } else {
+            None
+        }
+    }
+
+    /// Reads `tokenizer_config.json` in `dir`, defaulting to ChatML.
+    pub fn for_checkpoint(dir: &std::path::Path) -> Self {
+        std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).and_then(Self::detect))
+            .unwrap_or(Self::Chatml)
+    }
+
+    /// The text that ends an assistant turn (also the stop string for sampling).
+    pub fn end_of_turn(self) -> &'static str {
+        match self {
+            Self::Chatml => "<|im_end|>",
+            Self::Llama3 => "<|eot_id|>",
+        }
+    }
+
+    /// System prompt with tool schemas, the user's task, and the opening of the assistant turn.
+    pub fn prompt(self, system: &str, tools: &[Value], user: &str) -> String {
+        let tool_lines: Vec<String> = tools.iter().map(|t| t.to_string()).collect();
+        match self {
+            Self::Chatml => {
+                let mut s = format!("<|im_start|>system\n{system}");
+                if !tools.is_empty() {
+                    s.push_str("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n");
+                    s.push_str(&tool_lines.join("\n"));
+                    s.push_str("\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
+                }
+                s.push_str(&format!("<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"));
+                s
+            }
+            Self::Llama3 => {
+                let mut s = format!("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{system}");
+                if !tools.is_empty() {
+                    s.push_str("\n\nYou have access to the following functions. To call a function, respond with a JSON object of the form {\"name\": function name, \"parameters\": dictionary of argument name and its value}.\n\n");
+                    s.push_str(&tool_lines.join("\n\n"));
+                }
+                s.push_str(&format!("<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{user}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"));
+                s
+            }
+        }
+    }
+
+    /// A tool result after an assistant turn, and the opening of the next assistant turn.
+    /// `after_turn` is whether the assistant turn already ended with `end_of_turn`.
+    pub fn observation(self, result: &str, after_turn: bool) -> String {
+        let close = if after_turn { "" } else { self.end_of_turn() };
+        match self {
+            Self::Chatml => format!("{close}\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+            Self::Llama3 => format!("{close}<|start_header_id|>ipython<|end_header_id|>\n\n{result}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"),
+        }
+    }
+}
+
+/// A tool call parsed out of an assistant turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedToolCall {
+    /// Tool name.
+    pub name: String,
+    /// Arguments object.
+    pub arguments: Value,
+}
+
+/// Why an assistant turn holds no usable tool call; the message is shown to the agent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolCallParseError {
+    /// Neither a `<tool_call>` block nor a JSON object was found.
+    #[error("no tool call found: answer with <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>")]
+    Missing,
+    /// A `<tool_call>` block was opened but never closed.
+    #[error("<tool_call> is not closed by </tool_call>")]
+    Unclosed,
+    /// The call is not valid JSON.
+    #[error("tool call is not valid JSON: {0}")]
+    Json(String),
+    /// The JSON lacks `name` or its arguments are not an object.
+    #[error("tool call must be {{\"name\": string, \"arguments\": object}}: {0}")]
+    Shape(String),
+}
+
+/// Extracts the first tool call from `text`: a `<tool_call>{json}</tool_call>` block, or else
+/// a bare JSON object with `name` and `arguments` (or Llama's `parameters`).
+pub fn parse_tool_call(text: &str) -> Result<ParsedToolCall, ToolCallParseError> {
+    if let Some(start) = text.find("<tool_call>") {
+        let body = &text[start + "<tool_call>".len()..];
+        let end = body.find("</tool_call>").ok_or(ToolCallParseError::Unclosed)?;
+        let json: Value = serde_json::from_str(body[..end].trim()).map_err(|e| ToolCallParseError::Json(e.to_string()))?;
+        return shape(json);
+    }
+    // Bare JSON: try each '{' as the start of an object until one parses.
+    for (i, _) in text.match_indices('{') {
+        let mut de = serde_json::Deserializer::from_str(&text[i..]).into_iter::<Value>();
+        if let Some(Ok(v)) = de.next() {
+            if v.get("name").is_some() {
+                return shape(v);
+            }
+        }
+    }
+    if text.contains('{') {
+        let i = text.find('{').unwrap_or(0);
+        if let Err(e) = serde_json::from_str::<Value>(text[i..].trim()) {
+            return Err(ToolCallParseError::Json(e.to_string()));
+        }
+    }
+    Err(ToolCallParseError::Missing)
+}
+
+fn shape(v: Value) -> Result<ParsedToolCall, ToolCallParseError> {
+    let name = v
+        .get("name")
+        .and_then(|n| n.as_str())
+        .ok_or_else(|| ToolCallParseError::Shape("missing string \"name\"".into()))?
+        .to_string();
+    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+        None => Value::Object(Default::default()),
+        Some(Value::Object(m)) => Value::Object(m.clone()),
+        // Some models emit the arguments as a JSON string.
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(Value::Object(m)) => Value::Object(m),
+            _ => return Err(ToolCallParseError::Shape("\"arguments\" is a string that is not a JSON object".into())),
+        },
+        Some(_) => return Err(ToolCallParseError::Shape("\"arguments\" is not an object".into())),
+    };
+    Ok(ParsedToolCall { name, arguments })
+}

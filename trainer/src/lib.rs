@@ -1,0 +1,11 @@
+//! The cuda-agent trainer: Llama/Qwen2 policy and critic models in burn, and the CUDA Agent
+//! training stages (single-turn warm-up, rejection-sampling fine-tuning, value pre-training,
+//! multi-turn PPO) run against env-server over HTTP.
+
+pub mod chat;
+pub mod error;
+pub mod generate;
+pub mod model;
+pub mod tokenizer;
+
+pub use error::{ModelError, TrainError};

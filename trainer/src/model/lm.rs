@@ -1,0 +1,223 @@
+//! The policy (a causal LM head on the backbone) and the critic (a scalar value head).
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{backend::Backend, Bool, Int, Tensor};
+
+use super::cache::KvCache;
+use super::config::ModelConfig;
+use super::rope::RopeTables;
+use super::transformer::{Backbone, Dense};
+use super::weights::{write_safetensors, WeightMap};
+use crate::error::ModelError;
+
+/// What every forward pass needs besides the weights: the config and the RoPE tables.
+#[derive(Debug, Clone)]
+pub struct Architecture<B: Backend> {
+    /// The architecture.
+    pub config: ModelConfig,
+    /// cos/sin tables up to the context length.
+    pub rope: RopeTables<B>,
+}
+
+impl<B: Backend> Architecture<B> {
+    /// Tables for `max_positions` positions (capped at the config's maximum).
+    pub fn new(config: ModelConfig, max_positions: usize, device: &B::Device) -> Self {
+        let n = max_positions.max(1);
+        let rope = RopeTables::new(&config, n, device);
+        Self { config, rope }
+    }
+}
+
+/// A causal language model: backbone plus output projection (tied when `lm_head` is `None`).
+#[derive(Module, Debug)]
+pub struct CausalLm<B: Backend> {
+    /// The decoder.
+    pub backbone: Backbone<B>,
+    /// Untied output projection `[hidden, vocab]`.
+    pub lm_head: Option<Dense<B>>,
+}
+
+/// Per-token statistics of given sequences under the policy.
+pub struct SequenceStats<B: Backend> {
+    /// `[batch, seq - 1]`: log p(token t+1 | tokens ..= t).
+    pub logprobs: Tensor<B, 2>,
+    /// `[batch, seq - 1]`: entropy of the next-token distribution at t.
+    pub entropy: Tensor<B, 2>,
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// Random weights of the given shape.
+    pub fn random(cfg: &ModelConfig, device: &B::Device) -> Self {
+        Self {
+            backbone: Backbone::random(cfg, device),
+            lm_head: (!cfg.tie_word_embeddings)
+                .then(|| Dense::random(cfg.hidden_size, cfg.vocab_size, false, 0.02, device)),
+        }
+    }
+
+    /// Loads a Hugging Face checkpoint directory (`config.json` + `*.safetensors`).
+    pub fn from_pretrained(dir: &Path, device: &B::Device) -> Result<(ModelConfig, Self), ModelError> {
+        let cfg = ModelConfig::from_file(dir)?;
+        let mut w = WeightMap::from_dir(dir)?;
+        let backbone = w.backbone(&cfg, device)?;
+        let lm_head = w.lm_head(&cfg, device)?;
+        Ok((cfg, Self { backbone, lm_head }))
+    }
+
+    /// Logits `[batch, seq, vocab]` from final hidden states.
+    pub fn project(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => {
+                let [b, t, d] = hidden.dims();
+                let e = self.backbone.embed_tokens.val();
+                let v = e.dims()[0];
+                hidden.reshape([b * t, d]).matmul(e.transpose()).reshape([b, t, v])
+            }
+        }
+    }
+
+    /// Logits of `tokens`, optionally continuing a KV cache.
+    pub fn forward(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        valid: Tensor<B, 2, Bool>,
+        arch: &Architecture<B>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        self.project(self.backbone.forward(tokens, valid, &arch.rope, cache))
+    }
+
+    /// Log-probabilities and entropies of each next token of `tokens`, with logits divided
+    /// by `temperature` (the sampling temperature, so PPO ratios compare like with like).
+    pub fn sequence_stats(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        valid: Tensor<B, 2, Bool>,
+        arch: &Architecture<B>,
+        temperature: f64,
+    ) -> SequenceStats<B> {
+        let [b, t] = tokens.dims();
+        let logits = self.forward(tokens.clone(), valid, arch, None).narrow(1, 0, t - 1);
+        let logits = if (temperature - 1.0).abs() > f64::EPSILON { logits / temperature } else { logits };
+        let lp = log_softmax(logits, 2);
+        let targets = tokens.narrow(1, 1, t - 1).reshape([b, t - 1, 1]);
+        let logprobs = lp.clone().gather(2, targets).reshape([b, t - 1]);
+        let entropy = (lp.clone().exp() * lp).sum_dim(2).neg().reshape([b, t - 1]);
+        SequenceStats { logprobs, entropy }
+    }
+
+    /// Writes the weights as a Hugging Face checkpoint (`config.json` + `model.safetensors`),
+    /// loadable by `from_pretrained` and by `transformers`.
+    pub fn save_pretrained(&self, cfg: &ModelConfig, dir: &Path) -> Result<(), ModelError> {
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::Io(dir.to_path_buf(), e))?;
+        let cfg_path = dir.join("config.json");
+        let text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| ModelError::Config(e.to_string()))?;
+        std::fs::write(&cfg_path, text).map_err(|e| ModelError::Io(cfg_path, e))?;
+        let mut out = Vec::new();
+        self.backbone.export("model", &mut out);
+        if let Some(head) = &self.lm_head {
+            head.export("lm_head", &mut out);
+        }
+        write_safetensors(&dir.join("model.safetensors"), &out)
+    }
+
+    /// Saves the exact burn record (full precision).
+    pub fn save_record(&self, path: &Path) -> Result<(), ModelError> {
+        self.clone()
+            .save_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+    }
+
+    /// Loads a record saved by `save_record` into a model of the same shape.
+    pub fn load_record(self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
+        self.load_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new(), device)
+            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+    }
+}
+
+/// The value model: the same backbone with a scalar head per token.
+#[derive(Module, Debug)]
+pub struct Critic<B: Backend> {
+    /// The decoder.
+    pub backbone: Backbone<B>,
+    /// `[hidden, 1]`.
+    pub value_head: Dense<B>,
+}
+
+impl<B: Backend> Critic<B> {
+    /// A critic whose backbone starts as a copy of the policy's (the recipe's initialisation)
+    /// and whose head starts at zero, so initial values are 0.
+    pub fn from_policy(policy: &CausalLm<B>, device: &B::Device) -> Self {
+        let d = policy.backbone.norm.weight.dims()[0];
+        let mut head = Dense::random(d, 1, true, 0.0, device);
+        head.weight = burn::module::Param::from_tensor(Tensor::zeros([d, 1], device));
+        Self { backbone: policy.backbone.clone(), value_head: head }
+    }
+
+    /// Values `[batch, seq]`, one per token position.
+    pub fn values(&self, tokens: Tensor<B, 2, Int>, valid: Tensor<B, 2, Bool>, arch: &Architecture<B>) -> Tensor<B, 2> {
+        let h = self.backbone.forward(tokens, valid, &arch.rope, None);
+        let [b, t, _] = h.dims();
+        self.value_head.forward(h).reshape([b, t])
+    }
+
+    /// Saves the exact burn record.
+    pub fn save_record(&self, path: &Path) -> Result<(), ModelError> {
+        self.clone()
+            .save_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+    }
+
+    /// Loads a record saved by `save_record`.
+    pub fn load_record(self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
+        self.load_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new(), device)
+            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+    }
+}
+
+type Named = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+fn tensor_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> (Vec<usize>, Vec<f32>) {
+    let shape = t.dims().to_vec();
+    let data = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+    (shape, data)
+}
+
+impl<B: Backend> Dense<B> {
+    fn export(&self, prefix: &str, out: &mut Named) {
+        let (s, d) = tensor_f32(self.weight.val().transpose());
+        out.push((format!("{prefix}.weight"), s, d));
+        if let Some(b) = &self.bias {
+            let (s, d) = tensor_f32(b.val());
+            out.push((format!("{prefix}.bias"), s, d));
+        }
+    }
+}
+
+impl<B: Backend> Backbone<B> {
+    fn export(&self, prefix: &str, out: &mut Named) {
+        let (s, d) = tensor_f32(self.embed_tokens.val());
+        out.push((format!("{prefix}.embed_tokens.weight"), s, d));
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("{prefix}.layers.{i}");
+            let (s, d) = tensor_f32(l.input_layernorm.weight.val());
+            out.push((format!("{p}.input_layernorm.weight"), s, d));
+            let (s, d) = tensor_f32(l.post_attention_layernorm.weight.val());
+            out.push((format!("{p}.post_attention_layernorm.weight"), s, d));
+            l.self_attn.q_proj.export(&format!("{p}.self_attn.q_proj"), out);
+            l.self_attn.k_proj.export(&format!("{p}.self_attn.k_proj"), out);
+            l.self_attn.v_proj.export(&format!("{p}.self_attn.v_proj"), out);
+            l.self_attn.o_proj.export(&format!("{p}.self_attn.o_proj"), out);
+            l.mlp.gate_proj.export(&format!("{p}.mlp.gate_proj"), out);
+            l.mlp.up_proj.export(&format!("{p}.mlp.up_proj"), out);
+            l.mlp.down_proj.export(&format!("{p}.mlp.down_proj"), out);
+        }
+        let (s, d) = tensor_f32(self.norm.weight.val());
+        out.push((format!("{prefix}.norm.weight"), s, d));
+    }
+}

@@ -1,0 +1,12 @@
+//! Llama/Qwen2-architecture decoders in burn: config, weights, KV cache, policy and critic.
+
+pub mod cache;
+pub mod config;
+pub mod lm;
+pub mod rope;
+pub mod transformer;
+pub mod weights;
+
+pub use cache::KvCache;
+pub use config::{ModelConfig, RopeScaling};
+pub use lm::{Architecture, CausalLm, Critic, SequenceStats};

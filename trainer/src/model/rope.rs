@@ -1,0 +1,91 @@
+//! Rotary position embeddings in Hugging Face's (non-interleaved, `rotate_half`) layout.
+
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+
+use super::config::{ModelConfig, RopeScaling};
+
+/// Inverse frequencies of each rotary pair, after the checkpoint's scaling.
+pub fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
+    let half = cfg.head_dim / 2;
+    let base: Vec<f64> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / cfg.head_dim as f64))
+        .collect();
+    match &cfg.rope_scaling {
+        None => base,
+        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            let old = *original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+/// Precomputed cos/sin tables, `[max_positions, head_dim]` each.
+#[derive(Debug, Clone)]
+pub struct RopeTables<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    len: usize,
+}
+
+impl<B: Backend> RopeTables<B> {
+    /// Builds tables for positions `0..max_positions`, computed in f64 and then cast.
+    pub fn new(cfg: &ModelConfig, max_positions: usize, device: &B::Device) -> Self {
+        let inv = inverse_frequencies(cfg);
+        let d = cfg.head_dim;
+        let mut cos = Vec::with_capacity(max_positions * d);
+        let mut sin = Vec::with_capacity(max_positions * d);
+        for p in 0..max_positions {
+            for rep in 0..2 {
+                let _ = rep;
+                for f in &inv {
+                    let a = p as f64 * f;
+                    cos.push(a.cos() as f32);
+                    sin.push(a.sin() as f32);
+                }
+            }
+        }
+        let shape = [max_positions, d];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            len: max_positions,
+        }
+    }
+
+    /// Positions the tables cover.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the tables are empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Rotates `x` `[batch, heads, seq, head_dim]` by per-token `positions` `[batch, seq]`.
+    pub fn apply(&self, x: Tensor<B, 4>, positions: &Tensor<B, 2, Int>) -> Tensor<B, 4> {
+        let [b, _h, t, d] = x.dims();
+        let flat = positions.clone().reshape([b * t]);
+        let cos = self.cos.clone().select(0, flat.clone()).reshape([b, 1, t, d]);
+        let sin = self.sin.clone().select(0, flat).reshape([b, 1, t, d]);
+        let x1 = x.clone().narrow(3, 0, d / 2);
+        let x2 = x.clone().narrow(3, d / 2, d / 2);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        x * cos + rotated * sin
+    }
+}

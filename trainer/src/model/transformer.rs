@@ -1,0 +1,261 @@
+//! The decoder stack shared by the policy and the critic: embeddings, pre-norm blocks of
+//! grouped-query attention and a SwiGLU MLP, and the final RMSNorm.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::silu;
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{backend::Backend, Bool, Int, Tensor};
+
+use super::cache::{KvCache, LayerCache};
+use super::config::ModelConfig;
+use super::rope::RopeTables;
+
+/// A dense layer stored as `[in, out]` (Hugging Face stores `[out, in]`; the loader transposes).
+#[derive(Module, Debug)]
+pub struct Dense<B: Backend> {
+    /// `[in, out]`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// `[out]`, when the layer has one.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> Dense<B> {
+    /// A layer with normally distributed weights (std 0.02, as Hugging Face initialises).
+    pub fn random(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
+        let w = Tensor::random([d_in, d_out], burn::tensor::Distribution::Normal(0.0, std), device);
+        Self {
+            weight: Param::from_tensor(w),
+            bias: bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device))),
+        }
+    }
+
+    /// `x @ W + b` over the last dimension.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+}
+
+/// Root-mean-square normalisation with a learned scale.
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    /// `[hidden]`.
+    pub weight: Param<Tensor<B, 1>>,
+    /// Added to the mean square.
+    pub eps: f64,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    /// A norm with unit scale.
+    pub fn ones(d: usize, eps: f64, device: &B::Device) -> Self {
+        Self { weight: Param::from_tensor(Tensor::ones([d], device)), eps }
+    }
+
+    /// Normalises the last dimension.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let d = x.dims()[2];
+        let ms = x.clone().powi_scalar(2).mean_dim(2);
+        let inv = (ms + self.eps).sqrt().recip();
+        x * inv * self.weight.val().reshape([1, 1, d])
+    }
+}
+
+/// Grouped-query self-attention with rotary positions.
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// Query projection.
+    pub q_proj: Dense<B>,
+    /// Key projection.
+    pub k_proj: Dense<B>,
+    /// Value projection.
+    pub v_proj: Dense<B>,
+    /// Output projection.
+    pub o_proj: Dense<B>,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &RopeTables<B>,
+        positions: &Tensor<B, 2, Int>,
+        mask: &Tensor<B, 4, Bool>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _] = x.dims();
+        let (h, kvh, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let q = self.q_proj.forward(x.clone()).reshape([b, t, h, hd]).swap_dims(1, 2);
+        let k = self.k_proj.forward(x.clone()).reshape([b, t, kvh, hd]).swap_dims(1, 2);
+        let v = self.v_proj.forward(x).reshape([b, t, kvh, hd]).swap_dims(1, 2);
+        let q = rope.apply(q, positions);
+        let k = rope.apply(k, positions);
+        let (k, v) = match cache {
+            Some(c) => c.append(k, v),
+            None => (k, v),
+        };
+        let s = k.dims()[2];
+        let groups = h / kvh;
+        let (k, v) = if groups > 1 {
+            let expand = |z: Tensor<B, 4>| {
+                z.unsqueeze_dim::<5>(2).expand([b, kvh, groups, s, hd]).reshape([b, h, s, hd])
+            };
+            (expand(k), expand(v))
+        } else {
+            (k, v)
+        };
+        let mask = mask.clone().expand([b, h, t, s]);
+        let out = attention(q, k, v, Some(mask), None, AttentionModuleOptions::default());
+        self.o_proj.forward(out.swap_dims(1, 2).reshape([b, t, h * hd]))
+    }
+}
+
+/// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// Gate projection.
+    pub gate_proj: Dense<B>,
+    /// Up projection.
+    pub up_proj: Dense<B>,
+    /// Down projection.
+    pub down_proj: Dense<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+    }
+}
+
+/// One pre-norm decoder block.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm<B>,
+    /// Self-attention.
+    pub self_attn: Attention<B>,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// Feed-forward.
+    pub mlp: Mlp<B>,
+}
+
+/// The decoder without an output head: token ids in, final hidden states out.
+#[derive(Module, Debug)]
+pub struct Backbone<B: Backend> {
+    /// `[vocab, hidden]`.
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    /// Decoder blocks.
+    pub layers: Vec<Block<B>>,
+    /// Final norm.
+    pub norm: RmsNorm<B>,
+}
+
+/// Token positions and the attention mask derived from a padding mask.
+pub struct Positions<B: Backend> {
+    /// `[batch, seq]` position of each new token (pads get 0).
+    pub positions: Tensor<B, 2, Int>,
+    /// `[batch, 1, seq, keys]`, true where attention is forbidden.
+    pub mask: Tensor<B, 4, Bool>,
+}
+
+impl<B: Backend> Backbone<B> {
+    /// A randomly initialised backbone (std 0.02 weights, unit norms).
+    pub fn random(cfg: &ModelConfig, device: &B::Device) -> Self {
+        let std = 0.02;
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| Block {
+                input_layernorm: RmsNorm::ones(d, cfg.rms_norm_eps, device),
+                self_attn: Attention {
+                    q_proj: Dense::random(d, cfg.num_attention_heads * hd, cfg.qkv_bias, std, device),
+                    k_proj: Dense::random(d, cfg.num_key_value_heads * hd, cfg.qkv_bias, std, device),
+                    v_proj: Dense::random(d, cfg.num_key_value_heads * hd, cfg.qkv_bias, std, device),
+                    o_proj: Dense::random(cfg.num_attention_heads * hd, d, cfg.o_bias, std, device),
+                    n_heads: cfg.num_attention_heads,
+                    n_kv_heads: cfg.num_key_value_heads,
+                    head_dim: hd,
+                },
+                post_attention_layernorm: RmsNorm::ones(d, cfg.rms_norm_eps, device),
+                mlp: Mlp {
+                    gate_proj: Dense::random(d, cfg.intermediate_size, cfg.mlp_bias, std, device),
+                    up_proj: Dense::random(d, cfg.intermediate_size, cfg.mlp_bias, std, device),
+                    down_proj: Dense::random(cfg.intermediate_size, d, cfg.mlp_bias, std, device),
+                },
+            })
+            .collect();
+        Self {
+            embed_tokens: Param::from_tensor(Tensor::random(
+                [cfg.vocab_size, d],
+                burn::tensor::Distribution::Normal(0.0, std),
+                device,
+            )),
+            layers,
+            norm: RmsNorm::ones(d, cfg.rms_norm_eps, device),
+        }
+    }
+
+    /// Hidden states `[batch, seq, hidden]` of `tokens` `[batch, seq]`.
+    ///
+    /// `valid` `[batch, seq]` marks real tokens (false for padding, left or right). With a
+    /// cache, the tokens continue the cached sequences and are appended to the cache.
+    pub fn forward(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        valid: Tensor<B, 2, Bool>,
+        rope: &RopeTables<B>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let pos = match cache.as_deref_mut() {
+            Some(c) => c.extend(valid),
+            None => positions_and_mask(valid, None),
+        };
+        let mut x = burn::tensor::module::embedding(self.embed_tokens.val(), tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let h = layer.self_attn.forward(
+                layer.input_layernorm.forward(x.clone()),
+                rope,
+                &pos.positions,
+                &pos.mask,
+                lc,
+            );
+            x = x + h;
+            x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
+        }
+        self.norm.forward(x)
+    }
+}
+
+/// Positions and mask for new tokens `valid` `[batch, t]` following `past` `[batch, s]` (both
+/// true on real tokens). Position = count of real tokens before it; a key is hidden when it is
+/// in the future or padding. A pad query sees only itself so no row is fully masked.
+pub fn positions_and_mask<B: Backend>(
+    valid: Tensor<B, 2, Bool>,
+    past: Option<Tensor<B, 2, Bool>>,
+) -> Positions<B> {
+    let [b, t] = valid.dims();
+    let device = valid.device();
+    let past_len = past.as_ref().map(|p| p.dims()[1]).unwrap_or(0);
+    let all = match past {
+        Some(p) => Tensor::cat(vec![p, valid.clone()], 1),
+        None => valid.clone(),
+    };
+    let s = all.dims()[1];
+    let counts = all.clone().int().cumsum(1);
+    // Position of token j = real tokens before j, i.e. cumsum - 1 on real tokens.
+    let positions = (counts.narrow(1, past_len, t) - 1).clamp_min(0);
+    let positions = positions.mask_fill(valid.clone().bool_not(), 0);
+    // tril_mask(o) is true where k > q + o: the future of query q at absolute index past_len + q.
+    let tri = |o: i64| Tensor::<B, 2, Bool>::tril_mask([t, s], o, &device).reshape([1, 1, t, s]);
+    let future = tri(past_len as i64);
+    let diag = tri(past_len as i64 - 1).bool_and(future.clone().bool_not()).expand([b, 1, t, s]);
+    let key_pad = all.bool_not().reshape([b, 1, 1, s]).expand([b, 1, t, s]);
+    let mask = future.expand([b, 1, t, s]).bool_or(key_pad).bool_and(diag.bool_not());
+    Positions { positions, mask }
+}

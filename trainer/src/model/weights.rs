@@ -1,0 +1,171 @@
+//! Loading Hugging Face `*.safetensors` weights (single file or sharded with an index) into
+//! the burn modules, converting f32/f16/bf16 to the backend's float type.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::Param;
+use burn::tensor::{backend::Backend, Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors};
+
+use super::config::ModelConfig;
+use super::transformer::{Attention, Backbone, Block, Dense, Mlp, RmsNorm};
+use crate::error::ModelError;
+
+/// Every tensor of a checkpoint, by name, as f32 with its shape.
+pub struct WeightMap {
+    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    source: PathBuf,
+}
+
+impl WeightMap {
+    /// Reads `model.safetensors`, or every shard named by `model.safetensors.index.json`, or
+    /// every `*.safetensors` file, from a checkpoint directory.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::Io(index.clone(), e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Weights(format!("{}: {e}", index.display())))?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+                ModelError::Weights(format!("{}: no weight_map", index.display()))
+            })?;
+            let mut shards: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
+            shards.sort();
+            shards.dedup();
+            shards.into_iter().map(|s| dir.join(s)).collect()
+        } else if dir.join("model.safetensors").exists() {
+            vec![dir.join("model.safetensors")]
+        } else {
+            let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| ModelError::Io(dir.to_path_buf(), e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            found.sort();
+            found
+        };
+        if files.is_empty() {
+            return Err(ModelError::Weights(format!("no *.safetensors in {}", dir.display())));
+        }
+        let mut tensors = HashMap::new();
+        for file in &files {
+            let bytes = std::fs::read(file).map_err(|e| ModelError::Io(file.clone(), e))?;
+            let st = SafeTensors::deserialize(&bytes)
+                .map_err(|e| ModelError::Weights(format!("{}: {e}", file.display())))?;
+            for (name, view) in st.tensors() {
+                let data = to_f32(view.dtype(), view.data())
+                    .map_err(|m| ModelError::Weights(format!("{}: {name}: {m}", file.display())))?;
+                tensors.insert(name, (view.shape().to_vec(), data));
+            }
+        }
+        Ok(Self { tensors, source: dir.to_path_buf() })
+    }
+
+    /// Names of all tensors.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    fn take(&mut self, name: &str, shape: &[usize]) -> Result<TensorData, ModelError> {
+        let (s, data) = self.tensors.remove(name).ok_or_else(|| {
+            ModelError::Weights(format!("{} lacks tensor {name}", self.source.display()))
+        })?;
+        if s != shape {
+            return Err(ModelError::Weights(format!("{name}: shape {s:?}, config expects {shape:?}")));
+        }
+        Ok(TensorData::new(data, s))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn dense<B: Backend>(&mut self, prefix: &str, d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Result<Dense<B>, ModelError> {
+        // Stored [out, in]; the forward pass wants [in, out].
+        let w = Tensor::<B, 2>::from_data(self.take(&format!("{prefix}.weight"), &[d_out, d_in])?, device).transpose();
+        let b = if bias {
+            Some(Param::from_tensor(Tensor::<B, 1>::from_data(self.take(&format!("{prefix}.bias"), &[d_out])?, device)))
+        } else {
+            None
+        };
+        Ok(Dense { weight: Param::from_tensor(w), bias: b })
+    }
+
+    fn norm<B: Backend>(&mut self, name: &str, d: usize, eps: f64, device: &B::Device) -> Result<RmsNorm<B>, ModelError> {
+        Ok(RmsNorm { weight: Param::from_tensor(Tensor::from_data(self.take(name, &[d])?, device)), eps })
+    }
+
+    /// Builds the backbone from `model.*` tensors, consuming them.
+    pub fn backbone<B: Backend>(&mut self, cfg: &ModelConfig, device: &B::Device) -> Result<Backbone<B>, ModelError> {
+        let (d, hd, h, kv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
+        let embed = Tensor::from_data(self.take("model.embed_tokens.weight", &[cfg.vocab_size, d])?, device);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Block {
+                input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
+                self_attn: Attention {
+                    q_proj: self.dense(&format!("{p}.self_attn.q_proj"), d, h * hd, cfg.qkv_bias, device)?,
+                    k_proj: self.dense(&format!("{p}.self_attn.k_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                    v_proj: self.dense(&format!("{p}.self_attn.v_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                    o_proj: self.dense(&format!("{p}.self_attn.o_proj"), h * hd, d, cfg.o_bias, device)?,
+                    n_heads: h,
+                    n_kv_heads: kv,
+                    head_dim: hd,
+                },
+                post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
+                mlp: Mlp {
+                    gate_proj: self.dense(&format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                    up_proj: self.dense(&format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                    down_proj: self.dense(&format!("{p}.mlp.down_proj"), cfg.intermediate_size, d, cfg.mlp_bias, device)?,
+                },
+            });
+        }
+        Ok(Backbone {
+            embed_tokens: Param::from_tensor(embed),
+            layers,
+            norm: self.norm("model.norm.weight", d, cfg.rms_norm_eps, device)?,
+        })
+    }
+
+    /// The untied output projection, or `None` when the config ties it to the embeddings
+    /// (a checkpoint that ties but still ships `lm_head.weight` is read as untied).
+    pub fn lm_head<B: Backend>(&mut self, cfg: &ModelConfig, device: &B::Device) -> Result<Option<Dense<B>>, ModelError> {
+        if cfg.tie_word_embeddings && !self.has("lm_head.weight") {
+            return Ok(None);
+        }
+        self.dense("lm_head", cfg.hidden_size, cfg.vocab_size, false, device).map(Some)
+    }
+}
+
+fn to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, String> {
+    let chunks = |n: usize| bytes.chunks_exact(n);
+    Ok(match dtype {
+        Dtype::F32 => chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F16 => chunks(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::BF16 => chunks(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::F64 => chunks(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        other => return Err(format!("dtype {other:?} is not a float type")),
+    })
+}
+
+/// Writes named f32 tensors as one safetensors file (used for checkpoints and test fixtures).
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<(), ModelError> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| {
+            safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| ModelError::Weights(format!("{n}: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))
+}
