@@ -203,3 +203,42 @@ for _f in pathlib.Path(sys.argv[0]).resolve().parent.glob("*.py"):
     let reason = s.info.evaluation.unwrap().reason.unwrap();
     assert!(reason.starts_with("wrong_output: input set 1 of 5"), "{reason}");
 }
+
+/// The tiny family: same tools, flow and reward shape, judged without PyTorch.
+#[tokio::test(flavor = "multi_thread")]
+async fn tiny_family_episodes_and_evaluate() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    let c = server.client();
+    let tasks = c.tasks().await.unwrap();
+    assert!(tasks.splits.contains(&"tiny".to_string()), "{:?}", tasks.splits);
+    let reset = c.reset(&ResetRequest { split: Some("tiny".into()), seed: Some(3), ..Default::default() }).await.unwrap();
+    let task = reset.info.task.id.clone();
+    assert!(task.starts_with("tiny/"), "{task}");
+    let word = task.rsplit('_').next().unwrap().to_string();
+    assert!(reset.observation.text.contains(&format!("Write the word {word} into answer.txt")), "{}", reset.observation.text);
+    let s = c.step(&reset.episode_id, "Write", json!({"file_path": "answer.txt", "content": word})).await.unwrap();
+    assert!(!s.observation.is_error, "{}", s.observation.text);
+    let s = c.step(&reset.episode_id, "Submit", json!({})).await.unwrap();
+    assert!(s.terminated);
+    assert_eq!(s.reward, 1.0, "{:?}", s.info.evaluation);
+
+    // Submitting without the file, and with the wrong word, both cost -1 with a reason.
+    let reset = c.reset(&ResetRequest { task: Some(task.clone()), ..Default::default() }).await.unwrap();
+    let s = c.step(&reset.episode_id, "Submit", json!({})).await.unwrap();
+    assert_eq!(s.reward, -1.0);
+    assert!(s.info.evaluation.unwrap().reason.unwrap().starts_with("missing_solution"));
+    let r = c
+        .evaluate(&EvaluateRequest { task: TaskRef::Id(task.clone()), solution: SolutionRef::Text("nope".into()), options: None })
+        .await
+        .unwrap();
+    assert_eq!((r.reward, r.correct), (-1.0, false));
+    let r = c
+        .evaluate(&EvaluateRequest { task: TaskRef::Id(task), solution: SolutionRef::Text(format!("{word}\n")), options: None })
+        .await
+        .unwrap();
+    assert_eq!(r.reward, 1.0);
+    // Kernel tasks stay the default split.
+    let reset = c.reset(&ResetRequest { seed: Some(3), ..Default::default() }).await.unwrap();
+    assert!(reset.info.task.id.starts_with('L'), "{}", reset.info.task.id);
+}

@@ -210,7 +210,10 @@ async fn evaluate(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<Evaluate
         TaskRef::Source { source } => kernelbench::Task::inline(source).map_err(EpisodeError::from)?,
     };
     let files: BTreeMap<String, String> = match req.solution {
-        SolutionRef::Text(t) => [("model_new.py".to_string(), t)].into(),
+        SolutionRef::Text(t) => match &task.kind {
+            kernelbench::TaskKind::Recall { file, .. } => [(file.clone(), t)].into(),
+            kernelbench::TaskKind::Kernel => [("model_new.py".to_string(), t)].into(),
+        },
         SolutionRef::Files { files } => files,
     };
     let opts = req.options.unwrap_or_default();

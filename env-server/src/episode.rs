@@ -128,6 +128,9 @@ fn task_info(t: &Task) -> TaskInfo {
 }
 
 fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
+    if !task.is_kernel() {
+        return format!("Task {}: {} Limits: {} tool calls.", task.id, task.source, limits.max_turns);
+    }
     format!(
         "Task {id}: write ModelNew in model_new.py, a faster drop-in replacement for Model in model.py, using your own {lang} kernels (device: {device}).\n\
          Read SKILL.md first: it describes the loop (profile, implement, verify, tune), the rules and the reward.\n\
@@ -194,6 +197,12 @@ impl Episode {
     fn solution_files(&self) -> BTreeMap<String, String> {
         let mut files = BTreeMap::new();
         let root = self.dir.join("workspace");
+        if let kernelbench::TaskKind::Recall { file, .. } = &self.task.kind {
+            if let Ok(text) = std::fs::read_to_string(root.join(file)) {
+                files.insert(file.clone(), text);
+            }
+            return files;
+        }
         if let Ok(text) = std::fs::read_to_string(root.join("model_new.py")) {
             files.insert("model_new.py".to_string(), text);
         }
@@ -262,9 +271,12 @@ impl EpisodeManager {
             let Ok(records) = trajectory::read(&path) else { continue };
             let Some(reset) = records.iter().find(|r| r.kind == "reset") else { continue };
             let task_id = reset.body.pointer("/response/info/task/id").and_then(Value::as_str).unwrap_or_default();
-            let task = match reset.body.get("task_source").and_then(Value::as_str) {
-                Some(src) => Task { id: task_id.into(), level: 0, name: task_id.into(), source: src.into(), hash: reset.body.pointer("/response/info/task/hash").and_then(Value::as_str).unwrap_or_default().into() },
-                None => continue,
+            let hash = reset.body.pointer("/response/info/task/hash").and_then(Value::as_str).unwrap_or_default();
+            let known = self.tasks.get(task_id).ok().filter(|t| t.hash == hash).cloned();
+            let task = match (known, reset.body.get("task_source").and_then(Value::as_str)) {
+                (Some(t), _) => t,
+                (None, Some(src)) => Task { id: task_id.into(), level: 0, name: task_id.into(), source: src.into(), hash: hash.into(), kind: kernelbench::TaskKind::Kernel },
+                (None, None) => continue,
             };
             let limits: EpisodeLimits = match reset.body.pointer("/response/info/limits").cloned().map(serde_json::from_value) {
                 Some(Ok(l)) => l,
@@ -384,20 +396,23 @@ impl EpisodeManager {
         create_private_dir(&root, owner).map_err(|e| e.to_string())?;
         create_private_dir(&tmp, owner).map_err(|e| e.to_string())?;
         let mut ws = Workspace::open(&root, owner).map_err(|e| e.to_string())?;
-        ws.add_protected("model.py", task.source.as_bytes()).map_err(|e| e.to_string())?;
-        for name in WORKSPACE_FILES {
-            let text = std::fs::read(self.harness_dir.join(name)).map_err(|e| format!("harness file {name}: {e}"))?;
-            ws.add_protected(name, &text).map_err(|e| e.to_string())?;
+        let mut listing: Vec<String> = Vec::new();
+        if task.is_kernel() {
+            ws.add_protected("model.py", task.source.as_bytes()).map_err(|e| e.to_string())?;
+            for name in WORKSPACE_FILES {
+                let text = std::fs::read(self.harness_dir.join(name)).map_err(|e| format!("harness file {name}: {e}"))?;
+                ws.add_protected(name, &text).map_err(|e| e.to_string())?;
+            }
+            ws.write_atomic(&ws.root().join("model_new.py"), b"").map_err(|e| e.to_string())?;
+            listing.extend(WORKSPACE_FILES.iter().map(|s| s.to_string()));
+            listing.extend(["model.py".to_string(), "model_new.py".to_string()]);
         }
-        ws.write_atomic(&ws.root().join("model_new.py"), b"").map_err(|e| e.to_string())?;
         let mut env = self.cfg.extra_env.clone();
         if self.cfg.gpus > 0 {
             env.push(("CUDA_VISIBLE_DEVICES".into(), (n % self.cfg.gpus as u64).to_string()));
         }
         env.push(("CUDA_AGENT_DEVICE".into(), self.evaluator.device().as_str().into()));
         let jail = Jail::standard(ws.root(), &tmp, &self.python.path_dirs(), &env, owner);
-        let mut listing: Vec<String> = WORKSPACE_FILES.iter().map(|s| s.to_string()).collect();
-        listing.extend(["model.py".to_string(), "model_new.py".to_string()]);
         listing.sort();
         Ok((Toolbox::new(self.sandbox.clone(), ws, jail, tmp, self.cfg.tool_limits.clone()), listing))
     }
@@ -500,7 +515,7 @@ impl EpisodeManager {
     }
 
     async fn final_evaluation(&self, task: &Task, files: &BTreeMap<String, String>) -> EvaluationResult {
-        let missing = files.get("model_new.py").is_none_or(|t| t.trim().is_empty());
+        let missing = task.is_kernel() && files.get("model_new.py").is_none_or(|t| t.trim().is_empty());
         if missing {
             return EvaluationResult {
                 reward: -1.0,

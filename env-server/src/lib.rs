@@ -156,7 +156,8 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let tasks = Arc::new(match &cfg.tasks_dir {
         Some(d) => TaskSet::load_dir(d)?,
         None => TaskSet::bundled(),
-    });
+    }
+    .with_tiny_family());
     let task_size = cfg.task_size.clone().unwrap_or_else(|| if device == runtime::Device::Cpu { "small".into() } else { "full".into() });
     let extra_env = vec![("CUDA_AGENT_TASK_SIZE".to_string(), task_size.clone())];
     let gpus = if device == runtime::Device::Cuda { python.gpus } else { 0 };

@@ -57,7 +57,30 @@ pub struct Task {
     pub source: String,
     /// SHA-256 of the source, hex.
     pub hash: String,
+    /// What the agent must produce and how it is checked.
+    #[serde(skip)]
+    pub kind: TaskKind,
 }
+
+/// How a task is judged.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum TaskKind {
+    /// A KernelBench task: `ModelNew` in `model_new.py`, judged by the PyTorch harness.
+    #[default]
+    Kernel,
+    /// A task of the tiny family: write `value` into `file`, then Submit. The same tools,
+    /// episode flow and reward shape as a kernel task, small enough for a tiny policy to learn
+    /// on a CPU; it proves the training loop, not kernel skill.
+    Recall {
+        /// The file to write, relative to the workspace.
+        file: String,
+        /// The exact text expected in it (surrounding whitespace ignored).
+        value: String,
+    },
+}
+
+/// Words of the tiny family; task `tiny/{i}_{word}` asks for word `i`.
+pub const TINY_WORDS: [&str; 8] = ["red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl"];
 
 /// Checks that a source defines the three pieces of a task. This is a textual check (the
 /// harness imports the file for real); it catches files that are not tasks at all.
@@ -87,12 +110,32 @@ impl Task {
     pub fn inline(source: &str) -> Result<Self, TaskError> {
         validate_source("inline task", source)?;
         let hash = sha256_hex(source);
-        Ok(Self { id: format!("custom/{}", &hash[..12]), level: 0, name: "custom".into(), source: source.into(), hash })
+        Ok(Self { id: format!("custom/{}", &hash[..12]), level: 0, name: "custom".into(), source: source.into(), hash, kind: TaskKind::Kernel })
     }
 
     fn from_file(level: u8, stem: &str, source: String, path: &str) -> Result<Self, TaskError> {
         validate_source(path, &source)?;
-        Ok(Self { id: format!("L{level}/{stem}"), level, name: stem.into(), hash: sha256_hex(&source), source })
+        Ok(Self { id: format!("L{level}/{stem}"), level, name: stem.into(), hash: sha256_hex(&source), source, kind: TaskKind::Kernel })
+    }
+
+    /// Task `i` of the tiny family (see [`TaskKind::Recall`]): its id is `tiny/{i}_{word}`.
+    pub fn tiny(i: usize) -> Self {
+        let word = TINY_WORDS[i % TINY_WORDS.len()];
+        let name = format!("{i}_{word}");
+        let source = format!("Write the word {word} into answer.txt, then call Submit.");
+        Self {
+            id: format!("tiny/{name}"),
+            level: 0,
+            name,
+            hash: sha256_hex(&source),
+            source,
+            kind: TaskKind::Recall { file: "answer.txt".into(), value: word.into() },
+        }
+    }
+
+    /// Whether this is a kernel task (judged by the PyTorch harness).
+    pub fn is_kernel(&self) -> bool {
+        self.kind == TaskKind::Kernel
     }
 }
 
@@ -177,21 +220,38 @@ impl TaskSet {
         self.tasks.get(id).ok_or_else(|| TaskError::Unknown(id.into()))
     }
 
-    /// Tasks of a split: `all`, or `level1`, `level2`, `level3`.
+    /// Adds the tiny family's tasks (split `tiny`, never part of `all`).
+    pub fn with_tiny_family(mut self) -> Self {
+        for i in 0..TINY_WORDS.len() {
+            let t = Task::tiny(i);
+            self.tasks.insert(t.id.clone(), t);
+        }
+        self
+    }
+
+    /// Tasks of a split: `all` (every kernel task), `level1`, `level2`, `level3`, or `tiny`.
     pub fn split(&self, name: &str) -> Vec<&Task> {
         self.tasks
             .values()
-            .filter(|t| name == "all" || level_of(name) == Some(t.level))
+            .filter(|t| match name {
+                "tiny" => !t.is_kernel(),
+                "all" => t.is_kernel(),
+                _ => t.is_kernel() && level_of(name) == Some(t.level),
+            })
             .collect()
     }
 
     /// The split names that have tasks.
     pub fn splits(&self) -> Vec<String> {
-        let mut levels: Vec<u8> = self.tasks.values().map(|t| t.level).collect();
-        levels.dedup();
+        let mut levels: Vec<u8> = self.tasks.values().filter(|t| t.is_kernel()).map(|t| t.level).collect();
         levels.sort_unstable();
         levels.dedup();
-        std::iter::once("all".to_string()).chain(levels.into_iter().map(|l| format!("level{l}"))).collect()
+        let mut out: Vec<String> =
+            std::iter::once("all".to_string()).chain(levels.into_iter().map(|l| format!("level{l}"))).collect();
+        if self.tasks.values().any(|t| !t.is_kernel()) {
+            out.push("tiny".into());
+        }
+        out
     }
 
     /// Picks a task from a split, deterministically for a seed.
