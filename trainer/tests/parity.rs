@@ -80,6 +80,15 @@ fn check(kind: &str) {
     for (g, e) in gens.iter().zip(&expected) {
         assert_eq!(&g.tokens, e, "{kind}: greedy tokens differ");
     }
+
+    // The tokenizer.json the `tokenizers` Python package wrote encodes the same here.
+    let tk = trainer::tokenizer::TextTokenizer::from_file(dir.path()).unwrap();
+    let text = reference["tokenized"]["text"].as_str().unwrap();
+    let want: Vec<u32> = reference["tokenized"]["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let ids = tk.encode(text).unwrap();
+    assert_eq!(ids, want, "{kind}: token ids differ");
+    assert_eq!(tk.decode(&ids), text);
+    assert_eq!(tk.token_id("<|im_end|>"), Some(1));
 }
 
 #[test]
