@@ -140,10 +140,7 @@ impl Evaluator {
 
     /// Checks a solution's files: relative paths inside the candidate dir, text, size bound.
     pub fn check_files(files: &BTreeMap<String, String>) -> Result<(), EvalError> {
-        let total: usize = files.values().map(String::len).sum();
-        if total > MAX_SOLUTION_BYTES {
-            return Err(EvalError::BadSolution(format!("solution is {total} bytes; the limit is {MAX_SOLUTION_BYTES}")));
-        }
+        check_size(files)?;
         if !files.contains_key("model_new.py") {
             return Err(EvalError::BadSolution("solution has no model_new.py".into()));
         }
@@ -164,10 +161,7 @@ impl Evaluator {
     /// is a result with reward -1, not an error.
     pub async fn evaluate(&self, task: &Task, files: &BTreeMap<String, String>, tolerance: Option<f64>) -> Result<EvaluationResult, EvalError> {
         if let kernelbench::TaskKind::Recall { file, value } = &task.kind {
-            let total: usize = files.values().map(String::len).sum();
-            if total > MAX_SOLUTION_BYTES {
-                return Err(EvalError::BadSolution(format!("solution is {total} bytes; the limit is {MAX_SOLUTION_BYTES}")));
-            }
+            check_size(files)?;
             self.finished.fetch_add(1, Ordering::Relaxed);
             return Ok(crate::reward::judge_recall(&task.id, file, value, files));
         }
@@ -456,6 +450,15 @@ fn prepare_build_dir(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<(
             continue;
         }
         chown(e.path(), owner);
+    }
+    Ok(())
+}
+
+/// Rejects a solution over the size bound.
+fn check_size(files: &BTreeMap<String, String>) -> Result<(), EvalError> {
+    let total: usize = files.values().map(String::len).sum();
+    if total > MAX_SOLUTION_BYTES {
+        return Err(EvalError::BadSolution(format!("solution is {total} bytes; the limit is {MAX_SOLUTION_BYTES}")));
     }
     Ok(())
 }

@@ -128,15 +128,12 @@ impl<B: Backend> CausalLm<B> {
 
     /// Saves the exact burn record (full precision).
     pub fn save_record(&self, path: &Path) -> Result<(), ModelError> {
-        self.clone()
-            .save_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new())
-            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+        save_record(self, path)
     }
 
     /// Loads a record saved by `save_record` into a model of the same shape.
     pub fn load_record(self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
-        self.load_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new(), device)
-            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+        load_record(self, path, device)
     }
 }
 
@@ -168,16 +165,28 @@ impl<B: Backend> Critic<B> {
 
     /// Saves the exact burn record.
     pub fn save_record(&self, path: &Path) -> Result<(), ModelError> {
-        self.clone()
-            .save_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new())
-            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+        save_record(self, path)
     }
 
     /// Loads a record saved by `save_record`.
     pub fn load_record(self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
-        self.load_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new(), device)
-            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+        load_record(self, path, device)
     }
+}
+
+/// Saves any module as an exact full-precision burn record.
+fn save_record<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), ModelError> {
+    module
+        .clone()
+        .save_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+        .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+}
+
+/// Loads a record written by `save_record` into a module of the same shape.
+fn load_record<B: Backend, M: Module<B>>(module: M, path: &Path, device: &B::Device) -> Result<M, ModelError> {
+    module
+        .load_file(path.to_path_buf(), &NamedMpkFileRecorder::<FullPrecisionSettings>::new(), device)
+        .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
 }
 
 type Named = Vec<(String, Vec<usize>, Vec<f32>)>;

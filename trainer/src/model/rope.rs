@@ -50,8 +50,8 @@ impl<B: Backend> RopeTables<B> {
         let mut cos = Vec::with_capacity(max_positions * d);
         let mut sin = Vec::with_capacity(max_positions * d);
         for p in 0..max_positions {
-            for rep in 0..2 {
-                let _ = rep;
+            // Both halves of a head share the frequencies (rotate_half layout).
+            for _half in 0..2 {
                 for f in &inv {
                     let a = p as f64 * f;
                     cos.push(a.cos() as f32);
