@@ -3,9 +3,21 @@
 //! multi-turn PPO) run against env-server over HTTP.
 
 pub mod chat;
+pub mod checkpoint;
+pub mod config;
+pub mod curation;
 pub mod error;
 pub mod generate;
+pub mod metrics;
 pub mod model;
+pub mod objective;
+pub mod optim;
+pub mod plot;
+pub mod policy;
+pub mod render;
+pub mod rollout;
+pub mod sample;
+pub mod stage;
 pub mod tokenizer;
 
 pub use error::{ModelError, TrainError};

@@ -1,0 +1,110 @@
+//! AdamW with micro-batch gradient accumulation and global-norm clipping (burn's own clipping
+//! is per tensor; the recipe clips the norm over all parameters together).
+
+use std::path::Path;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+
+use crate::error::ModelError;
+
+/// An optimiser for one module, accumulating gradients until `step`.
+pub struct Trainable<B: AutodiffBackend, M: AutodiffModule<B>> {
+    optim: OptimizerAdaptor<AdamW, M, B>,
+    accum: GradientsAccumulator<M>,
+    pending: usize,
+    max_norm: f32,
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Trainable<B, M> {
+    /// AdamW (betas 0.9/0.999, eps 1e-8) with decoupled weight decay; `max_norm` 0 disables clipping.
+    pub fn new(weight_decay: f32, max_norm: f32) -> Self {
+        let optim = AdamWConfig::new().with_weight_decay(weight_decay).init::<B, M>();
+        Self { optim, accum: GradientsAccumulator::new(), pending: 0, max_norm }
+    }
+
+    /// Adds the gradients of one micro-batch's loss.
+    pub fn backward(&mut self, module: &M, loss: Tensor<B, 1>) {
+        let grads = GradientsParams::from_grads(loss.backward(), module);
+        self.accum.accumulate(module, grads);
+        self.pending += 1;
+    }
+
+    /// Applies the accumulated gradients at learning rate `lr`; returns the module and the
+    /// gradient norm before clipping (`None` when nothing was accumulated).
+    pub fn step(&mut self, lr: f64, module: M) -> (M, Option<f32>) {
+        if self.pending == 0 {
+            return (module, None);
+        }
+        self.pending = 0;
+        let mut grads = self.accum.grads();
+        let norm = clip_global_norm::<B, M>(&module, &mut grads, self.max_norm);
+        (self.optim.step(lr, module, grads), Some(norm))
+    }
+
+    /// Saves the optimiser state (moments and step counts) exactly.
+    pub fn save(&self, path: &Path) -> Result<(), ModelError> {
+        NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+            .record(self.optim.to_record(), path.to_path_buf())
+            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+    }
+
+    /// Restores a state written by `save` (the module's parameter ids must be the saved ones,
+    /// which they are when the module was loaded from the same checkpoint).
+    pub fn load(mut self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
+        let rec = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+            .load(path.to_path_buf(), device)
+            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))?;
+        self.optim = self.optim.load_record(rec);
+        Ok(self)
+    }
+}
+
+/// Scales all gradients so their joint L2 norm is at most `max_norm` (0: no clipping);
+/// returns the norm before scaling.
+pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &mut GradientsParams, max_norm: f32) -> f32 {
+    let mut sq = SquaredNorm::<B> { grads, total: None };
+    module.visit(&mut sq);
+    let norm = sq.total.map(|t| t.into_scalar().elem::<f32>().sqrt()).unwrap_or(0.0);
+    if max_norm > 0.0 && norm > max_norm && norm.is_finite() {
+        let mut scale = Scale::<B> { grads, factor: max_norm / (norm + 1e-6), _backend: std::marker::PhantomData };
+        module.visit(&mut scale);
+    }
+    norm
+}
+
+
+struct SquaredNorm<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    total: Option<Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            let s = g.powi_scalar(2).sum();
+            self.total = Some(match self.total.take() {
+                Some(t) => t + s,
+                None => s,
+            });
+        }
+    }
+}
+
+struct Scale<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    factor: f32,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads.register::<B::InnerBackend, D>(param.id, g * self.factor);
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Training curves drawn to PNG (placeholder until the charts crate lands).

@@ -1,0 +1,525 @@
+//! Episodes against env-server: many at once over one or more servers, the policy sampling
+//! every assistant turn in batches, the servers running the tools and paying the reward.
+//!
+//! Generation is synchronous (it owns the device); HTTP is async and runs on a tokio runtime
+//! between generations, all live episodes' steps at once under a concurrency bound.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use env_api::{EvaluateRequest, ResetRequest, ResetResponse, SolutionRef, StepResponse, TaskRef};
+use env_client::{ClientError, EnvClient};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+
+use crate::chat::parse_tool_call;
+use crate::config::{RolloutSection, ServerSection};
+use crate::error::TrainError;
+use crate::generate::{Generation, SamplingParams};
+use crate::render::Renderer;
+use crate::sample::{Outcome, Sample, TurnRecord};
+
+/// Samples assistant turns for a batch of token contexts.
+pub trait Generator {
+    /// One continuation per prompt, seeded by `seed`.
+    fn generate(&mut self, prompts: &[Vec<u32>], params: &SamplingParams, seed: u64) -> Vec<Generation>;
+}
+
+/// The environment servers, with requests spread across them and bounded in number.
+#[derive(Debug, Clone)]
+pub struct EnvPool {
+    clients: Vec<EnvClient>,
+    next: Arc<AtomicUsize>,
+    permits: Arc<Semaphore>,
+}
+
+impl EnvPool {
+    /// Clients of every configured URL.
+    pub fn new(section: &ServerSection) -> Result<Self, TrainError> {
+        if section.urls.is_empty() {
+            return Err(TrainError::Config("server.urls is empty".into()));
+        }
+        let timeout = Duration::from_secs_f64(section.timeout_s.max(1.0));
+        let clients = section
+            .urls
+            .iter()
+            .map(|u| {
+                let c = EnvClient::new(u, timeout)?.with_retries(section.retries);
+                Ok(match &section.api_key {
+                    Some(k) => c.with_api_key(k.clone()),
+                    None => c,
+                })
+            })
+            .collect::<Result<Vec<_>, ClientError>>()?;
+        Ok(Self { clients, next: Arc::new(AtomicUsize::new(0)), permits: Arc::new(Semaphore::new(section.concurrency.max(1))) })
+    }
+
+    /// Number of servers.
+    pub fn len(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Whether there are no servers (never: `new` refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.clients.is_empty()
+    }
+
+    /// The next server, round-robin.
+    fn pick(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len()
+    }
+
+    /// The client of server `i`.
+    pub fn client(&self, i: usize) -> &EnvClient {
+        &self.clients[i]
+    }
+}
+
+/// Counts and times of one batch of episodes.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RolloutStats {
+    /// Episodes started.
+    pub episodes: usize,
+    /// Episodes lost to server errors (left out of training).
+    pub failed: usize,
+    /// Assistant turns sampled.
+    pub turns: usize,
+    /// Tokens the policy sampled.
+    pub policy_tokens: usize,
+    /// All tokens of all conversations.
+    pub total_tokens: usize,
+    /// Seconds spent generating.
+    pub generate_s: f64,
+    /// Seconds spent waiting for the servers (tools and evaluations).
+    pub env_s: f64,
+}
+
+/// What the rollout needs from the config.
+#[derive(Debug, Clone)]
+pub struct RolloutSettings {
+    /// Sampling (the token limit is set per turn).
+    pub sampling: SamplingParams,
+    /// Tokens per assistant turn at most.
+    pub max_turn_tokens: usize,
+    /// Tokens per conversation at most.
+    pub context: usize,
+    /// Assistant turns at most.
+    pub max_turns: u32,
+    /// Reward of an episode the trainer closes.
+    pub failure_reward: f32,
+    /// Conversations per batched generation.
+    pub generation_batch: usize,
+}
+
+impl RolloutSettings {
+    /// Settings of the multi-turn rollout from the config.
+    pub fn multi_turn(r: &RolloutSection, stop_ids: &[u32]) -> Self {
+        Self {
+            sampling: SamplingParams {
+                temperature: r.temperature,
+                top_p: r.top_p,
+                top_k: r.top_k,
+                max_new_tokens: r.max_turn_tokens,
+                stop_token_ids: stop_ids.to_vec(),
+                stop_strings: Vec::new(),
+            },
+            max_turn_tokens: r.max_turn_tokens,
+            context: r.context,
+            max_turns: r.max_turns,
+            failure_reward: r.failure_reward,
+            generation_batch: r.generation_batch.max(1),
+        }
+    }
+
+    /// Settings of the single-turn warm-up: one turn in the shorter context.
+    pub fn single_turn(r: &RolloutSection, stop_ids: &[u32]) -> Self {
+        Self { context: r.single_turn_context, max_turns: 1, ..Self::multi_turn(r, stop_ids) }
+    }
+}
+
+struct Live {
+    sample: Sample,
+    server: usize,
+    done: bool,
+    last_turn: Vec<u32>,
+}
+
+/// Runs one multi-turn episode per reset request until every one ends. `tag` makes request
+/// ids unique across steps of a run (`{tag}-{episode}-{turn}`), so retries are idempotent.
+#[allow(clippy::too_many_arguments)]
+pub fn run_episodes(
+    rt: &tokio::runtime::Runtime,
+    pool: &EnvPool,
+    renderer: &Renderer,
+    generator: &mut dyn Generator,
+    resets: &[ResetRequest],
+    settings: &RolloutSettings,
+    tag: &str,
+    seed: u64,
+) -> (Vec<Sample>, RolloutStats) {
+    let mut stats = RolloutStats { episodes: resets.len(), ..Default::default() };
+    let t0 = Instant::now();
+    let opened = rt.block_on(reset_all(pool, resets));
+    stats.env_s += t0.elapsed().as_secs_f64();
+    let mut live: Vec<Live> = Vec::with_capacity(resets.len());
+    for (i, r) in opened.into_iter().enumerate() {
+        match r {
+            Ok((server, resp)) => {
+                let mut sample = Sample::new(&resp.info.task.id, &resp.episode_id);
+                match renderer.prompt(&resp.observation.text, &resp.info.tools) {
+                    Ok(p) => sample.push_context(&p),
+                    Err(e) => {
+                        tracing::warn!(episode = %resp.episode_id, "prompt rendering failed: {e}");
+                        sample.outcome = Some(Outcome::Failed);
+                    }
+                }
+                live.push(Live { sample, server, done: false, last_turn: Vec::new() });
+            }
+            Err(e) => {
+                tracing::warn!(reset = i, "reset failed: {e}");
+                let mut sample = Sample::new(resets[i].task.as_deref().unwrap_or(""), "");
+                sample.outcome = Some(Outcome::Failed);
+                sample.reason = Some(e.to_string());
+                live.push(Live { sample, server: 0, done: true, last_turn: Vec::new() });
+            }
+        }
+    }
+    for l in &mut live {
+        if l.sample.outcome.is_some() {
+            l.done = true;
+        }
+    }
+    let mut round = 0u64;
+    loop {
+        let active: Vec<usize> = (0..live.len()).filter(|&i| !live[i].done).collect();
+        if active.is_empty() {
+            break;
+        }
+        // Close conversations that have no room left for another turn.
+        let mut closing = Vec::new();
+        let mut gen_rows = Vec::new();
+        for &i in &active {
+            if live[i].sample.tokens.len() + 8 >= settings.context {
+                closing.push((i, Outcome::ContextLimit));
+            } else {
+                gen_rows.push(i);
+            }
+        }
+        // Generate in batches; each batch is limited by its longest member's room.
+        let tg = Instant::now();
+        for (c, chunk) in gen_rows.chunks(settings.generation_batch).enumerate() {
+            let prompts: Vec<Vec<u32>> = chunk.iter().map(|&i| live[i].sample.tokens.clone()).collect();
+            let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+            let mut params = settings.sampling.clone();
+            params.max_new_tokens = settings.max_turn_tokens.min(settings.context.saturating_sub(longest)).max(1);
+            let gen_seed = mix(seed, round, c as u64);
+            let gens = generator.generate(&prompts, &params, gen_seed);
+            for (&i, g) in chunk.iter().zip(gens) {
+                stats.turns += 1;
+                stats.policy_tokens += g.tokens.len();
+                live[i].sample.push_policy(&g.tokens, Some(&g.logprobs));
+                live[i].last_turn = g.tokens;
+            }
+        }
+        stats.generate_s += tg.elapsed().as_secs_f64();
+        // Parse every new turn; unparseable ones get a local error observation.
+        let mut steps = Vec::new();
+        for &i in &gen_rows {
+            let text = renderer.turn_text(&live[i].last_turn);
+            match parse_tool_call(&text) {
+                Ok(call) => steps.push((i, call.name, call.arguments)),
+                Err(e) => {
+                    let msg = e.to_string();
+                    live[i].sample.turns.push(TurnRecord { tool: None, arguments: Value::Null, parse_error: Some(msg.clone()), tool_error: true });
+                    append_observation(renderer, &mut live[i], &msg, true);
+                }
+            }
+        }
+        let te = Instant::now();
+        let answers = rt.block_on(step_all(pool, &live, &steps, tag));
+        stats.env_s += te.elapsed().as_secs_f64();
+        for ((i, name, arguments), answer) in steps.into_iter().zip(answers) {
+            let l = &mut live[i];
+            match answer {
+                Ok(resp) => {
+                    l.sample.turns.push(TurnRecord { tool: Some(name), arguments, parse_error: None, tool_error: resp.observation.is_error });
+                    if resp.done {
+                        l.sample.reward = resp.reward as f32;
+                        l.sample.outcome = Some(Outcome::Finished);
+                        l.sample.reason = resp.info.evaluation.as_ref().and_then(|e| e.reason.clone()).or(resp.info.truncation_reason.clone());
+                        l.done = true;
+                    } else {
+                        append_observation(renderer, l, &resp.observation.text, resp.observation.is_error);
+                    }
+                }
+                // The server refused the call itself (unknown tool, bad arguments): the agent
+                // sees why, as it would see a tool error.
+                Err(ClientError::Api { status, code, message }) if matches!(status, 400 | 422) => {
+                    l.sample.turns.push(TurnRecord { tool: Some(name), arguments, parse_error: Some(format!("{code}: {message}")), tool_error: true });
+                    append_observation(renderer, l, &message, true);
+                }
+                Err(e) => {
+                    tracing::warn!(episode = %l.sample.episode_id, "step failed: {e}");
+                    l.sample.outcome = Some(Outcome::Failed);
+                    l.sample.reason = Some(e.to_string());
+                    l.done = true;
+                }
+            }
+        }
+        for &i in &gen_rows {
+            let l = &live[i];
+            if !l.done && l.sample.turns.len() as u32 >= settings.max_turns {
+                closing.push((i, Outcome::TurnLimit));
+            } else if !l.done && l.sample.tokens.len() + 8 >= settings.context {
+                closing.push((i, Outcome::ContextLimit));
+            }
+        }
+        if !closing.is_empty() {
+            let te = Instant::now();
+            rt.block_on(close_all(pool, &live, &closing));
+            stats.env_s += te.elapsed().as_secs_f64();
+            for (i, outcome) in closing {
+                let l = &mut live[i];
+                l.sample.outcome = Some(outcome);
+                l.sample.reward = settings.failure_reward;
+                l.sample.reason = Some(format!("{outcome:?} reached by the trainer"));
+                l.done = true;
+            }
+        }
+        round += 1;
+    }
+    let samples: Vec<Sample> = live.into_iter().map(|l| l.sample).collect();
+    stats.failed = samples.iter().filter(|s| s.outcome == Some(Outcome::Failed)).count();
+    stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
+    (samples, stats)
+}
+
+/// The single-turn warm-up: each task's prompt (from a reset, so it is the same text the
+/// multi-turn agent sees, then closed), one generated answer, scored by `/v1/evaluate` with
+/// the answer's code block as `model_new.py` (the whole answer when it has no block).
+pub fn run_single_turn(
+    rt: &tokio::runtime::Runtime,
+    pool: &EnvPool,
+    renderer: &Renderer,
+    generator: &mut dyn Generator,
+    resets: &[ResetRequest],
+    settings: &RolloutSettings,
+    seed: u64,
+) -> (Vec<Sample>, RolloutStats) {
+    let mut stats = RolloutStats { episodes: resets.len(), ..Default::default() };
+    let t0 = Instant::now();
+    let opened = rt.block_on(reset_all(pool, resets));
+    let closes: Vec<(usize, String)> =
+        opened.iter().filter_map(|r| r.as_ref().ok()).map(|(s, r)| (*s, r.episode_id.clone())).collect();
+    rt.block_on(async {
+        for (s, id) in closes {
+            let _ = pool.client(s).close(&id).await;
+        }
+    });
+    stats.env_s += t0.elapsed().as_secs_f64();
+    let mut samples: Vec<Sample> = Vec::with_capacity(resets.len());
+    let mut rows = Vec::new();
+    for (i, r) in opened.into_iter().enumerate() {
+        match r {
+            Ok((server, resp)) => {
+                let mut s = Sample::new(&resp.info.task.id, "");
+                let text = format!("{}\n\n{SINGLE_TURN_INSTRUCTION}", resp.observation.text);
+                match renderer.prompt(&text, &[]) {
+                    Ok(p) if p.len() + 8 < settings.context => {
+                        s.push_context(&p);
+                        rows.push((samples.len(), server));
+                    }
+                    Ok(p) => {
+                        s.outcome = Some(Outcome::ContextLimit);
+                        s.reward = settings.failure_reward;
+                        s.reason = Some(format!("prompt of {} tokens does not fit the context", p.len()));
+                    }
+                    Err(e) => {
+                        s.outcome = Some(Outcome::Failed);
+                        s.reason = Some(e.to_string());
+                    }
+                }
+                samples.push(s);
+            }
+            Err(e) => {
+                let mut s = Sample::new(resets[i].task.as_deref().unwrap_or(""), "");
+                s.outcome = Some(Outcome::Failed);
+                s.reason = Some(e.to_string());
+                samples.push(s);
+            }
+        }
+    }
+    let tg = Instant::now();
+    for (c, chunk) in rows.chunks(settings.generation_batch).enumerate() {
+        let prompts: Vec<Vec<u32>> = chunk.iter().map(|&(i, _)| samples[i].tokens.clone()).collect();
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let mut params = settings.sampling.clone();
+        params.max_new_tokens = settings.max_turn_tokens.min(settings.context.saturating_sub(longest)).max(1);
+        let gens = generator.generate(&prompts, &params, mix(seed, 0, c as u64));
+        for (&(i, _), g) in chunk.iter().zip(gens) {
+            stats.turns += 1;
+            stats.policy_tokens += g.tokens.len();
+            samples[i].push_policy(&g.tokens, Some(&g.logprobs));
+        }
+    }
+    stats.generate_s += tg.elapsed().as_secs_f64();
+    let jobs: Vec<(usize, usize, String, String)> = rows
+        .iter()
+        .map(|&(i, server)| {
+            let s = &samples[i];
+            let answer = renderer.turn_text(&s.tokens[s.tokens.len() - s.policy_tokens()..]);
+            (i, server, s.task.clone(), solution_of(&answer))
+        })
+        .collect();
+    let te = Instant::now();
+    let results = rt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for (k, (_, server, task, solution)) in jobs.iter().enumerate() {
+            let client = pool.client(*server).clone();
+            let permits = pool.permits.clone();
+            let req = EvaluateRequest { task: TaskRef::Id(task.clone()), solution: SolutionRef::Text(solution.clone()), options: None };
+            set.spawn(async move {
+                let _permit = permits.acquire_owned().await;
+                (k, client.evaluate(&req).await)
+            });
+        }
+        let mut out: Vec<Option<Result<env_api::EvaluationResult, ClientError>>> = (0..jobs.len()).map(|_| None).collect();
+        while let Some(Ok((k, r))) = set.join_next().await {
+            out[k] = Some(r);
+        }
+        out
+    });
+    stats.env_s += te.elapsed().as_secs_f64();
+    for ((i, ..), r) in jobs.iter().zip(results) {
+        let s = &mut samples[*i];
+        match r {
+            Some(Ok(res)) => {
+                s.reward = res.reward as f32;
+                s.outcome = Some(Outcome::Finished);
+                s.reason = res.reason;
+            }
+            Some(Err(e)) => {
+                s.outcome = Some(Outcome::Failed);
+                s.reason = Some(e.to_string());
+            }
+            None => {
+                s.outcome = Some(Outcome::Failed);
+                s.reason = Some("evaluation task panicked".into());
+            }
+        }
+    }
+    stats.failed = samples.iter().filter(|s| s.outcome == Some(Outcome::Failed)).count();
+    stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
+    (samples, stats)
+}
+
+/// What the single-turn prompt adds to the task text.
+pub const SINGLE_TURN_INSTRUCTION: &str =
+    "Answer in one message, without tool calls: the complete solution file in a single fenced code block.";
+
+/// The solution text of a single-turn answer: the first fenced code block, or the whole answer.
+pub fn solution_of(answer: &str) -> String {
+    if let Some(start) = answer.find("```") {
+        let rest = &answer[start + 3..];
+        // Skip the info string (```python).
+        let body = rest.split_once('\n').map(|(_, b)| b).unwrap_or("");
+        if let Some(end) = body.find("```") {
+            return body[..end].to_string();
+        }
+        return body.to_string();
+    }
+    answer.trim().to_string()
+}
+
+fn append_observation(renderer: &Renderer, l: &mut Live, text: &str, is_error: bool) {
+    match renderer.observation(text, is_error, &l.last_turn) {
+        Ok(t) => l.sample.push_context(&t),
+        Err(e) => {
+            l.sample.outcome = Some(Outcome::Failed);
+            l.sample.reason = Some(format!("observation rendering: {e}"));
+            l.done = true;
+        }
+    }
+}
+
+/// A seed for one generation batch, distinct per (seed, round, chunk).
+fn mix(seed: u64, round: u64, chunk: u64) -> u64 {
+    let mut z = seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+async fn reset_all(pool: &EnvPool, resets: &[ResetRequest]) -> Vec<Result<(usize, ResetResponse), ClientError>> {
+    let mut set = tokio::task::JoinSet::new();
+    for (k, req) in resets.iter().enumerate() {
+        let server = pool.pick();
+        let client = pool.client(server).clone();
+        let permits = pool.permits.clone();
+        let req = req.clone();
+        set.spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            // A reset is not idempotent, but a lost answer only leaves an idle episode that
+            // the server reaps; retry transport errors a couple of times.
+            let mut attempt = 0;
+            loop {
+                match client.reset(&req).await {
+                    Err(e) if e.is_retryable() && attempt < 2 => {
+                        attempt += 1;
+                        tokio::time::sleep(Duration::from_millis(300 << attempt)).await;
+                    }
+                    other => return (k, other.map(|r| (server, r))),
+                }
+            }
+        });
+    }
+    collect(set, resets.len()).await
+}
+
+async fn step_all(pool: &EnvPool, live: &[Live], steps: &[(usize, String, Value)], tag: &str) -> Vec<Result<StepResponse, ClientError>> {
+    let mut set = tokio::task::JoinSet::new();
+    for (k, (i, name, args)) in steps.iter().enumerate() {
+        let l = &live[*i];
+        let client = pool.client(l.server).clone();
+        let permits = pool.permits.clone();
+        let id = l.sample.episode_id.clone();
+        let request_id = format!("{tag}-{i}-{}", l.sample.turns.len());
+        let (name, args) = (name.clone(), args.clone());
+        set.spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            (k, client.step_with_id(&id, &name, args, &request_id).await)
+        });
+    }
+    collect(set, steps.len()).await
+}
+
+async fn close_all(pool: &EnvPool, live: &[Live], closing: &[(usize, Outcome)]) {
+    let mut set = tokio::task::JoinSet::new();
+    for (i, _) in closing {
+        let l = &live[*i];
+        let client = pool.client(l.server).clone();
+        let id = l.sample.episode_id.clone();
+        set.spawn(async move {
+            if let Err(e) = client.close(&id).await {
+                tracing::warn!(episode = %id, "close failed: {e}");
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+}
+
+async fn collect<T: Send + 'static>(
+    mut set: tokio::task::JoinSet<(usize, Result<T, ClientError>)>,
+    n: usize,
+) -> Vec<Result<T, ClientError>> {
+    let mut out: Vec<Option<Result<T, ClientError>>> = (0..n).map(|_| None).collect();
+    while let Some(joined) = set.join_next().await {
+        if let Ok((k, r)) = joined {
+            out[k] = Some(r);
+        }
+    }
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(ClientError::Api { status: 0, code: "panicked".into(), message: "request task panicked".into() })))
+        .collect()
+}

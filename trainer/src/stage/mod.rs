@@ -1,0 +1,339 @@
+//! The four training stages. A `Learner` holds what they share: the policy and critic with
+//! their optimisers, the renderer, checkpoints and metrics of one stage's output directory.
+//!
+//! - `warmup`: single-turn PPO, reward from `POST /v1/evaluate` ([`ppo`]).
+//! - `rft`: rejection-sampling fine-tuning on filtered trajectories ([`rft`]).
+//! - `value-pretrain`: the critic on GAE targets of those trajectories ([`rft`]).
+//! - `ppo`: multi-turn PPO against the server ([`ppo`]).
+
+pub mod ppo;
+pub mod rft;
+
+use std::path::{Path, PathBuf};
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use env_api::{ResetOptions, ResetRequest};
+
+use crate::checkpoint::{self, CheckpointFiles, StageState};
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+use crate::metrics::MetricsLog;
+use crate::model::{Architecture, CausalLm, Critic, ModelConfig};
+use crate::optim::Trainable;
+use crate::policy::{load_policy, PolicyGenerator};
+use crate::render::Renderer;
+use crate::sample::Sample;
+use crate::tokenizer::TextTokenizer;
+
+/// How a stage starts.
+#[derive(Debug, Clone, Default)]
+pub struct StageOptions {
+    /// A checkpoint directory of an earlier stage (its `final/` or a `step-N/`) to start from.
+    pub init: Option<PathBuf>,
+    /// Continue from this stage's newest checkpoint.
+    pub resume: bool,
+}
+
+/// The policy, the critic, their optimisers and the bookkeeping of one stage.
+pub struct Learner<B: AutodiffBackend> {
+    /// The configuration.
+    pub cfg: TrainConfig,
+    /// Where tensors live.
+    pub device: B::Device,
+    /// The policy's architecture.
+    pub model_config: ModelConfig,
+    /// RoPE tables for training passes.
+    pub arch: Architecture<B>,
+    /// RoPE tables for sampling and scoring passes.
+    pub infer_arch: Architecture<B::InnerBackend>,
+    policy: Option<CausalLm<B>>,
+    critic: Option<Critic<B>>,
+    actor_opt: Trainable<B, CausalLm<B>>,
+    critic_opt: Trainable<B, Critic<B>>,
+    /// Conversation rendering.
+    pub renderer: Renderer,
+    /// Stage name.
+    pub stage: String,
+    /// `<out_dir>/<stage>`.
+    pub stage_dir: PathBuf,
+    /// Steps completed (restored by `--resume`).
+    pub step: usize,
+    /// The stage's metrics.
+    pub metrics: MetricsLog,
+}
+
+impl<B: AutodiffBackend> Learner<B> {
+    /// Loads the starting checkpoint, then `init` weights, then this stage's newest
+    /// checkpoint when resuming; `context` sizes the RoPE tables.
+    pub fn new(cfg: TrainConfig, stage: &str, opts: &StageOptions, context: usize, device: B::Device) -> Result<Self, TrainError> {
+        let loaded = load_policy::<B>(&cfg.model, cfg.run.seed, &device)?;
+        let mut policy = loaded.lm;
+        let mut critic = Critic::from_policy(&policy, &device);
+        if let Some(init) = &opts.init {
+            let files = CheckpointFiles::new(init);
+            policy = policy.load_record(&files.policy(), &device)?;
+            critic = if files.critic().exists() {
+                critic.load_record(&files.critic(), &device)?
+            } else {
+                // A policy-only checkpoint: the critic starts from the policy, as the recipe does.
+                Critic::from_policy(&policy, &device)
+            };
+        }
+        let stage_dir = cfg.run.out_dir.join(stage);
+        std::fs::create_dir_all(&stage_dir).map_err(|e| TrainError::Io(stage_dir.clone(), e))?;
+        let mut actor_opt = Trainable::new(cfg.optim.weight_decay, cfg.optim.grad_clip);
+        let mut critic_opt = Trainable::new(cfg.optim.weight_decay, cfg.optim.grad_clip);
+        let mut step = 0;
+        if opts.resume {
+            match checkpoint::latest(&stage_dir) {
+                Some(files) => {
+                    let state = files.read_state()?;
+                    if state.stage != stage {
+                        return Err(TrainError::Data(format!("{} holds a {} checkpoint, not {stage}", files.dir.display(), state.stage)));
+                    }
+                    policy = policy.load_record(&files.policy(), &device)?;
+                    critic = critic.load_record(&files.critic(), &device)?;
+                    actor_opt = actor_opt.load(&files.actor_optim(), &device)?;
+                    critic_opt = critic_opt.load(&files.critic_optim(), &device)?;
+                    step = state.step;
+                    tracing::info!(stage, step, dir = %files.dir.display(), "resumed");
+                }
+                None => tracing::warn!(stage, dir = %stage_dir.display(), "--resume: no checkpoint yet, starting fresh"),
+            }
+        }
+        let metrics = MetricsLog::open(&stage_dir.join("metrics.jsonl"), opts.resume.then_some(step))?;
+        let max_pos = context.max(16);
+        let arch = Architecture::new(loaded.config.clone(), max_pos, &device);
+        let infer_arch = Architecture::new(loaded.config.clone(), max_pos, &device);
+        let renderer = Renderer::new(
+            loaded.template,
+            loaded.tokenizer,
+            cfg.system_prompt(),
+            cfg.rollout.tools_in_prompt,
+            cfg.rollout.max_observation_tokens,
+            &loaded.config.eos_token_ids,
+        )?;
+        Ok(Self {
+            cfg,
+            device,
+            model_config: loaded.config,
+            arch,
+            infer_arch,
+            policy: Some(policy),
+            critic: Some(critic),
+            actor_opt,
+            critic_opt,
+            renderer,
+            stage: stage.into(),
+            stage_dir,
+            step,
+            metrics,
+        })
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &CausalLm<B> {
+        self.policy.as_ref().expect("policy is present between steps")
+    }
+
+    /// The critic.
+    pub fn critic(&self) -> &Critic<B> {
+        self.critic.as_ref().expect("critic is present between steps")
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        self.renderer.tokenizer()
+    }
+
+    /// Adds one micro-batch's policy loss.
+    pub fn policy_backward(&mut self, loss: Tensor<B, 1>) {
+        let p = self.policy.as_ref().expect("policy");
+        self.actor_opt.backward(p, loss);
+    }
+
+    /// Adds one micro-batch's critic loss.
+    pub fn critic_backward(&mut self, loss: Tensor<B, 1>) {
+        let c = self.critic.as_ref().expect("critic");
+        self.critic_opt.backward(c, loss);
+    }
+
+    /// Applies the policy's accumulated gradients; returns the gradient norm.
+    pub fn policy_step(&mut self, lr: f64) -> Option<f32> {
+        let (p, norm) = self.actor_opt.step(lr, self.policy.take().expect("policy"));
+        self.policy = Some(p);
+        norm
+    }
+
+    /// Applies the critic's accumulated gradients; returns the gradient norm.
+    pub fn critic_step(&mut self, lr: f64) -> Option<f32> {
+        let (c, norm) = self.critic_opt.step(lr, self.critic.take().expect("critic"));
+        self.critic = Some(c);
+        norm
+    }
+
+    /// The policy on the inference backend, as a rollout generator.
+    pub fn generator<'a>(&'a self, lm: &'a CausalLm<B::InnerBackend>) -> PolicyGenerator<'a, B::InnerBackend> {
+        PolicyGenerator { lm, arch: &self.infer_arch, tokenizer: self.renderer.tokenizer(), device: self.device.clone() }
+    }
+
+    /// Writes a checkpoint of the current step.
+    pub fn save_checkpoint(&self, total_steps: usize) -> Result<PathBuf, TrainError> {
+        let state = StageState { stage: self.stage.clone(), step: self.step, total_steps, seed: self.cfg.run.seed };
+        checkpoint::save(&self.stage_dir, &state, |f| {
+            self.policy().save_record(&f.policy())?;
+            self.critic().save_record(&f.critic())?;
+            self.actor_opt.save(&f.actor_optim())?;
+            self.critic_opt.save(&f.critic_optim())?;
+            Ok(())
+        })
+    }
+
+    /// Writes `<stage>/final/` (policy and critic records, plus the policy as a Hugging Face
+    /// checkpoint with its tokenizer under `final/hf/`).
+    pub fn save_final(&self) -> Result<PathBuf, TrainError> {
+        let dir = self.stage_dir.join("final");
+        std::fs::create_dir_all(&dir).map_err(|e| TrainError::Io(dir.clone(), e))?;
+        let files = CheckpointFiles::new(&dir);
+        self.policy().save_record(&files.policy())?;
+        self.critic().save_record(&files.critic())?;
+        let hf = dir.join("hf");
+        self.policy().save_pretrained(&self.model_config, &hf)?;
+        if let Some(src) = &self.cfg.model.path {
+            for name in ["tokenizer.json", "tokenizer_config.json"] {
+                let from = src.join(name);
+                if from.exists() {
+                    std::fs::copy(&from, hf.join(name)).map_err(|e| TrainError::Io(from.clone(), e))?;
+                }
+            }
+        }
+        Ok(dir)
+    }
+
+    /// Whether step `self.step` is due a checkpoint.
+    pub fn checkpoint_due(&self, total_steps: usize) -> bool {
+        let every = self.cfg.run.checkpoint_every;
+        self.step == total_steps || (every > 0 && self.step % every == 0)
+    }
+
+    /// Reset requests of training step `step`: explicit tasks in turn, else seeded draws from
+    /// the split (so a resumed run draws the same tasks).
+    pub fn resets_for(&self, step: usize, n: usize) -> Vec<ResetRequest> {
+        let r = &self.cfg.rollout;
+        let options = Some(ResetOptions { max_turns: Some(r.max_turns), time_budget_s: None });
+        (0..n)
+            .map(|k| {
+                if r.tasks.is_empty() {
+                    ResetRequest { split: Some(r.split.clone()), seed: Some(seed_of(self.cfg.run.seed, step as u64, k as u64)), options: options.clone(), ..Default::default() }
+                } else {
+                    ResetRequest { task: Some(r.tasks[(step * n + k) % r.tasks.len()].clone()), options: options.clone(), ..Default::default() }
+                }
+            })
+            .collect()
+    }
+}
+
+/// A seed for item `k` of step `step` of a run seeded `seed`.
+pub fn seed_of(seed: u64, step: u64, k: u64) -> u64 {
+    let mut z = seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(k.wrapping_mul(0xD1B5_4A32_D192_ED03));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A seeded permutation of `0..n` (Fisher-Yates).
+pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut v: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = rng.random_range(0..=i);
+        v.swap(i, j);
+    }
+    v
+}
+
+/// Right-padded token tensors of some samples, and the loss mask aligned with next-token
+/// statistics (`[rows, width - 1]`, 1.0 on the policy's tokens).
+pub struct TokenBatch<B: Backend> {
+    /// `[rows, width]`.
+    pub tokens: Tensor<B, 2, Int>,
+    /// `[rows, width]`, true on real tokens.
+    pub valid: Tensor<B, 2, Bool>,
+    /// `[rows, width - 1]`.
+    pub mask: Tensor<B, 2>,
+    /// Longest sample.
+    pub width: usize,
+    /// Length of each sample.
+    pub lengths: Vec<usize>,
+}
+
+impl<B: Backend> TokenBatch<B> {
+    /// Packs `samples` (each at least two tokens long).
+    pub fn new(samples: &[&Sample], device: &B::Device) -> Self {
+        let width = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(2).max(2);
+        let rows = samples.len();
+        let mut ids = Vec::with_capacity(rows * width);
+        let mut valid = Vec::with_capacity(rows * width);
+        let mut mask = Vec::with_capacity(rows * (width - 1));
+        for s in samples {
+            let pad = width - s.tokens.len();
+            ids.extend(s.tokens.iter().map(|&t| t as i32).chain(std::iter::repeat_n(0, pad)));
+            valid.extend(std::iter::repeat_n(true, s.tokens.len()).chain(std::iter::repeat_n(false, pad)));
+            let m = s.shifted_mask();
+            let mpad = width - 1 - m.len();
+            mask.extend(m.iter().map(|&b| if b { 1.0f32 } else { 0.0 }).chain(std::iter::repeat_n(0.0, mpad)));
+        }
+        Self {
+            tokens: Tensor::from_data(TensorData::new(ids, [rows, width]), device),
+            valid: Tensor::from_data(TensorData::new(valid, [rows, width]), device),
+            mask: Tensor::from_data(TensorData::new(mask, [rows, width - 1]), device),
+            width,
+            lengths: samples.iter().map(|s| s.tokens.len()).collect(),
+        }
+    }
+
+    /// A `[rows, width - 1]` tensor from per-sample shifted rows (zero padded).
+    pub fn shifted(&self, rows: &[&[f32]], device: &B::Device) -> Tensor<B, 2> {
+        let w = self.width - 1;
+        let mut data = Vec::with_capacity(rows.len() * w);
+        for r in rows {
+            data.extend(r.iter().copied().chain(std::iter::repeat_n(0.0, w - r.len())));
+        }
+        Tensor::from_data(TensorData::new(data, [rows.len(), w]), device)
+    }
+
+    /// Splits a `[rows, width - 1]` tensor back into per-sample rows of length `len - 1`.
+    pub fn unpack(&self, t: Tensor<B, 2>) -> Vec<Vec<f32>> {
+        let w = self.width - 1;
+        let host: Vec<f32> = t.into_data().convert::<f32>().to_vec().unwrap_or_default();
+        self.lengths.iter().enumerate().map(|(r, &len)| host[r * w..r * w + len - 1].to_vec()).collect()
+    }
+}
+
+/// Samples that can be trained on: finished or closed, with at least one policy token.
+pub fn trainable(samples: Vec<Sample>) -> Vec<Sample> {
+    samples.into_iter().filter(|s| s.usable() && s.tokens.len() >= 2).collect()
+}
+
+/// Mean of a module-free scalar.
+pub(crate) fn scalar<B: Backend>(t: Tensor<B, 1>) -> f64 {
+    use burn::tensor::ElementConversion;
+    t.into_scalar().elem::<f64>()
+}
+
+/// The inference copy of a module.
+pub(crate) fn inference<B: AutodiffBackend, M: AutodiffModule<B>>(m: &M) -> M::InnerModule {
+    m.valid()
+}
+
+/// Checks that a path given on the command line exists.
+pub fn require_dir(p: &Path) -> Result<(), TrainError> {
+    if p.is_dir() {
+        Ok(())
+    } else {
+        Err(TrainError::Data(format!("{} is not a directory", p.display())))
+    }
+}

@@ -1,0 +1,307 @@
+//! PPO: the single-turn warm-up and the multi-turn stage share one update.
+//!
+//! Each step rolls out a batch with the current policy, scores it once more with the
+//! pre-update policy and critic (old log-probabilities, values, optional reference
+//! log-probabilities), computes GAE over the policy's tokens, then runs `epochs` passes of
+//! minibatch updates of the clipped surrogate and the clipped value loss.
+
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use serde_json::{json, Value};
+
+use super::{inference, permutation, scalar, seed_of, trainable, Learner, TokenBatch};
+use crate::error::TrainError;
+use crate::metrics::batch_summary;
+use crate::model::CausalLm;
+use crate::objective::{clipped_mask, clipped_surrogate, clipped_value_loss, explained_variance, gae, kl_k3, masked_sum, whiten};
+use crate::rollout::{run_episodes, run_single_turn, EnvPool, RolloutSettings, RolloutStats};
+use crate::sample::Sample;
+
+/// Which PPO stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PpoMode {
+    /// One generation per task, scored by `/v1/evaluate`.
+    SingleTurn,
+    /// Full episodes.
+    MultiTurn,
+}
+
+/// Per-sample quantities fixed for the whole update.
+struct Prepared {
+    sample: Sample,
+    old_logprobs: Vec<f32>,
+    old_values: Vec<f32>,
+    ref_logprobs: Option<Vec<f32>>,
+    advantages: Vec<f32>,
+    returns: Vec<f32>,
+}
+
+/// Runs the PPO stage for `steps` steps (continuing from `learner.step`).
+pub fn run<B: AutodiffBackend>(
+    learner: &mut Learner<B>,
+    rt: &tokio::runtime::Runtime,
+    pool: &EnvPool,
+    mode: PpoMode,
+    steps: usize,
+    reference: Option<CausalLm<B::InnerBackend>>,
+) -> Result<(), TrainError> {
+    let bar = progress(steps, learner.step, &learner.stage);
+    while learner.step < steps {
+        let t0 = Instant::now();
+        let step = learner.step;
+        let resets = learner.resets_for(step, learner.cfg.rollout.batch);
+        let stop = learner.renderer.stop_ids().to_vec();
+        let (samples, stats) = {
+            let lm = inference(learner.policy());
+            let mut generator = learner.generator(&lm);
+            let seed = seed_of(learner.cfg.run.seed, step as u64, u64::MAX);
+            match mode {
+                PpoMode::SingleTurn => {
+                    let settings = RolloutSettings::single_turn(&learner.cfg.rollout, &stop);
+                    run_single_turn(rt, pool, &learner.renderer, &mut generator, &resets, &settings, seed)
+                }
+                PpoMode::MultiTurn => {
+                    let settings = RolloutSettings::multi_turn(&learner.cfg.rollout, &stop);
+                    let tag = format!("{}-s{}-{step}", learner.stage, learner.cfg.run.seed);
+                    run_episodes(rt, pool, &learner.renderer, &mut generator, &resets, &settings, &tag, seed)
+                }
+            }
+        };
+        let rollout_s = t0.elapsed().as_secs_f64();
+        let mut record = batch_summary(&samples);
+        let tu = Instant::now();
+        let update = update(learner, samples, step, steps, reference.as_ref());
+        let update_s = tu.elapsed().as_secs_f64();
+        let total_s = t0.elapsed().as_secs_f64();
+        learner.step += 1;
+        merge(&mut record, &update);
+        merge(&mut record, &rollout_record(&stats, rollout_s, update_s, total_s));
+        let warnings = warnings(&record, learner.cfg.ppo.entropy_warn, learner.cfg.ppo.kl_warn);
+        for w in &warnings {
+            tracing::warn!(stage = %learner.stage, step = learner.step, "{w}");
+        }
+        merge(&mut record, &json!({"stage": learner.stage, "step": learner.step, "warnings": warnings}));
+        learner.metrics.write(&record)?;
+        bar.set_message(format!("reward {:.3}", record["reward_mean"].as_f64().unwrap_or(0.0)));
+        bar.inc(1);
+        if learner.checkpoint_due(steps) {
+            learner.save_checkpoint(steps)?;
+        }
+    }
+    bar.finish();
+    learner.save_final()?;
+    Ok(())
+}
+
+fn progress(steps: usize, done: usize, stage: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(steps as u64);
+    bar.set_position(done as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}") {
+        bar.set_style(style);
+    }
+    bar.set_prefix(stage.to_string());
+    bar
+}
+
+fn rollout_record(stats: &RolloutStats, rollout_s: f64, update_s: f64, total_s: f64) -> Value {
+    let minutes = (total_s / 60.0).max(1e-9);
+    json!({
+        "episodes_per_min": stats.episodes as f64 / minutes,
+        "tokens_per_min": stats.total_tokens as f64 / minutes,
+        "policy_tokens_per_min": stats.policy_tokens as f64 / minutes,
+        "time_s": {"generate": stats.generate_s, "env": stats.env_s, "rollout": rollout_s, "update": update_s, "total": total_s},
+    })
+}
+
+fn merge(into: &mut Value, from: &Value) {
+    if let (Some(a), Some(b)) = (into.as_object_mut(), from.as_object()) {
+        for (k, v) in b {
+            a.insert(k.clone(), v.clone());
+        }
+    }
+}
+
+/// The run-away warnings the recipe watches for: entropy blowing up or the policy moving far
+/// from the one that sampled the batch.
+fn warnings(record: &Value, entropy_warn: f64, kl_warn: f64) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(e) = record["entropy"].as_f64() {
+        if e > entropy_warn {
+            out.push(format!("entropy {e:.3} per token is above {entropy_warn}: the policy may be collapsing into noise"));
+        }
+    }
+    if let Some(k) = record["approx_kl"].as_f64() {
+        if k > kl_warn {
+            out.push(format!("KL {k:.4} to the rollout policy is above {kl_warn}: updates are too large"));
+        }
+    }
+    out
+}
+
+/// One PPO update on a batch; returns its metrics.
+fn update<B: AutodiffBackend>(
+    learner: &mut Learner<B>,
+    samples: Vec<Sample>,
+    step: usize,
+    total: usize,
+    reference: Option<&CausalLm<B::InnerBackend>>,
+) -> Value {
+    let samples = trainable(samples);
+    if samples.is_empty() {
+        return json!({"trained_episodes": 0});
+    }
+    let cfg = learner.cfg.clone();
+    let ppo = &cfg.ppo;
+    let temperature = if cfg.rollout.temperature > 0.0 { cfg.rollout.temperature } else { 1.0 };
+    let mut prepared = prepare(learner, samples, temperature, reference);
+    // Advantages are whitened over the whole batch's policy tokens.
+    let masks: Vec<Vec<bool>> = prepared.iter().map(|p| p.sample.shifted_mask()).collect();
+    let mut advs: Vec<Vec<f32>> = prepared.iter().map(|p| p.advantages.clone()).collect();
+    if ppo.normalize_advantages {
+        whiten(&mut advs, &masks);
+    }
+    for (p, a) in prepared.iter_mut().zip(advs) {
+        p.advantages = a;
+    }
+    let (mut v_all, mut r_all) = (Vec::new(), Vec::new());
+    for (p, m) in prepared.iter().zip(&masks) {
+        for (j, &on) in m.iter().enumerate() {
+            if on {
+                v_all.push(p.old_values[j]);
+                r_all.push(p.returns[j]);
+            }
+        }
+    }
+    let explained = explained_variance(&v_all, &r_all);
+    let lr_a = cfg.optim.lr_at(cfg.optim.actor_lr, step, total);
+    let lr_c = cfg.optim.lr_at(cfg.optim.critic_lr, step, total);
+    let micro = cfg.optim.micro_batch.max(1);
+    let mb = ppo.minibatch.max(1).min(prepared.len());
+    let (mut pg_sum, mut vl_sum, mut ent_sum, mut kl_sum, mut ref_kl_sum, mut clip_sum, mut n_mb) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0usize);
+    let (mut gn_a, mut gn_c) = (Vec::new(), Vec::new());
+    let device = learner.device.clone();
+    for epoch in 0..ppo.epochs.max(1) {
+        let order = permutation(prepared.len(), seed_of(cfg.run.seed, step as u64, 1_000 + epoch as u64));
+        for chunk in order.chunks(mb) {
+            let tokens: f32 = chunk.iter().map(|&i| prepared[i].sample.policy_tokens() as f32).sum();
+            let (mut pg, mut vl, mut ent, mut kl, mut rkl, mut clip) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+            for micro_rows in chunk.chunks(micro) {
+                let rows: Vec<&Prepared> = micro_rows.iter().map(|&i| &prepared[i]).collect();
+                let samples: Vec<&Sample> = rows.iter().map(|p| &p.sample).collect();
+                let batch = TokenBatch::<B>::new(&samples, &device);
+                let old_lp = batch.shifted(&rows.iter().map(|p| p.old_logprobs.as_slice()).collect::<Vec<_>>(), &device);
+                let adv = batch.shifted(&rows.iter().map(|p| p.advantages.as_slice()).collect::<Vec<_>>(), &device);
+                let stats = learner.policy().sequence_stats(batch.tokens.clone(), batch.valid.clone(), &learner.arch, temperature);
+                let surrogate = clipped_surrogate(stats.logprobs.clone(), old_lp.clone(), adv, ppo.clip_low, ppo.clip_high);
+                let pg_loss = masked_sum(surrogate, batch.mask.clone(), tokens);
+                let entropy = masked_sum(stats.entropy, batch.mask.clone(), tokens);
+                let mut loss = pg_loss.clone() - entropy.clone() * ppo.entropy_coef;
+                if let (true, Some(_)) = (ppo.kl_coef > 0.0, rows[0].ref_logprobs.as_ref()) {
+                    let ref_lp = batch.shifted(&rows.iter().map(|p| p.ref_logprobs.as_deref().unwrap_or(&[])).collect::<Vec<_>>(), &device);
+                    let ref_kl = masked_sum(kl_k3(stats.logprobs.clone(), ref_lp), batch.mask.clone(), tokens);
+                    rkl += scalar(ref_kl.clone().detach());
+                    loss = loss + ref_kl * ppo.kl_coef;
+                }
+                kl += scalar(masked_sum(kl_k3(stats.logprobs.clone().detach(), old_lp.clone()), batch.mask.clone(), tokens));
+                clip += scalar(masked_sum(clipped_mask(stats.logprobs.detach(), old_lp, ppo.clip_low, ppo.clip_high), batch.mask.clone(), tokens));
+                pg += scalar(pg_loss.detach());
+                ent += scalar(entropy.detach());
+                learner.policy_backward(loss);
+
+                let old_v = batch.shifted(&rows.iter().map(|p| p.old_values.as_slice()).collect::<Vec<_>>(), &device);
+                let ret = batch.shifted(&rows.iter().map(|p| p.returns.as_slice()).collect::<Vec<_>>(), &device);
+                let values = learner.critic().values(batch.tokens, batch.valid, &learner.arch).narrow(1, 0, batch.width - 1);
+                let v_loss = masked_sum(clipped_value_loss(values, old_v, ret, ppo.value_clip), batch.mask, tokens) * ppo.vf_coef;
+                vl += scalar(v_loss.clone().detach());
+                learner.critic_backward(v_loss);
+            }
+            if let Some(n) = learner.policy_step(lr_a) {
+                gn_a.push(n as f64);
+            }
+            if let Some(n) = learner.critic_step(lr_c) {
+                gn_c.push(n as f64);
+            }
+            pg_sum += pg;
+            vl_sum += vl;
+            ent_sum += ent;
+            kl_sum += kl;
+            ref_kl_sum += rkl;
+            clip_sum += clip;
+            n_mb += 1;
+        }
+    }
+    let n = n_mb.max(1) as f64;
+    let mean = |v: &[f64]| if v.is_empty() { Value::Null } else { json!(v.iter().sum::<f64>() / v.len() as f64) };
+    let mismatch = logprob_mismatch(&prepared);
+    json!({
+        "trained_episodes": prepared.len(),
+        "policy_loss": pg_sum / n,
+        "value_loss": vl_sum / n,
+        "entropy": ent_sum / n,
+        "approx_kl": kl_sum / n,
+        "ref_kl": if ppo.kl_coef > 0.0 { json!(ref_kl_sum / n) } else { Value::Null },
+        "clip_fraction": clip_sum / n,
+        "explained_variance": explained,
+        "grad_norm_actor": mean(&gn_a),
+        "grad_norm_critic": mean(&gn_c),
+        "lr_actor": lr_a,
+        "lr_critic": lr_c,
+        "sampling_logprob_mismatch": mismatch,
+    })
+}
+
+/// Scores the batch with the pre-update models and computes GAE.
+fn prepare<B: AutodiffBackend>(
+    learner: &Learner<B>,
+    samples: Vec<Sample>,
+    temperature: f64,
+    reference: Option<&CausalLm<B::InnerBackend>>,
+) -> Vec<Prepared> {
+    let policy = inference(learner.policy());
+    let critic = inference(learner.critic());
+    let device = learner.device.clone();
+    let ppo = &learner.cfg.ppo;
+    let mut out = Vec::with_capacity(samples.len());
+    let micro = learner.cfg.optim.micro_batch.max(1);
+    let mut it = samples.into_iter().peekable();
+    while it.peek().is_some() {
+        let chunk: Vec<Sample> = it.by_ref().take(micro).collect();
+        let refs: Vec<&Sample> = chunk.iter().collect();
+        let batch = TokenBatch::<B::InnerBackend>::new(&refs, &device);
+        let lp = policy.sequence_stats(batch.tokens.clone(), batch.valid.clone(), &learner.infer_arch, temperature).logprobs;
+        let lp = batch.unpack(lp);
+        let v = critic.values(batch.tokens.clone(), batch.valid.clone(), &learner.infer_arch).narrow(1, 0, batch.width - 1);
+        let v = batch.unpack(v);
+        let rl = reference.map(|r| batch.unpack(r.sequence_stats(batch.tokens.clone(), batch.valid.clone(), &learner.infer_arch, temperature).logprobs));
+        for (k, s) in chunk.into_iter().enumerate() {
+            let mask = s.shifted_mask();
+            let g = gae(&s.shifted_rewards(), &v[k], &mask, ppo.gamma, ppo.lambda);
+            out.push(Prepared {
+                old_logprobs: lp[k].clone(),
+                old_values: v[k].clone(),
+                ref_logprobs: rl.as_ref().map(|r| r[k].clone()),
+                advantages: g.advantages,
+                returns: g.returns,
+                sample: s,
+            });
+        }
+    }
+    out
+}
+
+/// Mean absolute difference between the log-probabilities recorded while sampling and the
+/// ones the training forward pass computes (a check that the two paths agree).
+fn logprob_mismatch(prepared: &[Prepared]) -> Option<f64> {
+    let (mut sum, mut n) = (0.0f64, 0usize);
+    for p in prepared {
+        let sampled = p.sample.shifted_logprobs();
+        for ((&on, &a), &b) in p.sample.shifted_mask().iter().zip(&sampled).zip(&p.old_logprobs) {
+            if on && a != 0.0 {
+                sum += (a - b).abs() as f64;
+                n += 1;
+            }
+        }
+    }
+    (n > 0).then(|| sum / n as f64)
+}
