@@ -17,6 +17,7 @@ pub mod policy;
 pub mod render;
 pub mod rollout;
 pub mod sample;
+pub mod seeds;
 pub mod stage;
 pub mod tokenizer;
 

@@ -213,7 +213,7 @@ pub fn run_episodes(
             let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
             let mut params = settings.sampling.clone();
             params.max_new_tokens = settings.max_turn_tokens.min(settings.context.saturating_sub(longest)).max(1);
-            let gen_seed = mix(seed, round, c as u64);
+            let gen_seed = crate::seeds::derive(seed, round, c as u64);
             let gens = generator.generate(&prompts, &params, gen_seed);
             for (&i, g) in chunk.iter().zip(gens) {
                 stats.turns += 1;
@@ -356,7 +356,7 @@ pub fn run_single_turn(
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let mut params = settings.sampling.clone();
         params.max_new_tokens = settings.max_turn_tokens.min(settings.context.saturating_sub(longest)).max(1);
-        let gens = generator.generate(&prompts, &params, mix(seed, 0, c as u64));
+        let gens = generator.generate(&prompts, &params, crate::seeds::derive(seed, 0, c as u64));
         for (&(i, _), g) in chunk.iter().zip(gens) {
             stats.turns += 1;
             stats.policy_tokens += g.tokens.len();
@@ -441,14 +441,6 @@ fn append_observation(renderer: &Renderer, l: &mut Live, text: &str, is_error: b
             l.done = true;
         }
     }
-}
-
-/// A seed for one generation batch, distinct per (seed, round, chunk).
-fn mix(seed: u64, round: u64, chunk: u64) -> u64 {
-    let mut z = seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 async fn reset_all(pool: &EnvPool, resets: &[ResetRequest]) -> Vec<Result<(usize, ResetResponse), ClientError>> {

@@ -228,32 +228,14 @@ impl<B: AutodiffBackend> Learner<B> {
                 if r.tasks.is_empty() {
                     ResetRequest { split: Some(r.split.clone()), seed: Some(seed_of(self.cfg.run.seed, step as u64, k as u64)), options: options.clone(), ..Default::default() }
                 } else {
-                    ResetRequest { task: Some(r.tasks[(step * n + k) % r.tasks.len()].clone()), options: options.clone(), ..Default::default() }
+                    ResetRequest { task: Some(r.tasks[step.wrapping_mul(n).wrapping_add(k) % r.tasks.len()].clone()), options: options.clone(), ..Default::default() }
                 }
             })
             .collect()
     }
 }
 
-/// A seed for item `k` of step `step` of a run seeded `seed`.
-pub fn seed_of(seed: u64, step: u64, k: u64) -> u64 {
-    let mut z = seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(k.wrapping_mul(0xD1B5_4A32_D192_ED03));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// A seeded permutation of `0..n` (Fisher-Yates).
-pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut v: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        let j = rng.random_range(0..=i);
-        v.swap(i, j);
-    }
-    v
-}
+pub use crate::seeds::{derive as seed_of, permutation};
 
 /// Right-padded token tensors of some samples, and the loss mask aligned with next-token
 /// statistics (`[rows, width - 1]`, 1.0 on the policy's tokens).

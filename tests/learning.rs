@@ -1,0 +1,200 @@
+//! The trainer learns, end to end: a tiny random policy, the real server over HTTP on the tiny
+//! task family, the four stages through the `trainer` binary as a user runs them.
+//!
+//! Scripted demonstration episodes (mostly right, some wrong or wasteful) are played against
+//! the server; its trajectory logs feed RFT (whose filter must drop the bad ones) and value
+//! pre-training; multi-turn PPO then trains on the policy's own rollouts; the single-turn
+//! warm-up runs too. The policy's mean reward is measured before and after.
+//!
+//! The trainer is built in release (ML code is ~50x slower in debug); the server binary is the
+//! test profile's.
+
+mod server;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use env_api::ResetRequest;
+use serde_json::{json, Value};
+use server::Server;
+
+const WORDS: [&str; 8] = ["red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl"];
+
+fn trainer_release() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    let target = exe.parent().and_then(Path::parent).and_then(Path::parent).expect("target dir");
+    let ok = Command::new(env!("CARGO")).args(["build", "--release", "-p", "trainer", "--bin", "trainer"]).status().expect("cargo build");
+    assert!(ok.success(), "building the trainer failed");
+    target.join("release").join("trainer")
+}
+
+fn run_trainer(bin: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin).args(args).env("RUST_LOG", "warn").output().expect("run trainer");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "trainer {args:?} failed:\n{stderr}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Plays `n` demonstration episodes per task; returns (kept-worthy, flawed) counts.
+async fn demonstrations(c: &env_client::EnvClient) -> (usize, usize) {
+    let (mut good, mut flawed) = (0, 0);
+    for (i, word) in WORDS.iter().enumerate() {
+        for k in 0..6 {
+            let task = format!("tiny/{i}_{word}");
+            let r = c.reset(&ResetRequest { task: Some(task), ..Default::default() }).await.unwrap();
+            let id = r.episode_id;
+            let write = |content: &str| json!({"file_path": "answer.txt", "content": content});
+            match k {
+                // A wrong word: reward -1.
+                4 => {
+                    c.step(&id, "Write", write(WORDS[(i + 1) % WORDS.len()])).await.unwrap();
+                    flawed += 1;
+                }
+                // The same call twice: reward 1 but redundant.
+                5 => {
+                    c.step(&id, "Write", write(word)).await.unwrap();
+                    c.step(&id, "Write", write(word)).await.unwrap();
+                    flawed += 1;
+                }
+                _ => {
+                    c.step(&id, "Write", write(word)).await.unwrap();
+                    good += 1;
+                }
+            }
+            let s = c.step(&id, "Submit", json!({})).await.unwrap();
+            assert!(s.done);
+        }
+    }
+    (good, flawed)
+}
+
+fn config(dir: &Path, url: &str, model: &Path, seed: u64) -> PathBuf {
+    let text = format!(
+        r#"
+[model]
+path = "{model}"
+random_init = true
+
+[server]
+urls = ["{url}"]
+timeout_s = 120
+concurrency = 16
+
+[rollout]
+split = "tiny"
+batch = 32
+max_turns = 4
+temperature = 1.0
+max_turn_tokens = 40
+context = 320
+single_turn_context = 160
+tools_in_prompt = false
+system_prompt = "You are an agent in a sandboxed workspace. Act only through tool calls, one per turn."
+max_observation_tokens = 48
+generation_batch = 32
+
+[optim]
+actor_lr = 3e-3
+critic_lr = 3e-3
+grad_clip = 1.0
+micro_batch = 16
+
+[ppo]
+steps = 6
+minibatch = 32
+epochs = 2
+
+[rft]
+epochs = 60
+minibatch = 32
+
+[value]
+epochs = 20
+minibatch = 32
+
+[run]
+out_dir = "{out}"
+checkpoint_every = 3
+seed = {seed}
+"#,
+        model = model.display(),
+        out = dir.join("runs").display(),
+    );
+    let p = dir.join(format!("train-{seed}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    let m = dir.join("tiny-model");
+    std::fs::create_dir_all(&m).unwrap();
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../trainer/assets/tiny-tokenizer.json");
+    std::fs::copy(tok, m.join("tokenizer.json")).unwrap();
+    // <|im_end|> is id 2 in the tiny vocabulary.
+    let cfg = json!({
+        "model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": true, "eos_token_id": 2
+    });
+    std::fs::write(m.join("config.json"), cfg.to_string()).unwrap();
+    m
+}
+
+fn reward_of(summary: &str) -> f64 {
+    let v: Value = serde_json::from_str(summary).unwrap_or_else(|e| panic!("{e}: {summary}"));
+    v["reward_mean"].as_f64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn four_stages_raise_the_reward_of_a_tiny_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    let (good, flawed) = demonstrations(&server.client()).await;
+    let bin = tokio::task::spawn_blocking(trainer_release).await.unwrap();
+    let model = tiny_model(dir.path());
+    let seed = std::env::var("LEARNING_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0u64);
+    let cfg = config(dir.path(), &server.url, &model, seed);
+    let cfg = cfg.to_str().unwrap();
+    let runs = dir.path().join("runs");
+    let traj = server.data_dir.join("trajectories");
+    let traj = traj.to_str().unwrap();
+    let bin2 = bin.clone();
+    let run = move |args: Vec<String>| {
+        let bin = bin2.clone();
+        async move { tokio::task::spawn_blocking(move || run_trainer(&bin, &args.iter().map(String::as_str).collect::<Vec<_>>())).await.unwrap() }
+    };
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+
+    let before = reward_of(&run(s(&["evaluate", "--config", cfg, "--episodes", "32"])).await);
+
+    run(s(&["rft", "--config", cfg, "--trajectories", traj])).await;
+    let filter: Value = serde_json::from_str(&std::fs::read_to_string(runs.join("rft/filter.json")).unwrap()).unwrap();
+    assert_eq!(filter["kept"].as_u64().unwrap() as usize, good, "{filter}");
+    assert_eq!(filter["rejected"]["low_reward"].as_u64().unwrap() + filter["rejected"]["repeated_call"].as_u64().unwrap(), flawed as u64, "{filter}");
+    let rft_final = runs.join("rft/final");
+    let after_rft = reward_of(&run(s(&["evaluate", "--config", cfg, "--episodes", "32", "--init", rft_final.to_str().unwrap()])).await);
+
+    run(s(&["value-pretrain", "--config", cfg, "--trajectories", traj, "--init", rft_final.to_str().unwrap()])).await;
+    let value_final = runs.join("value/final");
+    run(s(&["ppo", "--config", cfg, "--init", value_final.to_str().unwrap()])).await;
+    let ppo_final = runs.join("ppo/final");
+    let after = reward_of(&run(s(&["evaluate", "--config", cfg, "--episodes", "32", "--init", ppo_final.to_str().unwrap()])).await);
+
+    // The warm-up stage runs on the same family (single-turn answers, /v1/evaluate rewards).
+    run(s(&["warmup", "--config", cfg, "--steps", "1", "--init", ppo_final.to_str().unwrap()])).await;
+
+    let ppo_metrics = runs.join("ppo/metrics.jsonl");
+    let lines: Vec<Value> = std::fs::read_to_string(&ppo_metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 6);
+    for key in ["reward_mean", "entropy", "approx_kl", "clip_fraction", "value_loss", "turns_per_episode", "valid_call_share", "episodes_per_min"] {
+        assert!(lines.iter().all(|l| l[key].is_number()), "{key} missing in {}", lines[0]);
+    }
+    assert!(runs.join("ppo/step-000006/actor_optim.mpk").exists() && runs.join("ppo/step-000003/state.json").exists());
+    let png = runs.join("ppo/metrics.png");
+    run(s(&["plot", ppo_metrics.to_str().unwrap(), "--out", png.to_str().unwrap()])).await;
+    assert!(std::fs::metadata(&png).unwrap().len() > 1000);
+
+    eprintln!("seed {seed}: mean reward random {before:.3}, after RFT {after_rft:.3}, after PPO {after:.3}");
+    assert!(before < -0.5, "a random policy does not solve the tiny tasks (got {before})");
+    assert!(after > 0.5, "mean reward after the four stages is {after} (random {before}, after RFT {after_rft})");
+}
