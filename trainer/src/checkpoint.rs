@@ -97,6 +97,29 @@ pub fn save(stage_dir: &Path, state: &StageState, write: impl FnOnce(&Checkpoint
     Ok(final_dir)
 }
 
+/// Removes all but the newest `keep` step checkpoints of a stage (`keep == 0` keeps all).
+/// Returns how many were removed. Disk use stays bounded on long runs; `latest` always names
+/// one that is kept.
+pub fn prune(stage_dir: &Path, keep: usize) -> Result<usize, TrainError> {
+    if keep == 0 {
+        return Ok(0);
+    }
+    let entries = std::fs::read_dir(stage_dir).map_err(|e| TrainError::Io(stage_dir.to_path_buf(), e))?;
+    let mut steps: Vec<(usize, PathBuf)> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter_map(|p| {
+            let n = p.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()?;
+            Some((n, p))
+        })
+        .collect();
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    for (_, p) in &steps[..excess] {
+        std::fs::remove_dir_all(p).map_err(|e| TrainError::Io(p.clone(), e))?;
+    }
+    Ok(excess)
+}
+
 /// The newest complete checkpoint of a stage, if any.
 pub fn latest(stage_dir: &Path) -> Option<CheckpointFiles> {
     let name = std::fs::read_to_string(stage_dir.join("latest")).ok()?;

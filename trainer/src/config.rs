@@ -295,13 +295,15 @@ pub struct RunSection {
     pub out_dir: PathBuf,
     /// Save a checkpoint every this many steps (and at the end).
     pub checkpoint_every: usize,
+    /// Step checkpoints kept per stage, newest first (0 keeps all); `final/` is never removed.
+    pub keep_checkpoints: usize,
     /// Seed of weights, data order and sampling.
     pub seed: u64,
 }
 
 impl Default for RunSection {
     fn default() -> Self {
-        Self { out_dir: "runs/default".into(), checkpoint_every: 10, seed: 0 }
+        Self { out_dir: "runs/default".into(), checkpoint_every: 10, keep_checkpoints: 3, seed: 0 }
     }
 }
 

@@ -29,10 +29,15 @@ pub enum Rejection {
     RepeatedCall,
     /// An edit that puts back what an earlier edit replaced.
     UndoneEdit,
+    /// Longer than the training context (logs from a longer-context run).
+    TooLong,
 }
 
 /// The RFT verdict on one sample: `Ok` when it is kept.
-pub fn rft_verdict(s: &Sample, min_reward: f32) -> Result<(), Rejection> {
+pub fn rft_verdict(s: &Sample, min_reward: f32, max_tokens: usize) -> Result<(), Rejection> {
+    if s.tokens.len() > max_tokens {
+        return Err(Rejection::TooLong);
+    }
     if s.outcome != Some(Outcome::Finished) {
         return Err(Rejection::Unfinished);
     }
@@ -97,11 +102,11 @@ pub struct FilterSummary {
 }
 
 /// Keeps the samples that pass `rft_verdict`.
-pub fn rft_filter(samples: Vec<Sample>, min_reward: f32) -> (Vec<Sample>, FilterSummary) {
+pub fn rft_filter(samples: Vec<Sample>, min_reward: f32, max_tokens: usize) -> (Vec<Sample>, FilterSummary) {
     let mut summary = FilterSummary::default();
     let kept = samples
         .into_iter()
-        .filter(|s| match rft_verdict(s, min_reward) {
+        .filter(|s| match rft_verdict(s, min_reward, max_tokens) {
             Ok(()) => {
                 summary.kept += 1;
                 true

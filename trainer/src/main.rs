@@ -120,6 +120,10 @@ struct EvalArgs {
     /// Write the summary JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write every episode (task, outcome, reward, the decoded conversation) here, one JSON
+    /// object per line: the quickest way to see what a checkpoint does.
+    #[arg(long)]
+    episodes_out: Option<PathBuf>,
 }
 
 #[derive(Args, Clone)]
@@ -289,7 +293,7 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             let context = cfg.rollout.context;
             let mut learner = Learner::<B>::new(cfg.clone(), if value { "value" } else { "rft" }, &opts, context, device)?;
             let samples = gather(&learner, &rt, &cfg, &d.trajectories)?;
-            let (kept, summary) = rft_filter(samples, cfg.rft.min_reward);
+            let (kept, summary) = rft_filter(samples, cfg.rft.min_reward, context);
             tracing::info!(kept = summary.kept, rejected = ?summary.rejected, "RFT filter");
             std::fs::write(learner.stage_dir.join("filter.json"), serde_json::to_string_pretty(&summary)?)?;
             if value {
@@ -313,6 +317,19 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             let text = serde_json::to_string_pretty(&summary)?;
             if let Some(p) = &e.json {
                 std::fs::write(p, &text)?;
+            }
+            if let Some(p) = &e.episodes_out {
+                let tok = learner.renderer.tokenizer();
+                let mut out = String::new();
+                for s in &samples {
+                    let line = serde_json::json!({
+                        "task": s.task, "episode_id": s.episode_id, "outcome": s.outcome, "reward": s.reward,
+                        "reason": s.reason, "turns": s.turns, "text": tok.decode(&s.tokens),
+                    });
+                    out.push_str(&line.to_string());
+                    out.push('\n');
+                }
+                std::fs::write(p, out)?;
             }
             println!("{text}");
         }

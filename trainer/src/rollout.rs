@@ -232,7 +232,7 @@ pub fn run_episodes(
                 Err(e) => {
                     let msg = e.to_string();
                     live[i].sample.turns.push(TurnRecord { tool: None, arguments: Value::Null, parse_error: Some(msg.clone()), tool_error: true });
-                    append_observation(renderer, &mut live[i], &msg, true);
+                    append_observation(renderer, &mut live[i], &msg, true, settings.context);
                 }
             }
         }
@@ -250,14 +250,14 @@ pub fn run_episodes(
                         l.sample.reason = resp.info.evaluation.as_ref().and_then(|e| e.reason.clone()).or(resp.info.truncation_reason.clone());
                         l.done = true;
                     } else {
-                        append_observation(renderer, l, &resp.observation.text, resp.observation.is_error);
+                        append_observation(renderer, l, &resp.observation.text, resp.observation.is_error, settings.context);
                     }
                 }
                 // The server refused the call itself (unknown tool, bad arguments): the agent
                 // sees why, as it would see a tool error.
                 Err(ClientError::Api { status, code, message }) if matches!(status, 400 | 422) => {
                     l.sample.turns.push(TurnRecord { tool: Some(name), arguments, parse_error: Some(format!("{code}: {message}")), tool_error: true });
-                    append_observation(renderer, l, &message, true);
+                    append_observation(renderer, l, &message, true, settings.context);
                 }
                 Err(e) => {
                     tracing::warn!(episode = %l.sample.episode_id, "step failed: {e}");
@@ -432,9 +432,14 @@ pub fn solution_of(answer: &str) -> String {
     answer.trim().to_string()
 }
 
-fn append_observation(renderer: &Renderer, l: &mut Live, text: &str, is_error: bool) {
+fn append_observation(renderer: &Renderer, l: &mut Live, text: &str, is_error: bool, context: usize) {
     match renderer.observation(text, is_error, &l.last_turn) {
-        Ok(t) => l.sample.push_context(&t),
+        Ok(t) => {
+            // What does not fit the context is never seen: the conversation closes at the
+            // context limit next round, and no sample grows past what the model is trained on.
+            let room = context.saturating_sub(l.sample.tokens.len());
+            l.sample.push_context(&t[..t.len().min(room)]);
+        }
         Err(e) => {
             l.sample.outcome = Some(Outcome::Failed);
             l.sample.reason = Some(format!("observation rendering: {e}"));

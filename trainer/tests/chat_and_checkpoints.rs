@@ -125,3 +125,20 @@ fn sampling_is_seeded_and_honours_limits_and_stop_tokens() {
         assert_eq!((g.tokens.len(), g.finish), (1, FinishReason::StopToken));
     }
 }
+
+#[test]
+fn pruning_keeps_the_newest_step_checkpoints_and_latest() {
+    use trainer::checkpoint::{latest, prune, save, StageState};
+    let dir = tempfile::tempdir().unwrap();
+    for step in [2, 4, 6, 8, 10] {
+        let state = StageState { stage: "ppo".into(), step, total_steps: 10, seed: 0 };
+        save(dir.path(), &state, |f| std::fs::write(f.policy(), b"weights").map_err(|e| trainer::TrainError::Io(f.policy(), e))).unwrap();
+    }
+    std::fs::create_dir(dir.path().join("final")).unwrap();
+    assert_eq!(prune(dir.path(), 2).unwrap(), 3);
+    let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, ["final", "latest", "step-000008", "step-000010"]);
+    assert!(latest(dir.path()).unwrap().dir.ends_with("step-000010"));
+    assert_eq!(prune(dir.path(), 0).unwrap(), 0, "0 keeps everything");
+}

@@ -127,22 +127,24 @@ fn rft_filter_keeps_clean_successes_only() {
     let edit = |o: &str, n: &str| turn("MultiEdit", json!({"file_path": "a.py", "edits": [{"old_string": o, "new_string": n}]}));
     let submit = turn("Submit", json!({}));
     let good = finished(1.0, vec![w("x"), edit("x", "y"), w("z"), submit.clone()]);
-    assert_eq!(rft_verdict(&good, 0.0), Ok(()));
-    assert_eq!(rft_verdict(&finished(-1.0, vec![submit.clone()]), 0.0), Err(Rejection::LowReward));
-    assert_eq!(rft_verdict(&finished(1.0, vec![submit.clone()]), 1.0), Err(Rejection::LowReward));
+    assert_eq!(rft_verdict(&good, 0.0, 10_000), Ok(()));
+    assert_eq!(rft_verdict(&finished(-1.0, vec![submit.clone()]), 0.0, 10_000), Err(Rejection::LowReward));
+    assert_eq!(rft_verdict(&finished(1.0, vec![submit.clone()]), 1.0, 10_000), Err(Rejection::LowReward));
     let mut closed = finished(1.0, vec![submit.clone()]);
     closed.outcome = Some(Outcome::ContextLimit);
-    assert_eq!(rft_verdict(&closed, 0.0), Err(Rejection::Unfinished));
+    assert_eq!(rft_verdict(&closed, 0.0, 10_000), Err(Rejection::Unfinished));
     let bad_call = TurnRecord { tool: None, arguments: json!(null), parse_error: Some("no tool call".into()), tool_error: true };
-    assert_eq!(rft_verdict(&finished(3.0, vec![bad_call, submit.clone()]), 0.0), Err(Rejection::MalformedCall));
-    assert_eq!(rft_verdict(&finished(3.0, vec![w("x"), w("x"), submit.clone()]), 0.0), Err(Rejection::RepeatedCall));
+    assert_eq!(rft_verdict(&finished(3.0, vec![bad_call, submit.clone()]), 0.0, 10_000), Err(Rejection::MalformedCall));
+    assert_eq!(rft_verdict(&finished(3.0, vec![w("x"), w("x"), submit.clone()]), 0.0, 10_000), Err(Rejection::RepeatedCall));
     // An edit put back, and a file rewritten to what it held two writes ago.
-    assert_eq!(rft_verdict(&finished(2.0, vec![edit("a", "b"), edit("b", "a"), submit.clone()]), 0.0), Err(Rejection::UndoneEdit));
-    assert_eq!(rft_verdict(&finished(2.0, vec![w("v1"), w("v2"), w("v1"), submit.clone()]), 0.0), Err(Rejection::UndoneEdit));
+    assert_eq!(rft_verdict(&finished(2.0, vec![edit("a", "b"), edit("b", "a"), submit.clone()]), 0.0, 10_000), Err(Rejection::UndoneEdit));
+    assert_eq!(rft_verdict(&finished(2.0, vec![w("v1"), w("v2"), w("v1"), submit.clone()]), 0.0, 10_000), Err(Rejection::UndoneEdit));
     // The same edit on another file is not an undo.
     let other = turn("MultiEdit", json!({"file_path": "b.py", "edits": [{"old_string": "b", "new_string": "a"}]}));
-    assert_eq!(rft_verdict(&finished(2.0, vec![edit("a", "b"), other, submit.clone()]), 0.0), Ok(()));
-    let (kept, summary) = rft_filter(vec![good, finished(-1.0, vec![submit])], 0.0);
+    assert_eq!(rft_verdict(&finished(2.0, vec![edit("a", "b"), other, submit.clone()]), 0.0, 10_000), Ok(()));
+    // Two tokens do not fit a one-token context.
+    assert_eq!(rft_verdict(&good, 0.0, 1), Err(Rejection::TooLong));
+    let (kept, summary) = rft_filter(vec![good, finished(-1.0, vec![submit])], 0.0, 10_000);
     assert_eq!((kept.len(), summary.kept, summary.rejected[&Rejection::LowReward]), (1, 1, 1));
 }
 

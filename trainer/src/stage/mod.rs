@@ -182,13 +182,15 @@ impl<B: AutodiffBackend> Learner<B> {
     /// Writes a checkpoint of the current step.
     pub fn save_checkpoint(&self, total_steps: usize) -> Result<PathBuf, TrainError> {
         let state = StageState { stage: self.stage.clone(), step: self.step, total_steps, seed: self.cfg.run.seed };
-        checkpoint::save(&self.stage_dir, &state, |f| {
+        let dir = checkpoint::save(&self.stage_dir, &state, |f| {
             self.policy().save_record(&f.policy())?;
             self.critic().save_record(&f.critic())?;
             self.actor_opt.save(&f.actor_optim())?;
             self.critic_opt.save(&f.critic_optim())?;
             Ok(())
-        })
+        })?;
+        checkpoint::prune(&self.stage_dir, self.cfg.run.keep_checkpoints)?;
+        Ok(dir)
     }
 
     /// Writes `<stage>/final/` (policy and critic records, plus the policy as a Hugging Face
