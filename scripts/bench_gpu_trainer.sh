@@ -20,8 +20,8 @@ export NCCL_NVLS_ENABLE=0
 
 case "$mode" in
 model)
-  args=(--seq "${SEQ:-2048}" --train-batch "${TRAIN_BATCH:-4}" --train-iters 5 --gen-batch 1,32 --prompt 128 --new-tokens 128)
-  timeout "${BURN_TIMEOUT:-300}" "$trainer" bench-model --device cuda --precision bf16 "${args[@]}" > "$out/bench_burn.json" 2> "$out/bench_burn.log" || { echo "burn bench failed:"; tail -20 "$out/bench_burn.log"; }
+  args=(--seq "${SEQ:-2048}" --train-batch "${TRAIN_BATCH:-4}" --train-iters 5 --gen-batch "${GEN_BATCH:-1,32}" --prompt 128 --new-tokens "${NEW_TOKENS:-128}")
+  RUST_LOG="${RUST_LOG:-info}" timeout "${BURN_TIMEOUT:-300}" "$trainer" bench-model --device cuda --precision bf16 "${args[@]}" > "$out/bench_burn.json" 2> "$out/bench_burn.log" || { echo "burn bench failed:"; tail -20 "$out/bench_burn.log"; }
   timeout 180 "$py" scripts/bench_model_torch.py --dtype bf16 "${args[@]}" > "$out/bench_torch.json" 2> "$out/bench_torch.log" || { echo "torch bench failed:"; tail -20 "$out/bench_torch.log"; }
   if [ -s "$out/bench_burn.json" ] && [ -s "$out/bench_torch.json" ]; then
     "$py" scripts/bench_model_table.py "$out/bench_burn.json" "$out/bench_torch.json" | tee "$out/bench_model.md"
@@ -39,7 +39,11 @@ loop)
  "max_position_embeddings": 8192, "rope_theta": 10000.0, "tie_word_embeddings": true, "eos_token_id": 2}
 JSON
   port=18431
-  "$server" --bind "127.0.0.1:$port" --data-dir "$out/data" --python "$py" --device cuda --skip-compile --allow-unconfined > "$out/server.log" 2>&1 &
+  # Sandboxed tools must reach the data directory, so it lives outside $out (which may sit in a
+  # home directory others cannot search).
+  data="${DATA_DIR:-/tmp/trainer-bench-data}"
+  rm -rf "$data"
+  "$server" --bind "127.0.0.1:$port" --data-dir "$data" --python "$py" --device cuda --skip-compile --allow-unconfined > "$out/server.log" 2>&1 &
   spid=$!
   trap 'kill $spid 2>/dev/null || true' EXIT
   for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/v1/health" >/dev/null && break; sleep 0.5; done
@@ -57,9 +61,9 @@ concurrency = 16
 [rollout]
 split = "level1"
 batch = ${BATCH:-16}
-max_turns = 3
+max_turns = 2
 temperature = 1.0
-max_turn_tokens = 256
+max_turn_tokens = 128
 context = 8192
 single_turn_context = 8192
 tools_in_prompt = false
@@ -71,7 +75,7 @@ critic_lr = 1e-5
 micro_batch = 4
 
 [ppo]
-steps = ${STEPS:-3}
+steps = ${STEPS:-20}
 minibatch = 16
 epochs = 1
 
@@ -80,7 +84,7 @@ out_dir = "$out/runs"
 checkpoint_every = 100
 seed = 0
 TOML
-  for stage in warmup ppo; do
+  for stage in ${STAGES:-warmup ppo}; do
     s=$(date +%s%N)
     timeout "${STAGE_TIMEOUT:-200}" "$trainer" "$stage" --config "$out/train.toml" --device cuda --precision f32 > "$out/$stage.out" 2> "$out/$stage.log" \
       || { echo "$stage failed or timed out:"; tail -15 "$out/$stage.log"; }
