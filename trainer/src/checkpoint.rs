@@ -73,6 +73,11 @@ pub fn step_dir(stage_dir: &Path, step: usize) -> PathBuf {
     stage_dir.join(format!("step-{step:06}"))
 }
 
+/// The step a `step_dir` path names, if it is one.
+fn step_of(dir: &Path) -> Option<usize> {
+    dir.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()
+}
+
 /// Writes a checkpoint through `write` into a temporary directory, then renames it into place
 /// and points `latest` at it.
 pub fn save(stage_dir: &Path, state: &StageState, write: impl FnOnce(&CheckpointFiles) -> Result<(), TrainError>) -> Result<PathBuf, TrainError> {
@@ -107,10 +112,7 @@ pub fn prune(stage_dir: &Path, keep: usize) -> Result<usize, TrainError> {
     let entries = std::fs::read_dir(stage_dir).map_err(|e| TrainError::Io(stage_dir.to_path_buf(), e))?;
     let mut steps: Vec<(usize, PathBuf)> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter_map(|p| {
-            let n = p.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()?;
-            Some((n, p))
-        })
+        .filter_map(|p| Some((step_of(&p)?, p)))
         .collect();
     steps.sort();
     let excess = steps.len().saturating_sub(keep);

@@ -384,16 +384,16 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
         Some(p) => ModelConfig::from_file(p)?,
         None => ModelConfig::from_json(QWEN25_05B)?,
     };
+    let sync = |d: &B::Device| B::sync(d).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
     B::seed(&device, 0);
     let t_init = Instant::now();
     let lm = CausalLm::<B>::random(&cfg, &device);
     let positions = a.seq.max(a.prompt + a.new_tokens) + 1;
     let arch = Architecture::<B>::new(cfg.clone(), positions, &device);
-    B::sync(&device).map_err(|e| anyhow::anyhow!("device sync: {e:?}"))?;
+    sync(&device)?;
     // Printed apart from the passes: on a fresh GPU machine kernel compilation lands here first.
     eprintln!("model initialised in {:.3} s", t_init.elapsed().as_secs_f64());
     let tokens_of = |b: usize, t: usize| -> Vec<i32> { (0..b * t).map(|i| ((i * 7919 + 13) % cfg.vocab_size) as i32).collect() };
-    let sync = |d: &B::Device| B::sync(d).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
     // Training: forward (log-probabilities of every next token) and backward.
     let (b, t) = (a.train_batch, a.seq);
     let mut times = Vec::new();
