@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use env_api::{EvaluateRequest, SolutionRef, TaskRef};
-use kernelbench::report::{by_level, markdown, ResultRecord};
+use kernelbench::report::{by_level, markdown, speedup_distribution, ResultRecord, SPEEDUP_BUCKETS};
 use kernelbench::{Task, TaskSet};
 
 /// Tasks in KernelBench format: list, replay, report.
@@ -61,6 +61,9 @@ enum Cmd {
         /// Write the report as JSON too.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Draw the speedup distribution per level as a PNG chart.
+        #[arg(long)]
+        png: Option<PathBuf>,
     },
     /// Synthesize fused tasks from PyTorch's own operators, filtered as the CUDA Agent recipe does.
     Synth {
@@ -102,6 +105,9 @@ enum Cmd {
         /// Write the report as JSON too.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Draw the speedup distribution per level as a PNG chart.
+        #[arg(long)]
+        png: Option<PathBuf>,
     },
 }
 
@@ -157,13 +163,27 @@ fn read_results(path: &Path) -> anyhow::Result<Vec<ResultRecord>> {
     Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
 }
 
-fn print_report(results: &[ResultRecord], json: Option<&Path>) -> anyhow::Result<()> {
+fn print_report(results: &[ResultRecord], json: Option<&Path>, png: Option<&Path>) -> anyhow::Result<()> {
     let table = by_level(results);
     print!("{}", markdown(&table));
     if let Some(p) = json {
         std::fs::write(p, serde_json::to_vec_pretty(&table)?)?;
     }
+    if let Some(p) = png {
+        speedup_chart(results).render(720, 360).save_png(p)?;
+        eprintln!("chart written to {}", p.display());
+    }
     Ok(())
+}
+
+/// Bars per speedup bucket, one series per level, in percent of the level's tasks.
+fn speedup_chart(results: &[ResultRecord]) -> charts::BarChart {
+    charts::BarChart {
+        title: format!("speedup over eager ({} tasks)", results.len()),
+        y_label: "% of the tasks of each level".into(),
+        categories: SPEEDUP_BUCKETS.iter().map(|s| s.to_string()).collect(),
+        series: speedup_distribution(results).into_iter().map(|(level, shares)| (level, shares.iter().map(|x| x * 100.0).collect())).collect(),
+    }
 }
 
 fn failure(task: &Task, reason: &str) -> ResultRecord {
@@ -305,13 +325,13 @@ async fn main() -> anyhow::Result<()> {
             }
             eprintln!("{} tasks", tasks.split(&split).len());
         }
-        Cmd::Replay { server, api_key, solutions, trajectories, kernelbench_dir, split, jobs, out, json } => {
+        Cmd::Replay { server, api_key, solutions, trajectories, kernelbench_dir, split, jobs, out, json, png } => {
             anyhow::ensure!(solutions.is_some() || trajectories.is_some(), "give --solutions DIR or --trajectories DIR");
             let tasks = load_tasks(&kernelbench_dir)?;
             let results = replay(server, api_key, solutions, trajectories, tasks, split, jobs, out).await?;
-            print_report(&results, json.as_deref())?;
+            print_report(&results, json.as_deref(), png.as_deref())?;
         }
-        Cmd::Report { results, json } => print_report(&read_results(&results)?, json.as_deref())?,
+        Cmd::Report { results, json, png } => print_report(&read_results(&results)?, json.as_deref(), png.as_deref())?,
         Cmd::Synth { count, seed, device, out, python, size, min_ms, max_ms, compile_backend, plant_bad } => {
             let mut args: Vec<String> = vec![
                 "--count".into(),

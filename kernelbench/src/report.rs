@@ -112,3 +112,26 @@ pub fn markdown(table: &BTreeMap<String, Metrics>) -> String {
     }
     s
 }
+
+/// Edges of the speedup buckets of [`speedup_distribution`]: `< 0.5`, `0.5-1`, `1-1.5`, `1.5-2`, `>= 2`.
+pub const SPEEDUP_EDGES: [f64; 4] = [0.5, 1.0, 1.5, 2.0];
+
+/// Names of the buckets of [`speedup_distribution`], failures first.
+pub const SPEEDUP_BUCKETS: [&str; 6] = ["failed", "<0.5x", "0.5-1x", "1-1.5x", "1.5-2x", ">=2x"];
+
+/// The distribution of the speedup over eager per level: for each level (`level1`, ...), the
+/// share of its tasks in each of [`SPEEDUP_BUCKETS`]. A task counts as failed when it is not
+/// correct or has no speedup; a speedup on an edge goes to the bucket above it.
+pub fn speedup_distribution(results: &[ResultRecord]) -> BTreeMap<String, [f64; 6]> {
+    let mut counts: BTreeMap<String, ([usize; 6], usize)> = BTreeMap::new();
+    for r in results {
+        let bucket = match r.speedup_eager.filter(|s| r.correct && s.is_finite()) {
+            None => 0,
+            Some(s) => 1 + SPEEDUP_EDGES.iter().filter(|&&e| s >= e).count(),
+        };
+        let entry = counts.entry(format!("level{}", r.level)).or_default();
+        entry.0[bucket] += 1;
+        entry.1 += 1;
+    }
+    counts.into_iter().map(|(k, (c, n))| (k, c.map(|x| x as f64 / n as f64))).collect()
+}

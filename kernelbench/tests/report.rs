@@ -40,3 +40,54 @@ fn metrics_match_hand_computation() {
     assert!(rows[2].starts_with("| level1 | 4 | 75.0% | 50.0% | 0.0% | 1.170x | 0.500x | 50.0% | 50.0% | 0.0% | 1.00 |"), "{}", rows[2]);
     assert!(rows[4].starts_with("| overall | 6 |"), "{}", rows[4]);
 }
+
+#[test]
+fn speedup_distribution_buckets_by_hand() {
+    use kernelbench::report::speedup_distribution;
+    let results = vec![
+        r("L1/a", 1, true, Some(2.0), None),  // on the 2.0 edge: >=2x
+        r("L1/b", 1, true, Some(0.5), None),  // on the 0.5 edge: 0.5-1x
+        r("L1/c", 1, false, None, None),      // failed
+        r("L1/d", 1, true, Some(1.2), None),  // 1-1.5x
+        r("L2/a", 2, true, Some(0.1), None),  // <0.5x
+        r("L2/b", 2, true, None, None),       // correct but untimed: failed
+    ];
+    let d = speedup_distribution(&results);
+    assert_eq!(d.len(), 2);
+    assert_eq!(d["level1"], [0.25, 0.0, 0.25, 0.25, 0.0, 0.25]);
+    assert_eq!(d["level2"], [0.5, 0.5, 0.0, 0.0, 0.0, 0.0]);
+}
+
+#[test]
+fn report_command_prints_the_table_and_draws_the_chart() {
+    let dir = tempfile::tempdir().unwrap();
+    let results = dir.path().join("results.jsonl");
+    let lines: Vec<String> = [
+        r("L1/a", 1, true, Some(2.5), Some(1.2)),
+        r("L1/b", 1, false, None, None),
+        r("L2/a", 2, true, Some(0.8), Some(0.6)),
+    ]
+    .iter()
+    .map(|x| serde_json::to_string(x).unwrap())
+    .collect();
+    std::fs::write(&results, lines.join("\n")).unwrap();
+    let png = dir.path().join("speedup.png");
+    let json = dir.path().join("report.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kernelbench"))
+        .arg("report")
+        .arg(&results)
+        .arg("--png")
+        .arg(&png)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.lines().any(|l| l.starts_with("| level1 | 2 | 50.0% |")), "{table}");
+    assert!(table.lines().any(|l| l.starts_with("| overall | 3 |")), "{table}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[1..4], b"PNG");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report["level2"]["tasks"], 1);
+}
