@@ -4,6 +4,7 @@
 # then times eager, torch.compile and each candidate one after another, prints a table, and
 # repeats the profile of one candidate REPEATS times to show the spread between runs.
 # Uses $PYTHON (default python3, with torch); results go to ${OUT_DIR:-/tmp/harness-bench}.
+# CANDIDATES="L1_16_LogSoftmax L2_2_Scale_Add_Tanh" limits the run to those candidates.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT_DIR:-/tmp/harness-bench}"
@@ -14,7 +15,12 @@ mkdir -p "$out"
 export TORCH_EXTENSIONS_DIR="$out/ext"
 task_of() { local n=$1 level=${1%%_*} rest=${1#*_}; echo "kernelbench/tasks/level${level#L}/$rest.py"; }
 names=()
-for cand in skills/examples/cuda/*.py; do
+if [ -n "${CANDIDATES:-}" ]; then
+  cands=(); for n in $CANDIDATES; do cands+=("skills/examples/cuda/$n.py"); done
+else
+  cands=(skills/examples/cuda/*.py)
+fi
+for cand in "${cands[@]}"; do
   name=$(basename "$cand" .py); names+=("$name")
   mkdir -p "$out/$name"; cp "$cand" "$out/$name/model_new.py"
   "$py" skills/evaluate.py candidate --task "$(task_of "$name")" --candidate "$out/$name" --device cuda --phase build > "$out/$name.build.json" &

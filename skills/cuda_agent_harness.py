@@ -399,14 +399,24 @@ class L2Flusher:
             self.buf.zero_()
 
 
-def time_callable(fn, inputs, device, min_trials=10, max_trials=100, budget_s=2.0, warmup=3) -> dict:
+def time_callable(fn, inputs, device, min_trials=10, max_trials=100, budget_s=2.0, warmup=3, warmup_s=0.25) -> dict:
     """Median of many trials. CUDA: events with a full device synchronize around each trial,
-    so work on side streams is counted; L2 flushed between trials. CPU: perf_counter."""
+    so work on side streams is counted; L2 flushed between trials. CPU: perf_counter.
+
+    The warm-up runs at least `warmup` calls and, on CUDA, `warmup_s` seconds: a GPU that was
+    idle needs a moment to reach its working clocks, and a few calls of a sub-millisecond
+    kernel are over before it has."""
     flush = L2Flusher(device)
     with torch.no_grad():
-        for _ in range(warmup):
-            fn(*inputs)
+        fn(*inputs)  # the first call may compile or autotune: not part of the warm-up's clock
         synchronize(device)
+        warm_for = warmup_s if device.type == "cuda" else 0.0
+        warm_start, calls = time.perf_counter(), 1
+        while calls < warmup or time.perf_counter() - warm_start < warm_for:
+            flush()
+            fn(*inputs)
+            synchronize(device)
+            calls += 1
         start = time.perf_counter()
         fn(*inputs)
         synchronize(device)
@@ -436,6 +446,7 @@ def time_callable(fn, inputs, device, min_trials=10, max_trials=100, budget_s=2.
         "max_ms": max(times),
         "cv": (statistics.stdev(times) / statistics.fmean(times)) if len(times) > 1 and statistics.fmean(times) > 0 else 0.0,
         "trials": len(times),
+        "warmup_calls": calls,
     }
 
 
