@@ -254,7 +254,11 @@ fn configure_kernel_caches() -> Result<()> {
             (None, None) => std::env::temp_dir().join("cuda-agent-kernels"),
         },
     };
-    std::fs::create_dir_all(&dir).with_context(|| format!("kernel cache {}", dir.display()))?;
+    // Without a cache the run still works, it only compiles everything again: warn, go on.
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        tracing::warn!("kernel cache {} unusable ({e}); kernels will be compiled afresh (set CUDA_AGENT_KERNEL_CACHE)", dir.display());
+        return Ok(());
+    }
     let mut config = CubeClRuntimeConfig::default().override_from_env();
     config.compilation.cache = Some(CacheConfig::File(dir.clone()));
     config.autotune.cache = CacheConfig::File(dir.clone());
