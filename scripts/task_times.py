@@ -47,9 +47,7 @@ def main() -> None:
         row = {"task": task_id(path)}
         try:
             task = h.load_task(path)
-            torch.manual_seed(0)
-            model = task.Model(*task.get_init_inputs()).to(device).eval()
-            inputs = h.seeded_inputs(task, 0, device)
+            model, inputs = h.reference_and_inputs(task, device)
             eager = h.time_callable(model, inputs, device, budget_s=args.budget_s)
             row.update(eager_ms=eager["median_ms"], eager_cv=eager["cv"])
             if args.compile:

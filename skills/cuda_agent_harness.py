@@ -266,6 +266,14 @@ def seeded_inputs(task, seed: int, device):
     return to_device(list(task.get_inputs()), device)
 
 
+def reference_and_inputs(task, device, seed: int = 0):
+    """The reference model built under `seed` and one input set from the same seed: what
+    eager and torch.compile are timed on."""
+    torch.manual_seed(seed)
+    model = task.Model(*task.get_init_inputs()).to(device).eval()
+    return model, seeded_inputs(task, seed, device)
+
+
 def make_models(task, candidate, device, seed: int):
     init = task.get_init_inputs()
     torch.manual_seed(seed)

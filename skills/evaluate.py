@@ -53,9 +53,7 @@ def baseline(args) -> dict:
     device = h.pick_device(args.device)
     h.pin_precision()
     task = h.load_task(Path(args.task))
-    torch.manual_seed(0)
-    model = task.Model(*task.get_init_inputs()).to(device).eval()
-    inputs = h.seeded_inputs(task, 0, device)
+    model, inputs = h.reference_and_inputs(task, device)
     result = {"env": h.environment(device), "eager": h.time_callable(model, inputs, device)}
     if not args.no_compile:
         compiled = torch.compile(model)

@@ -37,9 +37,7 @@ def main() -> int:
     device = h.pick_device(args.device)
     h.pin_precision()
     task = h.load_task(here / "model.py")
-    torch.manual_seed(0)
-    ref = task.Model(*task.get_init_inputs()).to(device).eval()
-    inputs = h.seeded_inputs(task, 0, device)
+    ref, inputs = h.reference_and_inputs(task, device)
     which = [args.only] if args.only else list(args.compare) + ["candidate"]
     results: dict = {"env": h.environment(device)}
     for name in which:

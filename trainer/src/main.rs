@@ -201,7 +201,7 @@ fn main() -> Result<()> {
 #[cfg(feature = "cuda")]
 fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
     probe_libcuda()?;
-    configure_kernel_caches()?;
+    configure_kernel_caches();
     let device = burn::backend::cuda::CudaDevice::new(0);
     match p {
         Precision::F32 => run::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(cmd, device),
@@ -212,7 +212,7 @@ fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn bench_cuda(b: &BenchArgs, p: Precision) -> Result<()> {
     probe_libcuda()?;
-    configure_kernel_caches()?;
+    configure_kernel_caches();
     let device = burn::backend::cuda::CudaDevice::new(0);
     match p {
         Precision::F32 => bench::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(b, device),
@@ -231,20 +231,19 @@ fn run_cuda(_: &Command, _: Precision) -> Result<()> {
 }
 
 /// Keeps what burn's CUDA backend compiles. Every kernel is JIT-compiled on first use (NVRTC,
-/// then the driver's PTX compiler: about 0.4 s each, measured on an H200), and the first pass
-/// of a 0.5B model spends about 24 s compiling, so without a cache every run starts so. cubecl's PTX
-/// cache and autotune results go to `$CUDA_AGENT_KERNEL_CACHE` (default
+/// then the driver's PTX compiler: about 0.4 s each, measured on an H200); the first pass of a
+/// 0.5B model spends about 24 s on it, so without a cache every run starts with that. cubecl's
+/// PTX cache and autotune results go to `$CUDA_AGENT_KERNEL_CACHE` (default
 /// `$XDG_CACHE_HOME/cuda-agent/kernels`, else `~/.cache/cuda-agent/kernels`); the driver keeps
 /// the machine code in its own cache (`CUDA_CACHE_PATH`, `CUDA_CACHE_MAXSIZE`). A `cubecl.toml`
 /// or `burn.toml` in the working directory or above it wins: then nothing is changed.
 #[cfg(feature = "cuda")]
-fn configure_kernel_caches() -> Result<()> {
+fn configure_kernel_caches() {
     use cubecl_runtime::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
-    let cwd = std::env::current_dir().context("working directory")?;
-    let own_file = cwd.ancestors().any(|d| ["cubecl.toml", "CubeCL.toml", "burn.toml", "Burn.toml"].iter().any(|f| d.join(f).exists()));
-    if own_file {
+    let cwd = std::env::current_dir().unwrap_or_default();
+    if cwd.ancestors().any(|d| ["cubecl.toml", "CubeCL.toml", "burn.toml", "Burn.toml"].iter().any(|f| d.join(f).exists())) {
         tracing::info!("kernel caches: as the cubecl.toml / burn.toml found above {} says", cwd.display());
-        return Ok(());
+        return;
     }
     let dir = match std::env::var_os("CUDA_AGENT_KERNEL_CACHE") {
         Some(d) => PathBuf::from(d),
@@ -257,14 +256,13 @@ fn configure_kernel_caches() -> Result<()> {
     // Without a cache the run still works, it only compiles everything again: warn, go on.
     if let Err(e) = std::fs::create_dir_all(&dir) {
         tracing::warn!("kernel cache {} unusable ({e}); kernels will be compiled afresh (set CUDA_AGENT_KERNEL_CACHE)", dir.display());
-        return Ok(());
+        return;
     }
+    tracing::info!("kernel cache: {}", dir.display());
     let mut config = CubeClRuntimeConfig::default().override_from_env();
     config.compilation.cache = Some(CacheConfig::File(dir.clone()));
-    config.autotune.cache = CacheConfig::File(dir.clone());
+    config.autotune.cache = CacheConfig::File(dir);
     CubeClRuntimeConfig::set(config);
-    tracing::info!("kernel cache: {}", dir.display());
-    Ok(())
 }
 
 /// burn's CUDA backend panics in a worker thread when the driver library is missing; check
