@@ -3,6 +3,7 @@ harness's own timer: the check that the suite is sized as meant (eager 1-100 ms 
 GPU at full size).
 
     python scripts/task_times.py --device cuda [--compile] [--tasks-dir kernelbench/tasks] [--json FILE]
+                                 [--only L1/30_GroupNorm,L2/17_Mul_Add_Sigmoid]
 
 Prints a Markdown table and a summary of how many tasks fall inside [--min-ms, --max-ms].
 """
@@ -36,10 +37,14 @@ def main() -> None:
     ap.add_argument("--min-ms", type=float, default=1.0)
     ap.add_argument("--max-ms", type=float, default=100.0)
     ap.add_argument("--json", help="write the rows as JSON too")
+    ap.add_argument("--only", help="comma-separated task ids to time (default: all)")
     args = ap.parse_args()
     device = h.pick_device(args.device)
     h.pin_precision()
     paths = sorted(Path(args.tasks_dir).glob("level*/*.py"), key=lambda p: (p.parent.name, int(p.stem.split("_")[0])))
+    if args.only:
+        wanted = set(args.only.split(","))
+        paths = [p for p in paths if task_id(p) in wanted]
     rows = []
     print("| task | eager ms | cv | compile ms | in window |")
     print("| --- | --- | --- | --- | --- |")

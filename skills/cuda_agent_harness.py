@@ -261,9 +261,17 @@ def clone_inputs(x):
     return x
 
 
+def inputs_on(make, device):
+    """`make()`'s inputs, created on `device` itself. Full-size tasks take gigabytes per
+    tensor; made on the host first they would need that much host memory again (the
+    sandbox's data limit refuses it) and a slow copy."""
+    with torch.device(device):
+        return to_device(list(make()), device)
+
+
 def seeded_inputs(task, seed: int, device):
     torch.manual_seed(seed)
-    return to_device(list(task.get_inputs()), device)
+    return inputs_on(task.get_inputs, device)
 
 
 def reference_and_inputs(task, device, seed: int = 0):

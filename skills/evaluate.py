@@ -117,7 +117,7 @@ def candidate(args) -> dict:
     if hasattr(task, "get_inputs_alt"):
         ref, new = h.make_models(task, cand, device, seeds[0])
         torch.manual_seed(seeds[-1] + 7)
-        alt = h.to_device(list(task.get_inputs_alt()), device)
+        alt = h.inputs_on(task.get_inputs_alt, device)
         with torch.no_grad():
             want = ref(*h.clone_inputs(alt))
             try:
