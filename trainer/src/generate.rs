@@ -2,7 +2,7 @@
 //! token limit, and each sampled token's log-probability.
 
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bool, FloatDType, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 
 use crate::model::{Architecture, CausalLm, KvCache};
@@ -82,24 +82,43 @@ pub fn generate<B: Backend>(
     let mut cache = KvCache::new(arch.config.num_hidden_layers);
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, max_len]), device);
     let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [n, max_len]), device);
-    let logits = lm.forward(tokens, valid, arch, Some(&mut cache));
-    let vocab = logits.dims()[2];
-    let mut last = logits.narrow(1, max_len - 1, 1).reshape([n, vocab]);
+    let mut last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
+    let vocab = last.dims()[1];
     // Rows still generating, as indices into `out`.
     let mut live: Vec<usize> = (0..n).collect();
+    // Sampling from the whole distribution (PPO's default) and greedy decoding choose on the
+    // device and bring back a few numbers per row; top-k / top-p bring back whole rows.
+    let on_device = params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0);
     for step in 0..params.max_new_tokens {
         let rows = live.len();
-        let scaled = if params.temperature > 0.0 { last / params.temperature } else { last };
+        // In f32 whatever the model's precision: a bf16 log-softmax over a large vocabulary
+        // is too coarse to sample from.
+        let last32 = last.cast(FloatDType::F32);
+        let scaled = if params.temperature > 0.0 { last32 / params.temperature } else { last32 };
         let lp = log_softmax(scaled, 1);
-        let host: Vec<f32> = lp.into_data().convert::<f32>().to_vec().unwrap_or_default();
+        let picks: Vec<(usize, f32)> = if on_device {
+            if params.temperature <= 0.0 {
+                greedy_on_device(lp)
+            } else {
+                let us: Vec<f64> = (0..rows).map(|_| rng.random::<f64>()).collect();
+                draw_on_device(lp, &us)
+            }
+        } else {
+            let host: Vec<f32> = lp.into_data().convert::<f32>().to_vec().unwrap_or_default();
+            (0..rows)
+                .map(|r| {
+                    let row = &host[r * vocab..(r + 1) * vocab];
+                    let tok = pick(row, params, &mut rng);
+                    (tok, row[tok])
+                })
+                .collect()
+        };
         let mut next = Vec::with_capacity(rows);
         let mut keep = Vec::with_capacity(rows);
-        for (r, &seq) in live.iter().enumerate() {
-            let row = &host[r * vocab..(r + 1) * vocab];
-            let tok = pick(row, params, &mut rng);
+        for (r, (&seq, &(tok, logprob))) in live.iter().zip(&picks).enumerate() {
             let g = &mut out[seq];
             g.tokens.push(tok as u32);
-            g.logprobs.push(row[tok]);
+            g.logprobs.push(logprob);
             let mut done = None;
             if params.stop_token_ids.contains(&(tok as u32)) {
                 done = Some(FinishReason::StopToken);
@@ -129,9 +148,80 @@ pub fn generate<B: Backend>(
         let rows = live.len();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
         let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; rows], [rows, 1]), device);
-        last = lm.forward(tokens, valid, arch, Some(&mut cache)).reshape([rows, vocab]);
+        last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
     }
     out
+}
+
+/// Width of the blocks of [`draw_on_device`]'s two-stage draw.
+const DRAW_BLOCK: usize = 128;
+
+/// The most likely token of each row of log-probabilities `[rows, vocab]`, and its log-probability.
+fn greedy_on_device<B: Backend>(lp: Tensor<B, 2>) -> Vec<(usize, f32)> {
+    let rows = lp.dims()[0];
+    let idx = lp.clone().argmax(1);
+    let chosen = lp.gather(1, idx.clone());
+    let idx: Vec<i64> = idx.into_data().convert::<i64>().to_vec().unwrap_or_default();
+    let chosen: Vec<f32> = chosen.into_data().convert::<f32>().to_vec().unwrap_or_default();
+    (0..rows).map(|r| (idx[r] as usize, chosen[r])).collect()
+}
+
+/// Draws one token per row of log-probabilities `[rows, vocab]` by inverting the cumulative
+/// distribution at `us[row]` (uniform in [0, 1)), exactly as [`pick`] does on a whole row,
+/// but moving only a block total per 128 tokens and then the one block that holds the draw
+/// to the host (a whole row of a 150k vocabulary is 600 KB per sequence and step).
+pub fn draw_on_device<B: Backend>(lp: Tensor<B, 2>, us: &[f64]) -> Vec<(usize, f32)> {
+    let [rows, vocab] = lp.dims();
+    let device = lp.device();
+    let blocks = vocab.div_ceil(DRAW_BLOCK);
+    let padded = if blocks * DRAW_BLOCK > vocab {
+        let pad = Tensor::<B, 2>::full([rows, blocks * DRAW_BLOCK - vocab], f32::NEG_INFINITY, &device).cast(lp.dtype());
+        Tensor::cat(vec![lp, pad], 1)
+    } else {
+        lp
+    };
+    let lp3 = padded.reshape([rows, blocks, DRAW_BLOCK]);
+    let mass: Vec<f32> = lp3.clone().exp().sum_dim(2).into_data().convert::<f32>().to_vec().unwrap_or_default();
+    // Stage one: the block where the cumulative mass passes u (scaled by the row's total, which
+    // rounding keeps from being exactly 1).
+    let mut chosen = Vec::with_capacity(rows);
+    let mut remainder = Vec::with_capacity(rows);
+    for (r, &u) in us.iter().enumerate().take(rows) {
+        let row = &mass[r * blocks..(r + 1) * blocks];
+        let target = u * row.iter().map(|&m| f64::from(m)).sum::<f64>();
+        let mut acc = 0.0;
+        let mut block = row.iter().rposition(|&m| m > 0.0).unwrap_or(0);
+        for (j, &m) in row.iter().enumerate() {
+            if m > 0.0 && acc + f64::from(m) > target {
+                block = j;
+                break;
+            }
+            acc += f64::from(m);
+        }
+        chosen.push(block as i32);
+        remainder.push(target - acc);
+    }
+    // Stage two: that block's log-probabilities, walked on the host.
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(chosen.clone(), [rows]), &device)
+        .reshape([rows, 1, 1])
+        .expand([rows, 1, DRAW_BLOCK]);
+    let vals: Vec<f32> = lp3.gather(1, idx).into_data().convert::<f32>().to_vec().unwrap_or_default();
+    (0..rows)
+        .map(|r| {
+            let row = &vals[r * DRAW_BLOCK..(r + 1) * DRAW_BLOCK];
+            let mut acc = 0.0;
+            let mut k = row.iter().rposition(|l| l.is_finite()).unwrap_or(0);
+            for (i, &l) in row.iter().enumerate() {
+                let p = f64::from(l.exp());
+                if p > 0.0 && acc + p > remainder[r] {
+                    k = i;
+                    break;
+                }
+                acc += p;
+            }
+            (chosen[r] as usize * DRAW_BLOCK + k, row[k])
+        })
+        .collect()
 }
 
 /// Chooses a token from one row of log-probabilities.

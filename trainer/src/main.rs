@@ -262,6 +262,13 @@ fn configure_kernel_caches() {
     let mut config = CubeClRuntimeConfig::default().override_from_env();
     config.compilation.cache = Some(CacheConfig::File(dir.clone()));
     config.autotune.cache = CacheConfig::File(dir);
+    // Where the GPU time goes, kernel by kernel: cubecl times each kernel and appends a table
+    // (name, calls, total time) at every device sync. Slows the run; for diagnosis only.
+    if let Some(file) = std::env::var_os("CUDA_AGENT_KERNEL_PROFILE") {
+        tracing::info!("kernel profile: {}", PathBuf::from(&file).display());
+        config.profiling.logger.level = cubecl_runtime::config::profiling::ProfilingLogLevel::Basic;
+        config.profiling.logger.file = Some(PathBuf::from(file));
+    }
     CubeClRuntimeConfig::set(config);
 }
 

@@ -4,7 +4,7 @@ use burn::backend::NdArray;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 use serde_json::json;
 use trainer::chat::{parse_tool_call, ChatTemplate, ToolCallParseError};
-use trainer::generate::{generate, FinishReason, SamplingParams};
+use trainer::generate::{draw_on_device, generate, FinishReason, SamplingParams};
 use trainer::model::{Architecture, CausalLm, Critic, ModelConfig};
 
 type B = NdArray<f32>;
@@ -123,6 +123,70 @@ fn sampling_is_seeded_and_honours_limits_and_stop_tokens() {
     let stop = SamplingParams { stop_token_ids: (0..40).collect(), ..p };
     for g in generate(&lm, &arch, &prompts, &stop, None, 7, &device) {
         assert_eq!((g.tokens.len(), g.finish), (1, FinishReason::StopToken));
+    }
+}
+
+#[test]
+fn device_draw_inverts_the_whole_rows_distribution() {
+    use burn::tensor::activation::log_softmax;
+    use rand::{Rng, SeedableRng};
+    // 300 tokens: not a multiple of the 128-token block, so the padded tail is exercised too.
+    let (rows, vocab) = (3, 300);
+    let logits: Vec<f32> = (0..rows * vocab).map(|i| ((i * 37 % 101) as f32) / 12.0 - 4.0).collect();
+    let lp = log_softmax(Tensor::<B, 2>::from_data(TensorData::new(logits, [rows, vocab]), &Default::default()), 1);
+    let host: Vec<f32> = lp.clone().into_data().to_vec().unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let mut counts = vec![0usize; vocab];
+    let draws = 400;
+    for _ in 0..draws {
+        let us: Vec<f64> = (0..rows).map(|_| rng.random::<f64>()).collect();
+        let got = draw_on_device(lp.clone(), &us);
+        for r in 0..rows {
+            let row = &host[r * vocab..(r + 1) * vocab];
+            // The reference: the first token whose cumulative probability passes u.
+            let cdf: Vec<f64> = row.iter().scan(0.0, |acc, l| { *acc += f64::from(l.exp()); Some(*acc) }).collect();
+            let target = us[r] * cdf[vocab - 1];
+            let want = cdf.iter().position(|&c| c > target).unwrap_or(vocab - 1);
+            let (tok, logprob) = got[r];
+            // Block sums round differently from one running sum: a draw within 1e-5 of a
+            // boundary may land on its neighbour, nowhere else.
+            let boundary = cdf[tok.min(want)];
+            assert!(tok == want || (tok.abs_diff(want) == 1 && (boundary - target).abs() < 1e-5), "u {} row {r}: got {tok}, want {want}", us[r]);
+            assert_eq!(logprob, row[tok]);
+            if r == 0 {
+                counts[tok] += 1;
+            }
+        }
+    }
+    // The most likely token of row 0 is drawn about as often as its probability says.
+    let top = (0..vocab).max_by(|&a, &b| host[a].total_cmp(&host[b])).unwrap();
+    let expected = f64::from(host[top].exp()) * draws as f64;
+    assert!((counts[top] as f64 - expected).abs() < 4.0 * expected.sqrt() + 1.0, "{} vs {expected}", counts[top]);
+}
+
+#[test]
+fn greedy_and_full_sampling_agree_with_the_model() {
+    let device = Default::default();
+    let cfg = tiny_config(false);
+    let arch = Architecture::<B>::new(cfg.clone(), 64, &device);
+    let lm = CausalLm::<B>::random(&cfg, &device);
+    let prompts = vec![vec![1, 2, 3], vec![4]];
+    // Greedy: the first token is the argmax of the model's last-position logits.
+    let greedy = SamplingParams { temperature: 0.0, max_new_tokens: 4, ..Default::default() };
+    let out = generate(&lm, &arch, &prompts, &greedy, None, 0, &device);
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1i32, 2, 3], [1, 3]), &device);
+    let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; 3], [1, 3]), &device);
+    let logits: Vec<f32> = lm.forward(tokens, valid, &arch, None).narrow(1, 2, 1).into_data().to_vec().unwrap();
+    let best = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
+    assert_eq!(out[0].tokens[0] as usize, best);
+    // Full-distribution sampling (drawn on the device) is seeded and reports true log-probabilities.
+    let full = SamplingParams { temperature: 1.0, max_new_tokens: 6, ..Default::default() };
+    let a = generate(&lm, &arch, &prompts, &full, None, 11, &device);
+    assert_eq!(a, generate(&lm, &arch, &prompts, &full, None, 11, &device));
+    assert_ne!(a, generate(&lm, &arch, &prompts, &full, None, 12, &device));
+    for g in &a {
+        assert_eq!(g.tokens.len(), 6);
+        assert!(g.logprobs.iter().all(|l| *l <= 0.0 && l.is_finite()));
     }
 }
 

@@ -5,7 +5,7 @@ use std::path::Path;
 use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{backend::Backend, Bool, Int, Tensor};
+use burn::tensor::{backend::Backend, Bool, FloatDType, Int, Tensor};
 
 use super::cache::KvCache;
 use super::config::ModelConfig;
@@ -92,6 +92,23 @@ impl<B: Backend> CausalLm<B> {
         self.project(self.backbone.forward(tokens, valid, &arch.rope, cache))
     }
 
+    /// Logits `[batch, vocab]` of the last position only, continuing a KV cache: what
+    /// decoding needs (projecting every prompt position onto the vocabulary would cost
+    /// `prompt_len` times more).
+    pub fn forward_last(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        valid: Tensor<B, 2, Bool>,
+        arch: &Architecture<B>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 2> {
+        let hidden = self.backbone.forward(tokens, valid, &arch.rope, cache);
+        let [b, t, _] = hidden.dims();
+        let logits = self.project(hidden.narrow(1, t - 1, 1));
+        let vocab = logits.dims()[2];
+        logits.reshape([b, vocab])
+    }
+
     /// Log-probabilities and entropies of each next token of `tokens`, with logits divided
     /// by `temperature` (the sampling temperature, so PPO ratios compare like with like).
     pub fn sequence_stats(
@@ -102,13 +119,18 @@ impl<B: Backend> CausalLm<B> {
         temperature: f64,
     ) -> SequenceStats<B> {
         let [b, t] = tokens.dims();
-        let logits = self.forward(tokens.clone(), valid, arch, None).narrow(1, 0, t - 1);
+        // The last position predicts nothing here: cut it before the vocabulary-wide projection.
+        let hidden = self.backbone.forward(tokens.clone(), valid, &arch.rope, None).narrow(1, 0, t - 1);
+        // Log-probabilities in f32 whatever the model's precision, as sampling computes them.
+        let logits = self.project(hidden).cast(FloatDType::F32);
         let logits = if (temperature - 1.0).abs() > f64::EPSILON { logits / temperature } else { logits };
         let lp = log_softmax(logits, 2);
         let targets = tokens.narrow(1, 1, t - 1).reshape([b, t - 1, 1]);
         let logprobs = lp.clone().gather(2, targets).reshape([b, t - 1]);
         let entropy = (lp.clone().exp() * lp).sum_dim(2).neg().reshape([b, t - 1]);
-        SequenceStats { logprobs, entropy }
+        // Back to the model's precision, which every tensor they meet in the losses has.
+        let dtype = self.backbone.embed_tokens.val().dtype();
+        SequenceStats { logprobs: logprobs.cast(dtype), entropy: entropy.cast(dtype) }
     }
 
     /// Writes the weights as a Hugging Face checkpoint (`config.json` + `model.safetensors`),
@@ -218,12 +240,15 @@ impl<B: Backend> Backbone<B> {
             out.push((format!("{p}.input_layernorm.weight"), s, d));
             let (s, d) = tensor_f32(l.post_attention_layernorm.weight.val());
             out.push((format!("{p}.post_attention_layernorm.weight"), s, d));
-            l.self_attn.q_proj.export(&format!("{p}.self_attn.q_proj"), out);
-            l.self_attn.k_proj.export(&format!("{p}.self_attn.k_proj"), out);
-            l.self_attn.v_proj.export(&format!("{p}.self_attn.v_proj"), out);
+            let [q, k, v]: [Dense<B>; 3] = l.self_attn.qkv_proj.split(&l.self_attn.qkv_widths()).try_into().expect("three parts");
+            q.export(&format!("{p}.self_attn.q_proj"), out);
+            k.export(&format!("{p}.self_attn.k_proj"), out);
+            v.export(&format!("{p}.self_attn.v_proj"), out);
             l.self_attn.o_proj.export(&format!("{p}.self_attn.o_proj"), out);
-            l.mlp.gate_proj.export(&format!("{p}.mlp.gate_proj"), out);
-            l.mlp.up_proj.export(&format!("{p}.mlp.up_proj"), out);
+            let inner = l.mlp.down_proj.weight.dims()[0];
+            let [gate, up]: [Dense<B>; 2] = l.mlp.gate_up_proj.split(&[inner, inner]).try_into().expect("two parts");
+            gate.export(&format!("{p}.mlp.gate_proj"), out);
+            up.export(&format!("{p}.mlp.up_proj"), out);
             l.mlp.down_proj.export(&format!("{p}.mlp.down_proj"), out);
         }
         let (s, d) = tensor_f32(self.norm.weight.val());

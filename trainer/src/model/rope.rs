@@ -77,15 +77,34 @@ impl<B: Backend> RopeTables<B> {
         self.len == 0
     }
 
-    /// Rotates `x` `[batch, heads, seq, head_dim]` by per-token `positions` `[batch, seq]`.
-    pub fn apply(&self, x: Tensor<B, 4>, positions: &Tensor<B, 2, Int>) -> Tensor<B, 4> {
-        let [b, _h, t, d] = x.dims();
+    /// The cos/sin rows of per-token `positions` `[batch, seq]`, ready for [`RopeAngles::apply`].
+    pub fn angles(&self, positions: &Tensor<B, 2, Int>) -> RopeAngles<B> {
+        let [b, t] = positions.dims();
+        let d = self.cos.dims()[1];
         let flat = positions.clone().reshape([b * t]);
-        let cos = self.cos.clone().select(0, flat.clone()).reshape([b, 1, t, d]);
-        let sin = self.sin.clone().select(0, flat).reshape([b, 1, t, d]);
+        RopeAngles {
+            cos: self.cos.clone().select(0, flat.clone()).reshape([b, t, 1, d]),
+            sin: self.sin.clone().select(0, flat).reshape([b, t, 1, d]),
+        }
+    }
+}
+
+/// The rotation of one batch of tokens, shared by every layer of a forward pass.
+#[derive(Debug, Clone)]
+pub struct RopeAngles<B: Backend> {
+    /// `[batch, seq, 1, head_dim]`.
+    cos: Tensor<B, 4>,
+    /// `[batch, seq, 1, head_dim]`.
+    sin: Tensor<B, 4>,
+}
+
+impl<B: Backend> RopeAngles<B> {
+    /// Rotates `x` `[batch, seq, heads, head_dim]` (every head by its token's angles).
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let d = x.dims()[3];
         let x1 = x.clone().narrow(3, 0, d / 2);
         let x2 = x.clone().narrow(3, d / 2, d / 2);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        x * cos + rotated * sin
+        x * self.cos.clone() + rotated * self.sin.clone()
     }
 }

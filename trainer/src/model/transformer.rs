@@ -9,7 +9,7 @@ use burn::tensor::{backend::Backend, Bool, Int, Tensor};
 
 use super::cache::{KvCache, LayerCache};
 use super::config::ModelConfig;
-use super::rope::RopeTables;
+use super::rope::{RopeAngles, RopeTables};
 
 /// A dense layer stored as `[in, out]` (Hugging Face stores `[out, in]`; the loader transposes).
 #[derive(Module, Debug)]
@@ -33,6 +33,36 @@ impl<B: Backend> Dense<B> {
     /// `x @ W + b` over the last dimension.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+
+    /// One layer computing `parts` side by side (outputs concatenated in order). One wide
+    /// matrix product instead of several narrow ones: the key and value projections of a
+    /// grouped-query layer are only `kv_heads * head_dim` wide, too narrow to fill a GPU.
+    pub fn concat(parts: Vec<Dense<B>>) -> Self {
+        let with_bias = parts.iter().all(|p| p.bias.is_some());
+        let biases: Vec<Tensor<B, 1>> =
+            if with_bias { parts.iter().filter_map(|p| p.bias.as_ref().map(|b| b.val())).collect() } else { Vec::new() };
+        let weights = parts.into_iter().map(|p| p.weight.val()).collect();
+        Self {
+            weight: Param::from_tensor(Tensor::cat(weights, 1)),
+            bias: with_bias.then(|| Param::from_tensor(Tensor::cat(biases, 0))),
+        }
+    }
+
+    /// The inverse of [`Dense::concat`]: the parts of the given output widths.
+    pub fn split(&self, widths: &[usize]) -> Vec<Dense<B>> {
+        let mut start = 0;
+        widths
+            .iter()
+            .map(|&w| {
+                let part = Dense {
+                    weight: Param::from_tensor(self.weight.val().narrow(1, start, w)),
+                    bias: self.bias.as_ref().map(|b| Param::from_tensor(b.val().narrow(0, start, w))),
+                };
+                start += w;
+                part
+            })
+            .collect()
     }
 }
 
@@ -63,12 +93,8 @@ impl<B: Backend> RmsNorm<B> {
 /// Grouped-query self-attention with rotary positions.
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
-    /// Query projection.
-    pub q_proj: Dense<B>,
-    /// Key projection.
-    pub k_proj: Dense<B>,
-    /// Value projection.
-    pub v_proj: Dense<B>,
+    /// Query, key and value projections as one layer: outputs `[q (heads) | k | v (kv heads)]`.
+    pub qkv_proj: Dense<B>,
     /// Output projection.
     pub o_proj: Dense<B>,
     /// Query heads.
@@ -80,21 +106,27 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
+    /// Output widths of the query, key and value parts of `qkv_proj`.
+    pub fn qkv_widths(&self) -> [usize; 3] {
+        [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
+    }
+
     fn forward(
         &self,
         x: Tensor<B, 3>,
-        rope: &RopeTables<B>,
-        positions: &Tensor<B, 2, Int>,
+        rope: &RopeAngles<B>,
         mask: &Tensor<B, 4, Bool>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let (h, kvh, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x.clone()).reshape([b, t, h, hd]).swap_dims(1, 2);
-        let k = self.k_proj.forward(x.clone()).reshape([b, t, kvh, hd]).swap_dims(1, 2);
-        let v = self.v_proj.forward(x).reshape([b, t, kvh, hd]).swap_dims(1, 2);
-        let q = rope.apply(q, positions);
-        let k = rope.apply(k, positions);
+        // [b, t, heads of q, k and v, hd]: splitting along the head axis keeps every part a view.
+        let qkv = self.qkv_proj.forward(x).reshape([b, t, h + 2 * kvh, hd]);
+        // Queries and keys rotate together: one rotation instead of two.
+        let qk = rope.apply(qkv.clone().narrow(2, 0, h + kvh));
+        let q = qk.clone().narrow(2, 0, h).swap_dims(1, 2);
+        let k = qk.narrow(2, h, kvh).swap_dims(1, 2);
+        let v = qkv.narrow(2, h + kvh, kvh).swap_dims(1, 2);
         let (k, v) = match cache {
             Some(c) => c.append(k, v),
             None => (k, v),
@@ -118,17 +150,19 @@ impl<B: Backend> Attention<B> {
 /// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    /// Gate projection.
-    pub gate_proj: Dense<B>,
-    /// Up projection.
-    pub up_proj: Dense<B>,
+    /// Gate and up projections as one layer: outputs `[gate | up]`.
+    pub gate_up_proj: Dense<B>,
     /// Down projection.
     pub down_proj: Dense<B>,
 }
 
 impl<B: Backend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        let gu = self.gate_up_proj.forward(x);
+        let inner = gu.dims()[2] / 2;
+        let gate = gu.clone().narrow(2, 0, inner);
+        let up = gu.narrow(2, inner, inner);
+        self.down_proj.forward(silu(gate) * up)
     }
 }
 
@@ -173,9 +207,13 @@ impl<B: Backend> Backbone<B> {
             .map(|_| Block {
                 input_layernorm: RmsNorm::ones(d, cfg.rms_norm_eps, device),
                 self_attn: Attention {
-                    q_proj: Dense::random(d, cfg.num_attention_heads * hd, cfg.qkv_bias, std, device),
-                    k_proj: Dense::random(d, cfg.num_key_value_heads * hd, cfg.qkv_bias, std, device),
-                    v_proj: Dense::random(d, cfg.num_key_value_heads * hd, cfg.qkv_bias, std, device),
+                    qkv_proj: Dense::random(
+                        d,
+                        (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd,
+                        cfg.qkv_bias,
+                        std,
+                        device,
+                    ),
                     o_proj: Dense::random(cfg.num_attention_heads * hd, d, cfg.o_bias, std, device),
                     n_heads: cfg.num_attention_heads,
                     n_kv_heads: cfg.num_key_value_heads,
@@ -183,8 +221,7 @@ impl<B: Backend> Backbone<B> {
                 },
                 post_attention_layernorm: RmsNorm::ones(d, cfg.rms_norm_eps, device),
                 mlp: Mlp {
-                    gate_proj: Dense::random(d, cfg.intermediate_size, cfg.mlp_bias, std, device),
-                    up_proj: Dense::random(d, cfg.intermediate_size, cfg.mlp_bias, std, device),
+                    gate_up_proj: Dense::random(d, 2 * cfg.intermediate_size, cfg.mlp_bias, std, device),
                     down_proj: Dense::random(cfg.intermediate_size, d, cfg.mlp_bias, std, device),
                 },
             })
@@ -216,15 +253,11 @@ impl<B: Backend> Backbone<B> {
             None => positions_and_mask(valid, None),
         };
         let mut x = burn::tensor::module::embedding(self.embed_tokens.val(), tokens);
+        // The rotation angles depend only on the positions: looked up once for every layer.
+        let angles = rope.angles(&pos.positions);
         for (i, layer) in self.layers.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let h = layer.self_attn.forward(
-                layer.input_layernorm.forward(x.clone()),
-                rope,
-                &pos.positions,
-                &pos.mask,
-                lc,
-            );
+            let h = layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), &angles, &pos.mask, lc);
             x = x + h;
             x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
         }

@@ -106,9 +106,11 @@ impl WeightMap {
             layers.push(Block {
                 input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
                 self_attn: Attention {
-                    q_proj: self.dense(&format!("{p}.self_attn.q_proj"), d, h * hd, cfg.qkv_bias, device)?,
-                    k_proj: self.dense(&format!("{p}.self_attn.k_proj"), d, kv * hd, cfg.qkv_bias, device)?,
-                    v_proj: self.dense(&format!("{p}.self_attn.v_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                    qkv_proj: Dense::concat(vec![
+                        self.dense(&format!("{p}.self_attn.q_proj"), d, h * hd, cfg.qkv_bias, device)?,
+                        self.dense(&format!("{p}.self_attn.k_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                        self.dense(&format!("{p}.self_attn.v_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                    ]),
                     o_proj: self.dense(&format!("{p}.self_attn.o_proj"), h * hd, d, cfg.o_bias, device)?,
                     n_heads: h,
                     n_kv_heads: kv,
@@ -116,8 +118,10 @@ impl WeightMap {
                 },
                 post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
                 mlp: Mlp {
-                    gate_proj: self.dense(&format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
-                    up_proj: self.dense(&format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                    gate_up_proj: Dense::concat(vec![
+                        self.dense(&format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                        self.dense(&format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                    ]),
                     down_proj: self.dense(&format!("{p}.mlp.down_proj"), cfg.intermediate_size, d, cfg.mlp_bias, device)?,
                 },
             });
