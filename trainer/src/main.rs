@@ -420,7 +420,7 @@ const QWEN25_05B: &str = r#"{"model_type":"qwen2","vocab_size":151936,"hidden_si
 "rope_theta":1000000.0,"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#;
 
 fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
-    use burn::tensor::{Bool, Int, Tensor, TensorData};
+    use burn::tensor::{Bool, ElementConversion, Int, Tensor, TensorData};
     use std::time::Instant;
     use trainer::generate::{generate, SamplingParams};
     use trainer::model::{Architecture, CausalLm, ModelConfig};
@@ -441,6 +441,7 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
     // Training: forward (log-probabilities of every next token) and backward.
     let (b, t) = (a.train_batch, a.seq);
     let mut times = Vec::new();
+    let mut losses = Vec::new();
     for i in 0..=a.train_iters {
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens_of(b, t), [b, t]), &device);
         let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; b * t], [b, t]), &device);
@@ -454,6 +455,8 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
         if i > 0 {
             times.push(t0.elapsed().as_secs_f64());
         }
+        // The same weights and tokens every pass: kernel choices that change the numbers show here.
+        losses.push(loss.into_scalar().elem::<f64>());
         eprintln!("train pass {i}: {:.3} s", t0.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);
@@ -484,7 +487,7 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
     let report = serde_json::json!({
         "engine": "burn",
         "params": param_count(&cfg),
-        "train": {"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s},
+        "train": {"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": losses[0]},
         "generate": gen_rows,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -1,0 +1,3 @@
+mod base;
+
+pub use base::*;
