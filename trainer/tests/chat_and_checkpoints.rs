@@ -92,6 +92,32 @@ fn checkpoints_round_trip_exactly() {
 }
 
 #[test]
+fn a_trainable_model_loads_steps_and_exports() {
+    // The training backend: parameters are graph leaves there, so loading (which joins q/k/v
+    // and gate/up) and exporting (which splits them) must not build on tracked tensors.
+    type A = burn::backend::Autodiff<B>;
+    use burn::module::AutodiffModule;
+    let dir = tempfile::tempdir().unwrap();
+    let device = Default::default();
+    let cfg = tiny_config(false);
+    let hf = dir.path().join("hf");
+    CausalLm::<B>::random(&cfg, &device).save_pretrained(&cfg, &hf).unwrap();
+    let (_, lm) = CausalLm::<A>::from_pretrained(&hf, &device).unwrap();
+    let arch = Architecture::<A>::new(cfg.clone(), 16, &device);
+    let tokens = Tensor::<A, 2, Int>::from_data(TensorData::new(vec![1, 5, 9, 2], [1, 4]), &device);
+    let valid = Tensor::<A, 2, Bool>::from_data(TensorData::new(vec![true; 4], [1, 4]), &device);
+    let loss = lm.sequence_stats(tokens, valid, &arch, 1.0).logprobs.mean().neg();
+    let grads = loss.backward();
+    let g = lm.backbone.layers[0].self_attn.qkv_proj.weight.grad(&grads).expect("q/k/v weights get a gradient");
+    assert!(g.abs().sum().into_scalar() > 0.0);
+    let out = dir.path().join("hf-again");
+    lm.save_pretrained(&cfg, &out).unwrap();
+    let (_, back) = CausalLm::<B>::from_pretrained(&out, &device).unwrap();
+    let plain = Architecture::<B>::new(cfg.clone(), 16, &device);
+    assert_eq!(logits(&back, &plain), logits(&lm.valid(), &plain));
+}
+
+#[test]
 fn bad_configs_and_checkpoints_are_clear_errors() {
     let e = ModelConfig::from_json(r#"{"model_type":"gpt2","vocab_size":1,"hidden_size":4,"intermediate_size":4,"num_hidden_layers":1,"num_attention_heads":1}"#).unwrap_err();
     assert!(e.to_string().contains("gpt2"), "{e}");

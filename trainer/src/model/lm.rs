@@ -221,12 +221,17 @@ fn tensor_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> (Vec<usize>, Vec<f
 
 impl<B: Backend> Dense<B> {
     fn export(&self, prefix: &str, out: &mut Named) {
-        let (s, d) = tensor_f32(self.weight.val().transpose());
-        out.push((format!("{prefix}.weight"), s, d));
-        if let Some(b) = &self.bias {
-            let (s, d) = tensor_f32(b.val());
-            out.push((format!("{prefix}.bias"), s, d));
-        }
+        export_dense(prefix, self.weight.val(), self.bias.as_ref().map(|b| b.val()), out);
+    }
+}
+
+/// One layer in Hugging Face's layout: `[out, in]` weight, optional bias.
+fn export_dense<B: Backend>(prefix: &str, weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>, out: &mut Named) {
+    let (s, d) = tensor_f32(weight.transpose());
+    out.push((format!("{prefix}.weight"), s, d));
+    if let Some(b) = bias {
+        let (s, d) = tensor_f32(b);
+        out.push((format!("{prefix}.bias"), s, d));
     }
 }
 
@@ -240,15 +245,15 @@ impl<B: Backend> Backbone<B> {
             out.push((format!("{p}.input_layernorm.weight"), s, d));
             let (s, d) = tensor_f32(l.post_attention_layernorm.weight.val());
             out.push((format!("{p}.post_attention_layernorm.weight"), s, d));
-            let [q, k, v]: [Dense<B>; 3] = l.self_attn.qkv_proj.split(&l.self_attn.qkv_widths()).try_into().expect("three parts");
-            q.export(&format!("{p}.self_attn.q_proj"), out);
-            k.export(&format!("{p}.self_attn.k_proj"), out);
-            v.export(&format!("{p}.self_attn.v_proj"), out);
+            let qkv = l.self_attn.qkv_proj.split(&l.self_attn.qkv_widths());
+            for ((w, b), name) in qkv.into_iter().zip(["q_proj", "k_proj", "v_proj"]) {
+                export_dense(&format!("{p}.self_attn.{name}"), w, b, out);
+            }
             l.self_attn.o_proj.export(&format!("{p}.self_attn.o_proj"), out);
             let inner = l.mlp.down_proj.weight.dims()[0];
-            let [gate, up]: [Dense<B>; 2] = l.mlp.gate_up_proj.split(&[inner, inner]).try_into().expect("two parts");
-            gate.export(&format!("{p}.mlp.gate_proj"), out);
-            up.export(&format!("{p}.mlp.up_proj"), out);
+            for ((w, b), name) in l.mlp.gate_up_proj.split(&[inner, inner]).into_iter().zip(["gate_proj", "up_proj"]) {
+                export_dense(&format!("{p}.mlp.{name}"), w, b, out);
+            }
             l.mlp.down_proj.export(&format!("{p}.mlp.down_proj"), out);
         }
         let (s, d) = tensor_f32(self.norm.weight.val());

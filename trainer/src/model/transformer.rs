@@ -35,30 +35,30 @@ impl<B: Backend> Dense<B> {
         burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
     }
 
-    /// One layer computing `parts` side by side (outputs concatenated in order). One wide
-    /// matrix product instead of several narrow ones: the key and value projections of a
-    /// grouped-query layer are only `kv_heads * head_dim` wide, too narrow to fill a GPU.
-    pub fn concat(parts: Vec<Dense<B>>) -> Self {
-        let with_bias = parts.iter().all(|p| p.bias.is_some());
-        let biases: Vec<Tensor<B, 1>> =
-            if with_bias { parts.iter().filter_map(|p| p.bias.as_ref().map(|b| b.val())).collect() } else { Vec::new() };
-        let weights = parts.into_iter().map(|p| p.weight.val()).collect();
+    /// One layer computing `parts` (weight `[in, width]`, optional bias) side by side, outputs
+    /// concatenated in order. One wide matrix product instead of several narrow ones: the key
+    /// and value projections of a grouped-query layer are only `kv_heads * head_dim` wide, too
+    /// narrow to fill a GPU. Biases are kept only when every part has one.
+    pub fn from_parts(parts: Vec<(Tensor<B, 2>, Option<Tensor<B, 1>>)>) -> Self {
+        let with_bias = parts.iter().all(|(_, b)| b.is_some());
+        let (weights, biases): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
         Self {
             weight: Param::from_tensor(Tensor::cat(weights, 1)),
-            bias: with_bias.then(|| Param::from_tensor(Tensor::cat(biases, 0))),
+            bias: with_bias.then(|| Param::from_tensor(Tensor::cat(biases.into_iter().flatten().collect(), 0))),
         }
     }
 
-    /// The inverse of [`Dense::concat`]: the parts of the given output widths.
-    pub fn split(&self, widths: &[usize]) -> Vec<Dense<B>> {
+    /// The inverse of [`Dense::from_parts`]: weight `[in, width]` and bias of each part, as values
+    /// detached from the graph (for export, not for training).
+    pub fn split(&self, widths: &[usize]) -> Vec<(Tensor<B, 2>, Option<Tensor<B, 1>>)> {
         let mut start = 0;
         widths
             .iter()
             .map(|&w| {
-                let part = Dense {
-                    weight: Param::from_tensor(self.weight.val().narrow(1, start, w)),
-                    bias: self.bias.as_ref().map(|b| Param::from_tensor(b.val().narrow(0, start, w))),
-                };
+                let part = (
+                    self.weight.val().detach().narrow(1, start, w),
+                    self.bias.as_ref().map(|b| b.val().detach().narrow(0, start, w)),
+                );
                 start += w;
                 part
             })

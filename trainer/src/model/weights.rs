@@ -82,14 +82,27 @@ impl WeightMap {
     }
 
     fn dense<B: Backend>(&mut self, prefix: &str, d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Result<Dense<B>, ModelError> {
+        Ok(Dense::from_parts(vec![self.dense_part(prefix, d_in, d_out, bias, device)?]))
+    }
+
+    /// One layer's weight `[in, out]` and bias as plain tensors (parameters are made once the
+    /// parts of a fused layer are joined: a parameter must be a leaf of the autodiff graph).
+    fn dense_part<B: Backend>(
+        &mut self,
+        prefix: &str,
+        d_in: usize,
+        d_out: usize,
+        bias: bool,
+        device: &B::Device,
+    ) -> Result<(Tensor<B, 2>, Option<Tensor<B, 1>>), ModelError> {
         // Stored [out, in]; the forward pass wants [in, out].
         let w = Tensor::<B, 2>::from_data(self.take(&format!("{prefix}.weight"), &[d_out, d_in])?, device).transpose();
         let b = if bias {
-            Some(Param::from_tensor(Tensor::<B, 1>::from_data(self.take(&format!("{prefix}.bias"), &[d_out])?, device)))
+            Some(Tensor::<B, 1>::from_data(self.take(&format!("{prefix}.bias"), &[d_out])?, device))
         } else {
             None
         };
-        Ok(Dense { weight: Param::from_tensor(w), bias: b })
+        Ok((w, b))
     }
 
     fn norm<B: Backend>(&mut self, name: &str, d: usize, eps: f64, device: &B::Device) -> Result<RmsNorm<B>, ModelError> {
@@ -106,10 +119,10 @@ impl WeightMap {
             layers.push(Block {
                 input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
                 self_attn: Attention {
-                    qkv_proj: Dense::concat(vec![
-                        self.dense(&format!("{p}.self_attn.q_proj"), d, h * hd, cfg.qkv_bias, device)?,
-                        self.dense(&format!("{p}.self_attn.k_proj"), d, kv * hd, cfg.qkv_bias, device)?,
-                        self.dense(&format!("{p}.self_attn.v_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                    qkv_proj: Dense::from_parts(vec![
+                        self.dense_part(&format!("{p}.self_attn.q_proj"), d, h * hd, cfg.qkv_bias, device)?,
+                        self.dense_part(&format!("{p}.self_attn.k_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                        self.dense_part(&format!("{p}.self_attn.v_proj"), d, kv * hd, cfg.qkv_bias, device)?,
                     ]),
                     o_proj: self.dense(&format!("{p}.self_attn.o_proj"), h * hd, d, cfg.o_bias, device)?,
                     n_heads: h,
@@ -118,9 +131,9 @@ impl WeightMap {
                 },
                 post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
                 mlp: Mlp {
-                    gate_up_proj: Dense::concat(vec![
-                        self.dense(&format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
-                        self.dense(&format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                    gate_up_proj: Dense::from_parts(vec![
+                        self.dense_part(&format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                        self.dense_part(&format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
                     ]),
                     down_proj: self.dense(&format!("{p}.mlp.down_proj"), cfg.intermediate_size, d, cfg.mlp_bias, device)?,
                 },
