@@ -31,7 +31,7 @@ pub struct TrainConfig {
 }
 
 /// The starting checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Default, Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSection {
     /// A Hugging Face checkpoint directory (`config.json`, `tokenizer.json`, `*.safetensors`).
@@ -42,11 +42,6 @@ pub struct ModelSection {
     pub template: Option<ChatTemplate>,
 }
 
-impl Default for ModelSection {
-    fn default() -> Self {
-        Self { path: None, random_init: false, template: None }
-    }
-}
 
 /// The environment servers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

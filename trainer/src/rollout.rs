@@ -255,7 +255,7 @@ pub fn run_episodes(
                 }
                 // The server refused the call itself (unknown tool, bad arguments): the agent
                 // sees why, as it would see a tool error.
-                Err(ClientError::Api { status, code, message }) if matches!(status, 400 | 422) => {
+                Err(ClientError::Api { status: 400 | 422, code, message }) => {
                     l.sample.turns.push(TurnRecord { tool: Some(name), arguments, parse_error: Some(format!("{code}: {message}")), tool_error: true });
                     append_observation(renderer, l, &message, true, settings.context);
                 }
