@@ -14,7 +14,7 @@ for g in burn["generate"]:
     if t:
         rows.append(("generate, batch %d (%d prompt + %d new)" % (g["batch"], g["prompt"], g["new_tokens"]),
                      g["tokens_per_s"], t["tokens_per_s"]))
-print(f"| workload | burn tokens/s | {torch['engine']} tokens/s | burn / torch |")
+print(f"| workload | {burn['engine']} tokens/s | {torch['engine']} tokens/s | burn / torch |")
 print("|---|---:|---:|---:|")
 for name, b, t in rows:
     print(f"| {name} | {b:,.0f} | {t:,.0f} | {b / t:.2f} |")

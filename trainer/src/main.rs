@@ -484,8 +484,16 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
             }
         }
     }
+    // On CUDA, also which matrix-product kernels were chosen (vendor/burn-cubecl reads this).
+    let backend = B::name(&device);
+    let engine = if backend.to_lowercase().contains("cuda") {
+        let matmul = std::env::var("CUDA_AGENT_MATMUL").unwrap_or_else(|_| "mma".into());
+        format!("burn {backend}, matmul {matmul}")
+    } else {
+        format!("burn {backend}")
+    };
     let report = serde_json::json!({
-        "engine": "burn",
+        "engine": engine,
         "params": param_count(&cfg),
         "train": {"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": losses[0]},
         "generate": gen_rows,
