@@ -96,6 +96,9 @@ def main():
             t = time.time()
             return task, call(url + "/v1/evaluate", "POST", {"task": task, "solution": f.read_text()}), time.time() - t
 
+        def fmt(x):
+            return "-" if x is None else f"{x:.4f}"
+
         print("| candidate | reward | eager ms | compile ms | candidate ms | vs eager | vs compile | seconds |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
@@ -104,7 +107,6 @@ def main():
                     print(f"| {task} | error {r} |")
                     continue
                 tm, sp = r["times_ms"], r["speedup"]
-                fmt = lambda x: "-" if x is None else f"{x:.4f}"
                 print(f"| {task} | {r['reward']} | {fmt(tm['eager'])} | {fmt(tm['compile'])} | {fmt(tm['candidate'])} | "
                       f"{fmt(sp['eager'])} | {fmt(sp['compile'])} | {took:.0f} |" + (f" {r['reason']}" if r.get("reason") else ""), flush=True)
         print("\n".join(l for l in urllib.request.urlopen(url + "/metrics").read().decode().splitlines() if "device" in l or "reward" in l))

@@ -167,9 +167,9 @@ fn greedy_on_device<B: Backend>(lp: Tensor<B, 2>) -> Vec<(usize, f32)> {
 }
 
 /// Draws one token per row of log-probabilities `[rows, vocab]` by inverting the cumulative
-/// distribution at `us[row]` (uniform in [0, 1)), exactly as [`pick`] does on a whole row,
-/// but moving only a block total per 128 tokens and then the one block that holds the draw
-/// to the host (a whole row of a 150k vocabulary is 600 KB per sequence and step).
+/// distribution at `us[row]` (uniform in [0, 1)): the first token whose cumulative probability
+/// passes it. Only a block total per 128 tokens and then the one block that holds the draw
+/// move to the host (a whole row of a 150k vocabulary is 600 KB per sequence and step).
 pub fn draw_on_device<B: Backend>(lp: Tensor<B, 2>, us: &[f64]) -> Vec<(usize, f32)> {
     let [rows, vocab] = lp.dims();
     let device = lp.device();
@@ -184,23 +184,17 @@ pub fn draw_on_device<B: Backend>(lp: Tensor<B, 2>, us: &[f64]) -> Vec<(usize, f
     let mass: Vec<f32> = lp3.clone().exp().sum_dim(2).into_data().convert::<f32>().to_vec().unwrap_or_default();
     // Stage one: the block where the cumulative mass passes u (scaled by the row's total, which
     // rounding keeps from being exactly 1).
-    let mut chosen = Vec::with_capacity(rows);
-    let mut remainder = Vec::with_capacity(rows);
-    for (r, &u) in us.iter().enumerate().take(rows) {
-        let row = &mass[r * blocks..(r + 1) * blocks];
-        let target = u * row.iter().map(|&m| f64::from(m)).sum::<f64>();
-        let mut acc = 0.0;
-        let mut block = row.iter().rposition(|&m| m > 0.0).unwrap_or(0);
-        for (j, &m) in row.iter().enumerate() {
-            if m > 0.0 && acc + f64::from(m) > target {
-                block = j;
-                break;
-            }
-            acc += f64::from(m);
-        }
-        chosen.push(block as i32);
-        remainder.push(target - acc);
-    }
+    let (chosen, remainder): (Vec<i32>, Vec<f64>) = us
+        .iter()
+        .take(rows)
+        .enumerate()
+        .map(|(r, &u)| {
+            let row = &mass[r * blocks..(r + 1) * blocks];
+            let target = u * row.iter().map(|&m| f64::from(m)).sum::<f64>();
+            let (block, rest) = invert_cdf(row.iter().map(|&m| f64::from(m)), target);
+            (block as i32, rest)
+        })
+        .unzip();
     // Stage two: that block's log-probabilities, walked on the host.
     let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(chosen.clone(), [rows]), &device)
         .reshape([rows, 1, 1])
@@ -209,38 +203,33 @@ pub fn draw_on_device<B: Backend>(lp: Tensor<B, 2>, us: &[f64]) -> Vec<(usize, f
     (0..rows)
         .map(|r| {
             let row = &vals[r * DRAW_BLOCK..(r + 1) * DRAW_BLOCK];
-            let mut acc = 0.0;
-            let mut k = row.iter().rposition(|l| l.is_finite()).unwrap_or(0);
-            for (i, &l) in row.iter().enumerate() {
-                let p = f64::from(l.exp());
-                if p > 0.0 && acc + p > remainder[r] {
-                    k = i;
-                    break;
-                }
-                acc += p;
-            }
+            let (k, _) = invert_cdf(row.iter().map(|l| f64::from(l.exp())), remainder[r]);
             (chosen[r] as usize * DRAW_BLOCK + k, row[k])
         })
         .collect()
 }
 
-/// Chooses a token from one row of log-probabilities.
-fn pick(row: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
-    if params.temperature <= 0.0 {
-        return argmax(row);
-    }
-    let full = params.top_k == 0 && params.top_p >= 1.0;
-    if full {
-        let u: f32 = rng.random::<f32>();
-        let mut acc = 0.0f32;
-        for (i, &l) in row.iter().enumerate() {
-            acc += l.exp();
-            if acc >= u {
-                return i;
+/// The first index whose weight takes the running sum past `target`, and how much of `target`
+/// is left after the weights before it. Zero weights are never chosen; when rounding leaves
+/// `target` beyond the total, the last positive weight is.
+fn invert_cdf(weights: impl Iterator<Item = f64>, target: f64) -> (usize, f64) {
+    let mut acc = 0.0;
+    let mut last = (0, 0.0);
+    for (i, w) in weights.enumerate() {
+        if w > 0.0 {
+            if acc + w > target {
+                return (i, target - acc);
             }
+            last = (i, target - acc);
         }
-        return argmax(row);
+        acc += w;
     }
+    last
+}
+
+/// Chooses a token from one row of log-probabilities under top-k / top-p (greedy decoding and
+/// whole-distribution sampling choose on the device).
+fn pick(row: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
     let mut idx: Vec<usize> = (0..row.len()).collect();
     let k = if params.top_k == 0 { row.len() } else { params.top_k.min(row.len()) };
     if k < row.len() {
@@ -267,8 +256,4 @@ fn pick(row: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
         }
     }
     kept[0]
-}
-
-fn argmax(row: &[f32]) -> usize {
-    row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap_or(0)
 }

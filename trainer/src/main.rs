@@ -180,7 +180,7 @@ fn main() -> Result<()> {
     }
     if let Command::BenchModel(b) = &cli.command {
         return match (b.device, b.precision) {
-            (DeviceKind::Cpu, Precision::F32) => bench::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(b, Default::default()),
+            (DeviceKind::Cpu, Precision::F32) => bench::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(b, Default::default(), ""),
             (DeviceKind::Cpu, Precision::Bf16) => bail!("--precision bf16 needs --device cuda"),
             (DeviceKind::Cuda, p) => bench_cuda(b, p),
         };
@@ -214,9 +214,11 @@ fn bench_cuda(b: &BenchArgs, p: Precision) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
     let device = burn::backend::cuda::CudaDevice::new(0);
+    // Which matrix-product kernels vendor/burn-cubecl chooses (`mma` unless told otherwise).
+    let note = format!(", matmul {}", std::env::var("CUDA_AGENT_MATMUL").unwrap_or_else(|_| "mma".into()));
     match p {
-        Precision::F32 => bench::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(b, device),
-        Precision::Bf16 => bench::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(b, device),
+        Precision::F32 => bench::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(b, device, &note),
+        Precision::Bf16 => bench::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(b, device, &note),
     }
 }
 
@@ -419,7 +421,9 @@ const QWEN25_05B: &str = r#"{"model_type":"qwen2","vocab_size":151936,"hidden_si
 "num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"max_position_embeddings":32768,
 "rope_theta":1000000.0,"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#;
 
-fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
+/// `engine_note` is appended to the backend's name in the report (the CUDA path names its
+/// matmul choice).
+fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str) -> Result<()> {
     use burn::tensor::{Bool, ElementConversion, Int, Tensor, TensorData};
     use std::time::Instant;
     use trainer::generate::{generate, SamplingParams};
@@ -441,7 +445,7 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
     // Training: forward (log-probabilities of every next token) and backward.
     let (b, t) = (a.train_batch, a.seq);
     let mut times = Vec::new();
-    let mut losses = Vec::new();
+    let mut first_loss = 0.0;
     for i in 0..=a.train_iters {
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens_of(b, t), [b, t]), &device);
         let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; b * t], [b, t]), &device);
@@ -455,8 +459,11 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
         if i > 0 {
             times.push(t0.elapsed().as_secs_f64());
         }
-        // The same weights and tokens every pass: kernel choices that change the numbers show here.
-        losses.push(loss.into_scalar().elem::<f64>());
+        // The same weights and tokens every pass: kernel choices that change the numbers show
+        // here. Read once, outside the timed region.
+        if i == 0 {
+            first_loss = loss.into_scalar().elem::<f64>();
+        }
         eprintln!("train pass {i}: {:.3} s", t0.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);
@@ -484,18 +491,10 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device) -> Result<()> {
             }
         }
     }
-    // On CUDA, also which matrix-product kernels were chosen (vendor/burn-cubecl reads this).
-    let backend = B::name(&device);
-    let engine = if backend.to_lowercase().contains("cuda") {
-        let matmul = std::env::var("CUDA_AGENT_MATMUL").unwrap_or_else(|_| "mma".into());
-        format!("burn {backend}, matmul {matmul}")
-    } else {
-        format!("burn {backend}")
-    };
     let report = serde_json::json!({
-        "engine": engine,
+        "engine": format!("burn {}{engine_note}", B::name(&device)),
         "params": param_count(&cfg),
-        "train": {"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": losses[0]},
+        "train": {"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": first_loss},
         "generate": gen_rows,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

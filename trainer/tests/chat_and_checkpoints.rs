@@ -50,6 +50,13 @@ fn tiny_config(tied: bool) -> ModelConfig {
     .unwrap()
 }
 
+/// A random untied tiny policy with room for 64 positions.
+fn tiny_policy() -> (Architecture<B>, CausalLm<B>) {
+    let device = Default::default();
+    let cfg = tiny_config(false);
+    (Architecture::<B>::new(cfg.clone(), 64, &device), CausalLm::<B>::random(&cfg, &device))
+}
+
 fn logits(lm: &CausalLm<B>, arch: &Architecture<B>) -> Vec<f32> {
     let device = Default::default();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1, 5, 9, 2, 7, 3], [1, 6]), &device);
@@ -132,9 +139,7 @@ fn bad_configs_and_checkpoints_are_clear_errors() {
 #[test]
 fn sampling_is_seeded_and_honours_limits_and_stop_tokens() {
     let device = Default::default();
-    let cfg = tiny_config(false);
-    let arch = Architecture::<B>::new(cfg.clone(), 64, &device);
-    let lm = CausalLm::<B>::random(&cfg, &device);
+    let (arch, lm) = tiny_policy();
     let prompts = vec![vec![1, 2, 3], vec![4]];
     let p = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 10, max_new_tokens: 8, ..Default::default() };
     let a = generate(&lm, &arch, &prompts, &p, None, 7, &device);
@@ -193,9 +198,7 @@ fn device_draw_inverts_the_whole_rows_distribution() {
 #[test]
 fn greedy_and_full_sampling_agree_with_the_model() {
     let device = Default::default();
-    let cfg = tiny_config(false);
-    let arch = Architecture::<B>::new(cfg.clone(), 64, &device);
-    let lm = CausalLm::<B>::random(&cfg, &device);
+    let (arch, lm) = tiny_policy();
     let prompts = vec![vec![1, 2, 3], vec![4]];
     // Greedy: the first token is the argmax of the model's last-position logits.
     let greedy = SamplingParams { temperature: 0.0, max_new_tokens: 4, ..Default::default() };
