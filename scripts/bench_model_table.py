@@ -6,8 +6,10 @@ import json
 import sys
 
 burn, torch = (json.load(open(p)) for p in sys.argv[1:3])
-rows = [("train fwd+bwd, batch %d x seq %d" % (burn["train"]["batch"], burn["train"]["seq"]),
-         burn["train"]["tokens_per_s"], torch["train"]["tokens_per_s"])]
+rows = []
+if burn.get("train") and torch.get("train"):  # absent when a side ran generation only
+    rows.append(("train fwd+bwd, batch %d x seq %d" % (burn["train"]["batch"], burn["train"]["seq"]),
+                 burn["train"]["tokens_per_s"], torch["train"]["tokens_per_s"]))
 tg = {g["batch"]: g for g in torch["generate"]}
 for g in burn["generate"]:
     t = tg.get(g["batch"])

@@ -43,7 +43,7 @@ def tokens(b, t):
 
 
 times = []
-for it in range(a.train_iters + 1):
+for it in range(a.train_iters + 1 if a.train_iters else 0):  # 0: generation only
     ids = tokens(a.train_batch, a.seq)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -56,7 +56,7 @@ for it in range(a.train_iters + 1):
     if it > 0:
         times.append(time.perf_counter() - t0)
 times.sort()
-train_s = times[len(times) // 2]
+train_s = times[len(times) // 2] if times else None
 
 gen = []
 model.eval()
@@ -81,6 +81,6 @@ print(json.dumps({
     "engine": f"pytorch eager ({a.attn})",
     "torch": torch.__version__,
     "params": sum(p.numel() for p in model.parameters()),
-    "train": {"batch": a.train_batch, "seq": a.seq, "seconds": train_s, "tokens_per_s": a.train_batch * a.seq / train_s},
+    "train": {"batch": a.train_batch, "seq": a.seq, "seconds": train_s, "tokens_per_s": a.train_batch * a.seq / train_s} if train_s else None,
     "generate": gen,
 }, indent=2))

@@ -152,7 +152,7 @@ struct BenchArgs {
     /// Sequences per training pass.
     #[arg(long, default_value_t = 1)]
     train_batch: usize,
-    /// Timed training passes (after one untimed).
+    /// Timed training passes (after one untimed); 0 skips training.
     #[arg(long, default_value_t = 5)]
     train_iters: usize,
     /// Batch sizes of the generation runs.
@@ -446,7 +446,8 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     let (b, t) = (a.train_batch, a.seq);
     let mut times = Vec::new();
     let mut first_loss = 0.0;
-    for i in 0..=a.train_iters {
+    let train_passes = if a.train_iters == 0 { 0 } else { a.train_iters + 1 };
+    for i in 0..train_passes {
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens_of(b, t), [b, t]), &device);
         let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; b * t], [b, t]), &device);
         sync(&device)?;
@@ -467,7 +468,9 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
         eprintln!("train pass {i}: {:.3} s", t0.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);
-    let train_s = times[times.len() / 2];
+    let train = times.get(times.len() / 2).map(|&train_s| {
+        serde_json::json!({"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": first_loss})
+    });
     let mut gen_rows = Vec::new();
     let inner = burn::module::AutodiffModule::valid(&lm);
     let inner_arch = Architecture::<B::InnerBackend>::new(cfg.clone(), positions, &device);
@@ -494,7 +497,7 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     let report = serde_json::json!({
         "engine": format!("burn {}{engine_note}", B::name(&device)),
         "params": param_count(&cfg),
-        "train": {"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": first_loss},
+        "train": train,
         "generate": gen_rows,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

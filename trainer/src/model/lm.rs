@@ -4,13 +4,13 @@ use std::path::Path;
 
 use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{backend::Backend, Bool, FloatDType, Int, Tensor};
 
 use super::cache::KvCache;
 use super::config::ModelConfig;
 use super::rope::RopeTables;
 use super::transformer::{Backbone, Dense};
+use super::vocab::{log_softmax_last, sum_last};
 use super::weights::{write_safetensors, WeightMap};
 use crate::error::ModelError;
 
@@ -124,10 +124,10 @@ impl<B: Backend> CausalLm<B> {
         // Log-probabilities in f32 whatever the model's precision, as sampling computes them.
         let logits = self.project(hidden).cast(FloatDType::F32);
         let logits = if (temperature - 1.0).abs() > f64::EPSILON { logits / temperature } else { logits };
-        let lp = log_softmax(logits, 2);
+        let lp = log_softmax_last(logits);
         let targets = tokens.narrow(1, 1, t - 1).reshape([b, t - 1, 1]);
         let logprobs = lp.clone().gather(2, targets).reshape([b, t - 1]);
-        let entropy = (lp.clone().exp() * lp).sum_dim(2).neg().reshape([b, t - 1]);
+        let entropy = sum_last(lp.clone().exp() * lp).neg().reshape([b, t - 1]);
         // Back to the model's precision, which every tensor they meet in the losses has.
         let dtype = self.backbone.embed_tokens.val().dtype();
         SequenceStats { logprobs: logprobs.cast(dtype), entropy: entropy.cast(dtype) }

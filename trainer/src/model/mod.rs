@@ -5,6 +5,7 @@ pub mod config;
 pub mod lm;
 pub mod rope;
 pub mod transformer;
+pub mod vocab;
 pub mod weights;
 
 pub use cache::KvCache;

@@ -1,0 +1,119 @@
+//! Attention as the models train it against burn's decomposed reference
+//! (`attention_fallback`, differentiated op by op): outputs and the gradients of query, key
+//! and value. The autodiff backend computes attention as one operation whose backward
+//! recomputes the probabilities (vendor/burn-autodiff); this keeps that honest on the CPU
+//! and, with `--features cuda -- --ignored`, on a GPU.
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::module::{attention, attention_fallback};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, Distribution, ElementConversion, Tensor, TensorData};
+use trainer::model::transformer::positions_and_mask;
+
+/// Query, key, value and a weighting of the output (so every output element gets its own
+/// gradient), on `device`, all from one seed.
+fn inputs<B: Backend>(shape: [usize; 4], seq_k: usize, device: &B::Device) -> [Tensor<B, 4>; 4] {
+    B::seed(device, 7);
+    let [b, h, t, d] = shape;
+    let n = Distribution::Normal(0.0, 1.0);
+    [
+        Tensor::random([b, h, t, d], n, device),
+        Tensor::random([b, h, seq_k, d], n, device),
+        Tensor::random([b, h, seq_k, d], n, device),
+        Tensor::random([b, h, t, d], n, device),
+    ]
+}
+
+/// A padding-and-causal mask like the models build: row 0 left-padded by 3, row 1 full.
+fn padded_causal_mask<B: Backend>(b: usize, h: usize, t: usize, device: &B::Device) -> Tensor<B, 4, Bool> {
+    let valid: Vec<bool> = (0..b * t).map(|i| !(i / t == 0 && i % t < 3)).collect();
+    let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [b, t]), device);
+    positions_and_mask(valid, None).mask.expand([b, h, t, t])
+}
+
+/// Largest difference relative to the reference's largest magnitude.
+fn rel_diff<B: Backend>(a: Tensor<B, 4>, reference: Tensor<B, 4>) -> f32 {
+    let scale = reference.clone().abs().max().into_scalar().elem::<f32>().max(1e-6);
+    (a - reference).abs().max().into_scalar().elem::<f32>() / scale
+}
+
+/// Relative differences between the fused op and the reference: output, then dQ, dK, dV.
+fn compare<B: AutodiffBackend>(
+    shape: [usize; 4],
+    seq_k: usize,
+    mask: Option<Tensor<B, 4, Bool>>,
+    options: AttentionModuleOptions,
+    device: &B::Device,
+) -> [f32; 4] {
+    let run = |fallback: bool| {
+        let [q, k, v, w] = inputs::<B>(shape, seq_k, device);
+        let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+        let f = if fallback { attention_fallback } else { attention };
+        let out = f(q.clone(), k.clone(), v.clone(), mask.clone(), None, options);
+        let grads = (out.clone() * w).sum().backward();
+        let g = |x: &Tensor<B, 4>| x.grad(&grads).expect("a gradient");
+        [out.inner(), g(&q), g(&k), g(&v)]
+    };
+    let (ours, reference) = (run(false), run(true));
+    let mut out = [0.0; 4];
+    for (i, (a, b)) in ours.into_iter().zip(reference).enumerate() {
+        out[i] = rel_diff(a, b);
+    }
+    out
+}
+
+fn assert_close(what: &str, diffs: [f32; 4], tol: f32) {
+    for (d, name) in diffs.iter().zip(["output", "dQ", "dK", "dV"]) {
+        assert!(d.is_finite() && *d <= tol, "{what}: {name} differs by {d} of its largest magnitude (tolerance {tol})");
+    }
+}
+
+fn check_all<B: AutodiffBackend>(device: &B::Device, tol: f32) {
+    let (b, h, t, d) = (2, 3, 13, 16);
+    let mask = padded_causal_mask::<B>(b, h, t, device);
+    assert_close("padding + causal mask", compare::<B>([b, h, t, d], t, Some(mask), Default::default(), device), tol);
+    assert_close("no mask", compare::<B>([b, h, t, d], t, None, Default::default(), device), tol);
+    let causal = AttentionModuleOptions { is_causal: true, ..Default::default() };
+    assert_close("is_causal", compare::<B>([b, h, t, d], t, None, causal, device), tol);
+    // Decoding shape: fewer queries than keys (a cached prefix), causal at the bottom right.
+    assert_close("is_causal, 4 queries on 13 keys", compare::<B>([b, h, 4, d], t, None, causal, device), tol);
+    let scaled = AttentionModuleOptions { scale: Some(0.3), ..Default::default() };
+    assert_close("explicit scale", compare::<B>([b, h, t, d], t, None, scaled, device), tol);
+}
+
+#[test]
+fn attention_and_its_gradients_match_the_decomposed_reference_on_the_cpu() {
+    check_all::<Autodiff<burn::backend::NdArray<f32>>>(&Default::default(), 1e-5);
+}
+
+#[test]
+fn a_fully_masked_row_gets_zero_output_and_zero_gradients() {
+    type B = Autodiff<burn::backend::NdArray<f32>>;
+    let device = Default::default();
+    let (b, h, t, d) = (1, 2, 5, 8);
+    // Query 2 may see nothing.
+    let hidden: Vec<bool> = (0..t * t).map(|i| i / t == 2).collect();
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(hidden, [t, t]), &device).reshape([1, 1, t, t]).expand([b, h, t, t]);
+    assert_close("fully masked row", compare::<B>([b, h, t, d], t, Some(mask.clone()), Default::default(), &device), 1e-5);
+    let [q, k, v, _] = inputs::<B>([b, h, t, d], t, &device);
+    let q = q.require_grad();
+    let out = attention(q.clone(), k, v, Some(mask), None, Default::default());
+    let row = out.clone().narrow(2, 2, 1).abs().max().into_scalar();
+    assert_eq!(row, 0.0, "the fully masked query's output");
+    let grads = out.sum().backward();
+    let dq_row = q.grad(&grads).unwrap().narrow(2, 2, 1).abs().max().into_scalar();
+    assert_eq!(dq_row, 0.0, "the fully masked query's gradient");
+}
+
+/// On a GPU, in f32 and bf16 (the GPU's matrix units round differently from the CPU, hence
+/// the looser tolerances).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p trainer --features cuda --test attention -- --ignored"]
+fn attention_and_its_gradients_match_the_decomposed_reference_on_cuda() {
+    type Cuda<F> = burn::backend::Cuda<F>;
+    let device = burn::backend::cuda::CudaDevice::new(0);
+    check_all::<Autodiff<Cuda<f32>>>(&device, 1e-3);
+    check_all::<Autodiff<Cuda<half::bf16>>>(&device, 3e-2);
+}
