@@ -164,6 +164,11 @@ struct BenchArgs {
     /// New tokens per sequence.
     #[arg(long, default_value_t = 128)]
     new_tokens: usize,
+    /// Also time each decoding step's matrix products (one row per sequence of each
+    /// generation batch) written four ways: plain, split along the inner dimension, rows as
+    /// a batch of vector products, transposed.
+    #[arg(long)]
+    products: bool,
 }
 
 fn main() -> Result<()> {
@@ -494,7 +499,9 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
             }
         }
     }
+    let products = if a.products { bench_products::<B::InnerBackend>(&cfg, &a.gen_batch, &device)? } else { Vec::new() };
     let report = serde_json::json!({
+        "products": products,
         "engine": format!("burn {}{engine_note}", B::name(&device)),
         "params": param_count(&cfg),
         "train": train,
@@ -502,6 +509,63 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+/// Times `[rows, k] x [k, n]` for the products of one decoding step (per layer: q/k/v,
+/// output, gate/up, down; then the tied head) in four formulations, and prints a table.
+fn bench_products<B: burn::tensor::backend::Backend>(
+    cfg: &trainer::model::ModelConfig,
+    batches: &[usize],
+    device: &B::Device,
+) -> Result<Vec<serde_json::Value>> {
+    use burn::tensor::{Distribution, ElementConversion, Tensor};
+    use std::time::Instant;
+    let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+    let qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd;
+    let shapes = [("qkv", d, qkv), ("o", cfg.num_attention_heads * hd, d), ("gate_up", d, 2 * cfg.intermediate_size), ("down", cfg.intermediate_size, d), ("head", d, cfg.vocab_size)];
+    let sync = || B::sync(device).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
+    let mut rows = Vec::new();
+    eprintln!("| rows | product | k | n | plain us | split-k 8 us | rows as batch us | transposed us | max diff |");
+    eprintln!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    for &m in batches {
+        for (name, k, n) in shapes {
+            let x = Tensor::<B, 2>::random([m, k], Distribution::Normal(0.0, 1.0), device);
+            let w = Tensor::<B, 2>::random([k, n], Distribution::Normal(0.0, 0.02), device);
+            let split = 8;
+            let forms: [(&str, Box<dyn Fn() -> Tensor<B, 2>>); 4] = [
+                ("plain", Box::new(|| x.clone().matmul(w.clone()))),
+                ("split-k", Box::new(|| {
+                    let xs = x.clone().reshape([m, split, k / split]).swap_dims(0, 1);
+                    let ws = w.clone().reshape([split, k / split, n]);
+                    xs.matmul(ws).sum_dim(0).reshape([m, n])
+                })),
+                ("rows-as-batch", Box::new(|| x.clone().reshape([m, 1, k]).matmul(w.clone().unsqueeze::<3>()).reshape([m, n]))),
+                ("transposed", Box::new(|| w.clone().transpose().matmul(x.clone().transpose()).transpose())),
+            ];
+            let mut times = Vec::new();
+            let reference = forms[0].1();
+            let mut worst = 0.0f64;
+            for (form, f) in &forms {
+                if *form == "split-k" && k % split != 0 {
+                    times.push(f64::NAN);
+                    continue;
+                }
+                // Warm-up compiles the kernels (and checks the formulation); then 20 back to back.
+                let diff: f64 = (f() - reference.clone()).abs().max().into_scalar().elem();
+                worst = worst.max(diff);
+                sync()?;
+                let t0 = Instant::now();
+                // Results are kept until the sync so that none is skipped as unused.
+                let outs: Vec<_> = (0..20).map(|_| f()).collect();
+                sync()?;
+                drop(outs);
+                times.push(t0.elapsed().as_secs_f64() / 20.0 * 1e6);
+            }
+            eprintln!("| {m} | {name} | {k} | {n} | {:.0} | {:.0} | {:.0} | {:.0} | {worst:.2e} |", times[0], times[1], times[2], times[3]);
+            rows.push(serde_json::json!({"rows": m, "product": name, "k": k, "n": n, "max_diff": worst, "us": {"plain": times[0], "split_k8": times[1], "rows_as_batch": times[2], "transposed": times[3]}}));
+        }
+    }
+    Ok(rows)
 }
 
 fn param_count(c: &trainer::model::ModelConfig) -> usize {
