@@ -511,6 +511,9 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     Ok(())
 }
 
+/// A named way to compute one product.
+type Formulation<'a, B> = (&'static str, Box<dyn Fn() -> burn::tensor::Tensor<B, 2> + 'a>);
+
 /// Times `[rows, k] x [k, n]` for the products of one decoding step (per layer: q/k/v,
 /// output, gate/up, down; then the tied head) in four formulations, and prints a table.
 fn bench_products<B: burn::tensor::backend::Backend>(
@@ -532,7 +535,7 @@ fn bench_products<B: burn::tensor::backend::Backend>(
             let x = Tensor::<B, 2>::random([m, k], Distribution::Normal(0.0, 1.0), device);
             let w = Tensor::<B, 2>::random([k, n], Distribution::Normal(0.0, 0.02), device);
             let split = 8;
-            let forms: [(&str, Box<dyn Fn() -> Tensor<B, 2>>); 4] = [
+            let forms: [Formulation<'_, B>; 4] = [
                 ("plain", Box::new(|| x.clone().matmul(w.clone()))),
                 ("split-k", Box::new(|| {
                     let xs = x.clone().reshape([m, split, k / split]).swap_dims(0, 1);
