@@ -272,3 +272,21 @@ fn pick(row: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
     }
     kept[0]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    #[test]
+    fn greedy_finds_the_maximum_in_any_block_and_breaks_ties_low() {
+        // 300 tokens: two full blocks and a padded third.
+        let vocab = 300;
+        let mut rows = vec![-5.0f32; 2 * vocab];
+        rows[257] = -0.1; // row 0: in the padded tail block
+        rows[vocab + 5] = -0.2; // row 1: tied with a later block's entry
+        rows[vocab + 200] = -0.2;
+        let lp = Tensor::<NdArray<f32>, 2>::from_data(TensorData::new(rows, [2, vocab]), &Default::default());
+        assert_eq!(greedy_on_device(lp), vec![(257, -0.1), (5, -0.2)]);
+    }
+}
