@@ -8,21 +8,23 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, Distribution, ElementConversion, Tensor, TensorData};
+use burn::tensor::{Bool, ElementConversion, Tensor, TensorData};
 use trainer::model::transformer::positions_and_mask;
 
 /// Query, key, value and a weighting of the output (so every output element gets its own
-/// gradient), on `device`, all from one seed.
+/// gradient), on `device`, the same on every call. Drawn from a local generator: the
+/// backend's random state is global, and tests running in parallel would interleave on it.
 fn inputs<B: Backend>(shape: [usize; 4], seq_k: usize, device: &B::Device) -> [Tensor<B, 4>; 4] {
-    B::seed(device, 7);
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let [b, h, t, d] = shape;
-    let n = Distribution::Normal(0.0, 1.0);
-    [
-        Tensor::random([b, h, t, d], n, device),
-        Tensor::random([b, h, seq_k, d], n, device),
-        Tensor::random([b, h, seq_k, d], n, device),
-        Tensor::random([b, h, t, d], n, device),
-    ]
+    let mut normal = |dims: [usize; 4]| {
+        // Sum of uniforms: roughly normal, mean 0, variance 1.
+        let n: usize = dims.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| (0..12).map(|_| rng.random::<f32>()).sum::<f32>() - 6.0).collect();
+        Tensor::<B, 4>::from_data(TensorData::new(data, dims), device)
+    };
+    [normal([b, h, t, d]), normal([b, h, seq_k, d]), normal([b, h, seq_k, d]), normal([b, h, t, d])]
 }
 
 /// A padding-and-causal mask like the models build: row 0 left-padded by 3, row 1 full.
