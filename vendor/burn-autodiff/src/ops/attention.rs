@@ -72,7 +72,7 @@ fn causal_mask<B: Backend>(scores: &FloatTensor<B>) -> BoolTensor<B> {
 }
 
 /// The scale the forward pass used.
-pub(crate) fn attention_scale(query: &impl TensorMetadata, options: &AttentionModuleOptions) -> f64 {
+fn attention_scale(query: &impl TensorMetadata, options: &AttentionModuleOptions) -> f64 {
     let head_dim = query.shape().dims::<4>()[3];
     options
         .scale
