@@ -17,6 +17,17 @@ py="${PYTHON:-python3}"
 mkdir -p "$out"
 # NVLink multicast stays off: on shared hosts it can take GPUs out of service.
 export NCCL_NVLS_ENABLE=0
+# The trainer hands matrix products to cuBLAS, loaded at run time: when the loader does not
+# list it, use the CUDA toolkit's copy or the one PyTorch's wheels bring.
+if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda*/targets/x86_64-linux/lib \
+           "$("$py" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null)"; do
+    if [ -n "$d" ] && ls "$d"/libcublas.so.* >/dev/null 2>&1; then
+      export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      break
+    fi
+  done
+fi
 
 case "$mode" in
 model)

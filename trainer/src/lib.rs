@@ -2,6 +2,7 @@
 //! training stages (single-turn warm-up, rejection-sampling fine-tuning, value pre-training,
 //! multi-turn PPO) run against env-server over HTTP.
 
+pub mod blas;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;

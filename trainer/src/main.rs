@@ -207,6 +207,7 @@ fn main() -> Result<()> {
 fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
+    configure_matmul();
     let device = burn::backend::cuda::CudaDevice::new(0);
     match p {
         Precision::F32 => run::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(cmd, device),
@@ -218,13 +219,24 @@ fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
 fn bench_cuda(b: &BenchArgs, p: Precision) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
+    let note = format!(", matmul {}", configure_matmul());
     let device = burn::backend::cuda::CudaDevice::new(0);
-    // Which matrix-product kernels vendor/burn-cubecl chooses (`mma` unless told otherwise).
-    let note = format!(", matmul {}", std::env::var("CUDA_AGENT_MATMUL").unwrap_or_else(|_| "mma".into()));
-    match p {
+    let result = match p {
         Precision::F32 => bench::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(b, device, &note),
         Precision::Bf16 => bench::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(b, device, &note),
+    };
+    let counts = trainer::blas::cublas::counts();
+    if counts.run + counts.declined() > 0 {
+        tracing::info!(
+            "cuBLAS ran {} products and left {} to cubecl's kernels ({} by element type, {} by layout, {} failed)",
+            counts.run,
+            counts.declined(),
+            counts.declined_dtype,
+            counts.declined_layout,
+            counts.failed
+        );
     }
+    result
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -235,6 +247,29 @@ fn bench_cuda(_: &BenchArgs, _: Precision) -> Result<()> {
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(_: &Command, _: Precision) -> Result<()> {
     bail!("this trainer was built without CUDA: rebuild with `cargo build --release -p trainer --features cuda`")
+}
+
+/// Chooses who runs matrix products on CUDA and returns the choice's name:
+/// `CUDA_AGENT_MATMUL=mma` (the default) or `auto` keep cubecl's kernels (vendor/burn-cubecl's
+/// fixed choice or upstream's); `cublas` hands them to cuBLAS when the library loads. cuBLAS
+/// is not the default yet: measured on an H200 it declined most products (see
+/// docs/BENCHMARKS.md), and with it registered products are no longer fused.
+#[cfg(feature = "cuda")]
+fn configure_matmul() -> &'static str {
+    match std::env::var("CUDA_AGENT_MATMUL").as_deref() {
+        Ok("cublas") => match trainer::blas::cublas::install() {
+            Ok(()) => {
+                tracing::info!("matrix products run on cuBLAS");
+                "cublas"
+            }
+            Err(e) => {
+                tracing::warn!("{e}; matrix products run on cubecl's kernels");
+                "mma"
+            }
+        },
+        Ok("auto") => "auto",
+        _ => "mma",
+    }
 }
 
 /// Keeps what burn's CUDA backend compiles. Every kernel is JIT-compiled on first use (NVRTC,

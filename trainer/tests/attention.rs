@@ -108,14 +108,15 @@ fn a_fully_masked_row_gets_zero_output_and_zero_gradients() {
     assert_eq!(dq_row, 0.0, "the fully masked query's gradient");
 }
 
-/// On a GPU, in f32 and bf16 (the GPU's matrix units round differently from the CPU, hence
-/// the looser tolerances).
+/// On a GPU, in f32 and bf16. The GPU's matrix units round differently from the CPU, hence
+/// the looser tolerances: cubecl's f32 products run through TF32 (10-bit mantissa), which
+/// measured on an H200 put the gradients up to 1.01e-3 of their magnitude from the reference.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -p trainer --features cuda --test attention -- --ignored"]
 fn attention_and_its_gradients_match_the_decomposed_reference_on_cuda() {
     type Cuda<F> = burn::backend::Cuda<F>;
     let device = burn::backend::cuda::CudaDevice::new(0);
-    check_all::<Autodiff<Cuda<f32>>>(&device, 1e-3);
+    check_all::<Autodiff<Cuda<f32>>>(&device, 3e-3);
     check_all::<Autodiff<Cuda<half::bf16>>>(&device, 3e-2);
 }

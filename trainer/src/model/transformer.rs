@@ -32,7 +32,19 @@ impl<B: Backend> Dense<B> {
 
     /// `x @ W + b` over the last dimension.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+        let bias = self.bias.as_ref().map(|b| b.val());
+        if D <= 2 || !B::ad_enabled(&x.device()) {
+            return burn::tensor::module::linear(x, self.weight.val(), bias);
+        }
+        let mut dims = x.dims();
+        let d_in = dims[D - 1];
+        // When differentiating, as rows of a matrix: the weight's gradient is then one product
+        // over every position rather than a product per sequence summed afterwards. (Without
+        // gradients the reshapes would only add operations to every decoding step.)
+        let rows: Tensor<B, 2> = x.reshape([-1, d_in as i32]);
+        let y = burn::tensor::module::linear(rows, self.weight.val(), bias);
+        dims[D - 1] = y.dims()[1];
+        y.reshape(dims)
     }
 
     /// One layer computing `parts` (weight `[in, width]`, optional bias) side by side, outputs

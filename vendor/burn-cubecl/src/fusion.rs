@@ -145,12 +145,17 @@ impl<R: CubeRuntime> FusionRuntime for FusionCubeRuntime<R> {
     type FusionDevice = R::CubeDevice;
 
     fn fusers(device: R::Device) -> Vec<Box<dyn burn_fusion::OperationFuser<Self::Optimization>>> {
-        vec![
+        let mut fusers: Vec<Box<dyn burn_fusion::OperationFuser<Self::Optimization>>> = vec![
             Box::new(ElementWiseFuser::new(device.clone())),
-            Box::new(MatmulFuser::new(device.clone())),
             Box::new(ReduceFuser::new(device.clone(), ReduceSettings::Always)),
             Box::new(ReduceBroadcastedFuser::new(device.clone())),
-        ]
+        ];
+        // cuda-agent patch: with an external product registered, products stay unfused so
+        // that each one reaches it (see `kernel::matmul::register_external_matmul`).
+        if crate::kernel::matmul::external_matmul::<R>().is_none() {
+            fusers.insert(1, Box::new(MatmulFuser::new(device.clone())));
+        }
+        fusers
     }
 }
 

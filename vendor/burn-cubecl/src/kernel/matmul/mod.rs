@@ -1,4 +1,5 @@
 mod base;
+mod external;
 mod selection;
 mod tune;
 
@@ -6,6 +7,7 @@ mod tune;
 pub mod utils;
 
 pub use base::*;
+pub use external::{ExternalMatmul, external_matmul, register_external_matmul};
 #[cfg(feature = "autotune")]
 pub use tune::*;
 pub use utils::*;

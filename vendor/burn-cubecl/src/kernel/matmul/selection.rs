@@ -10,6 +10,8 @@
 //!   kernel, other general products the double-buffered cyclic `mma` kernel; matrix-vector
 //!   shapes keep `Auto`.
 //! - `auto`: upstream behaviour, `Auto` everywhere.
+//! - `cublas`: read by the application, which registers cuBLAS for products
+//!   (`register_external_matmul`); whatever cuBLAS declines comes here and gets `mma`.
 //!
 //! A choice that cannot launch (a setup error, before anything runs) falls back to `Auto`.
 
@@ -29,9 +31,9 @@ fn hopper_kernels() -> bool {
     static CHOICE: OnceLock<bool> = OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var("CUDA_AGENT_MATMUL").as_deref() {
         Ok("auto") => false,
-        Ok("mma") | Err(_) => true,
+        Ok("mma" | "cublas") | Err(_) => true,
         Ok(other) => {
-            log::warn!("CUDA_AGENT_MATMUL={other} is neither `mma` nor `auto`; using `mma`");
+            log::warn!("CUDA_AGENT_MATMUL={other} is not `cublas`, `mma` or `auto`; using `mma`");
             true
         }
     })
