@@ -167,6 +167,8 @@ fn run_product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
     let (mut lhs, mut rhs) = (lhs.clone(), rhs.clone());
     let gemm = match plan(layout(&lhs), layout(&rhs), layout(out)) {
         Some(gemm) => gemm,
+        // Contiguous operands that still do not fit: copying changes nothing.
+        None if lhs.is_contiguous() && rhs.is_contiguous() => return Outcome::Layout,
         None => {
             if !lhs.is_contiguous() {
                 lhs = into_contiguous(lhs);

@@ -10,8 +10,8 @@ use std::any::{Any, TypeId};
 use std::sync::RwLock;
 
 /// Computes `out = lhs @ rhs` (batched over the leading dimensions, broadcasting as burn
-/// does) into `out`, a freshly allocated contiguous tensor of the product's shape.
-/// Returns `false`, having written nothing, to leave the product to cubecl's kernels.
+/// does) into `out`, a tensor of the product's shape as cubecl allocates it (its rows may be
+/// pitched). Returns `false`, having written nothing, to leave the product to cubecl's kernels.
 pub type ExternalMatmul<R> = fn(&CubeTensor<R>, &CubeTensor<R>, &CubeTensor<R>) -> bool;
 
 type Entry = (TypeId, Box<dyn Any + Send + Sync>);
