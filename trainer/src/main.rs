@@ -228,7 +228,7 @@ fn bench_cuda(b: &BenchArgs, p: Precision) -> Result<()> {
     let counts = trainer::blas::cublas::counts();
     if counts.run + counts.declined() > 0 {
         tracing::info!(
-            "cuBLAS ran {} products and left {} to cubecl's kernels ({} by element type, {} by layout, {} failed)",
+            "cuBLAS ran {} products and left {} to cubecl's kernels ({} by element type, {} by layout); {} calls failed",
             counts.run,
             counts.declined(),
             counts.declined_dtype,
@@ -249,26 +249,33 @@ fn run_cuda(_: &Command, _: Precision) -> Result<()> {
     bail!("this trainer was built without CUDA: rebuild with `cargo build --release -p trainer --features cuda`")
 }
 
-/// Chooses who runs matrix products on CUDA and returns the choice's name:
-/// `CUDA_AGENT_MATMUL=mma` (the default) or `auto` keep cubecl's kernels (vendor/burn-cubecl's
-/// fixed choice or upstream's); `cublas` hands them to cuBLAS when the library loads. cuBLAS
-/// is not the default: with it registered products are no longer fused, which measured on an
-/// H200 made training passes 9% faster but decoding less than half as fast (docs/BENCHMARKS.md).
+/// Chooses who runs matrix products on CUDA and returns the choice's name: cuBLAS by default
+/// (`CUDA_AGENT_MATMUL=cublas` or unset) when the library loads, else cubecl's kernels;
+/// `CUDA_AGENT_MATMUL=mma` or `auto` keep cubecl's kernels (vendor/burn-cubecl's fixed choice
+/// or upstream's). Measured on an H200 (docs/BENCHMARKS.md), cuBLAS made training passes 10%
+/// faster and batched decoding about twice as fast as `mma`.
 #[cfg(feature = "cuda")]
 fn configure_matmul() -> &'static str {
     match std::env::var("CUDA_AGENT_MATMUL").as_deref() {
-        Ok("cublas") => match trainer::blas::cublas::install() {
-            Ok(()) => {
-                tracing::info!("matrix products run on cuBLAS");
-                "cublas"
-            }
-            Err(e) => {
-                tracing::warn!("{e}; matrix products run on cubecl's kernels");
-                "mma"
-            }
-        },
+        Ok("mma") => "mma",
         Ok("auto") => "auto",
-        _ => "mma",
+        other => {
+            if let Ok(unknown) = other {
+                if unknown != "cublas" {
+                    tracing::warn!("CUDA_AGENT_MATMUL={unknown} is not one of cublas, mma, auto; using cublas");
+                }
+            }
+            match trainer::blas::cublas::install() {
+                Ok(()) => {
+                    tracing::info!("matrix products run on cuBLAS");
+                    "cublas"
+                }
+                Err(e) => {
+                    tracing::warn!("{e}; matrix products run on cubecl's kernels");
+                    "mma"
+                }
+            }
+        }
     }
 }
 

@@ -91,6 +91,17 @@ fn check_products<G: Backend<Device = burn::backend::cuda::CudaDevice>>(tol: f32
     let crows: Tensor<Cpu, 2> = cx.clone().reshape([-1, 77]);
     check("flattened rows", max_rel_diff(rows.matmul(b.clone()), crows.matmul(cb.clone())));
 
+    // A dependent chain of products and elementwise kernels, its temporaries dropped while
+    // still queued: products run in launch order on the device thread, behind the kernels
+    // that produce their operands and ahead of those that read their outputs.
+    let (w, cw) = pair::<G, 2>([77, 77], 8, &dev);
+    let (mut h, mut ch) = pair::<G, 2>([33, 77], 9, &dev);
+    for step in 0..8 {
+        h = (h.matmul(w.clone()) * 0.25).sin() + (step as f32);
+        ch = (ch.matmul(cw.clone()) * 0.25).sin() + (step as f32);
+    }
+    check("chain of products and kernels", max_rel_diff(h, ch));
+
     let runs_after = trainer::blas::cublas::counts().run;
     assert!(runs_after - runs_before >= cases, "cuBLAS ran {} products for {cases} cases", runs_after - runs_before);
 }

@@ -4,8 +4,10 @@
 //! about 100 TFLOP/s over a Qwen2.5-0.5B training pass, where cuBLAS (what PyTorch calls)
 //! runs the same shapes several times faster. [`install`] registers [`product`] with the
 //! vendored burn-cubecl, which then offers it every product and stops fusing products with
-//! their neighbours. The call goes on the stream cubecl allocated the output on, so it is
-//! ordered with cubecl's kernels without any host synchronisation.
+//! their neighbours. Each product is queued as an external operation of the vendored
+//! cubecl-cuda, like a kernel launch: cuBLAS is called on cubecl's device thread, on the
+//! launch's stream, when its turn comes, so it is ordered with cubecl's kernels and the
+//! calling thread never waits for the device thread.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,13 +20,15 @@ use cubecl_cuda::CudaRuntime;
 use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::{result as driver, sys as cuda};
 
-use super::plan::{plan, GemmPlan, Layout};
+use cubecl_cuda::external;
+
+use super::plan::{plan, GemmPlan, Layout, PLAN_WORDS};
 
 /// Why cuBLAS could not be set up; products then stay on cubecl's kernels.
 #[derive(Debug, thiserror::Error)]
 pub enum CublasError {
     /// No cuBLAS library where the dynamic loader looks.
-    #[error("libcublas was not found by the dynamic loader (add its directory to LD_LIBRARY_PATH)")]
+    #[error("libcublas was found neither by the dynamic loader nor in a CUDA toolkit under /usr/local or $CUDA_PATH (add its directory to LD_LIBRARY_PATH)")]
     NotFound,
     /// Creating a handle failed.
     #[error("cuBLAS handle for CUDA device {device}: {message}")]
@@ -49,7 +53,8 @@ unsafe impl Send for DeviceBlas {}
 /// One handle per CUDA device index, created on first use.
 static HANDLES: Mutex<Vec<(usize, DeviceBlas)>> = Mutex::new(Vec::new());
 
-/// Products cuBLAS ran, and those it left to cubecl by reason (see [`Counts`]).
+/// Products queued for cuBLAS, those it left to cubecl by reason, and calls cuBLAS refused
+/// (see [`Counts`]).
 static RUN: AtomicU64 = AtomicU64::new(0);
 static DECLINED_DTYPE: AtomicU64 = AtomicU64::new(0);
 static DECLINED_LAYOUT: AtomicU64 = AtomicU64::new(0);
@@ -58,20 +63,21 @@ static DECLINED_FAILED: AtomicU64 = AtomicU64::new(0);
 /// What happened to the products offered to cuBLAS since start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Counts {
-    /// Products cuBLAS computed.
+    /// Products cuBLAS computed (queued, less those that failed so far).
     pub run: u64,
     /// Left to cubecl: an element type cuBLAS is not given (integers, mixed types).
     pub declined_dtype: u64,
     /// Left to cubecl: operands or output no single strided-batched call can walk.
     pub declined_layout: u64,
-    /// Left to cubecl: the call itself failed (warned once per message).
+    /// Calls cuBLAS refused on the device thread (warned once per message). Those products
+    /// were not computed: the stream records the error and the next read reports it.
     pub failed: u64,
 }
 
 impl Counts {
     /// Every product left to cubecl's kernels.
     pub fn declined(&self) -> u64 {
-        self.declined_dtype + self.declined_layout + self.failed
+        self.declined_dtype + self.declined_layout
     }
 }
 
@@ -90,17 +96,16 @@ enum Outcome {
     Ran,
     Dtype,
     Layout,
-    Failed,
 }
 
-/// Calls that failed once, so that a broken setup warns once per kind instead of per product.
+/// Messages already warned about, so that a broken setup warns once per kind, not per product.
 static WARNED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
 
 fn warn_once(message: String) {
     let warned = WARNED.get_or_init(Default::default);
     let mut warned = warned.lock().unwrap_or_else(|p| p.into_inner());
     if warned.insert(message.clone()) {
-        tracing::warn!("{message}; this product runs on cubecl's kernels instead");
+        tracing::warn!("{message}; the stream reports the failed product at its next read");
     }
 }
 
@@ -118,11 +123,66 @@ fn device_blas(device: usize) -> Result<DeviceBlas, CublasError> {
     }
 }
 
+/// Where CUDA toolkits keep their libraries, for a machine whose loader does not list them.
+fn toolkit_library_dirs() -> Vec<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let mut dirs = Vec::new();
+    for var in ["CUDA_PATH", "CUDA_HOME"] {
+        if let Some(root) = std::env::var_os(var) {
+            dirs.push(PathBuf::from(&root).join("lib64"));
+            dirs.push(PathBuf::from(&root).join("targets/x86_64-linux/lib"));
+        }
+    }
+    let mut versioned: Vec<PathBuf> = std::fs::read_dir("/usr/local")
+        .map(|entries| entries.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cuda"))).collect())
+        .unwrap_or_default();
+    // `cuda` (the symlink to the current toolkit) first, then the newest versioned one.
+    versioned.sort_by_key(|p| std::cmp::Reverse((p.ends_with("cuda"), p.clone())));
+    for root in versioned {
+        dirs.push(root.join("lib64"));
+        dirs.push(root.join("targets/x86_64-linux/lib"));
+    }
+    dirs
+}
+
+/// Loads cuBLAS (and cuBLASLt, which it needs) by full path from a CUDA toolkit directory and
+/// keeps them loaded, so that the loader's later lookup by name finds the loaded copy. Returns
+/// whether it loaded one.
+fn preload_from_toolkit() -> bool {
+    let versioned = |dir: &std::path::Path, stem: &str| -> Option<std::path::PathBuf> {
+        let mut found: Vec<_> = std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix(stem)).is_some_and(|v| !v.is_empty() && v.chars().all(|c| c.is_ascii_digit()))
+            })
+            .collect();
+        found.sort();
+        found.pop()
+    };
+    for dir in toolkit_library_dirs() {
+        let (Some(lt), Some(blas)) = (versioned(&dir, "libcublasLt.so."), versioned(&dir, "libcublas.so.")) else { continue };
+        // SAFETY: loading NVIDIA's libraries runs only their initialisers.
+        let loaded = unsafe { libloading::Library::new(&lt).and_then(|lt| Ok((lt, libloading::Library::new(&blas)?))) };
+        match loaded {
+            Ok(libraries) => {
+                tracing::info!("cuBLAS loaded from {}", dir.display());
+                // Kept for the life of the process: cudarc resolves its symbols from it.
+                std::mem::forget(libraries);
+                return true;
+            }
+            Err(e) => tracing::debug!("cuBLAS in {} did not load: {e}", dir.display()),
+        }
+    }
+    false
+}
+
 /// Registers cuBLAS for every product of burn's CUDA backend. Call once, before the first CUDA
 /// tensor exists (the fusion engine reads the registration when a device starts).
 pub fn install() -> Result<(), CublasError> {
     // SAFETY: only probes the dynamic loader.
-    if !unsafe { sys::is_culib_present() } {
+    if !unsafe { sys::is_culib_present() } && !(preload_from_toolkit() && unsafe { sys::is_culib_present() }) {
         return Err(CublasError::NotFound);
     }
     let first = device_blas(0)?;
@@ -152,7 +212,6 @@ pub fn product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
         Outcome::Ran => &RUN,
         Outcome::Dtype => &DECLINED_DTYPE,
         Outcome::Layout => &DECLINED_LAYOUT,
-        Outcome::Failed => &DECLINED_FAILED,
     };
     counter.fetch_add(1, Ordering::Relaxed);
     matches!(outcome, Outcome::Ran)
@@ -182,29 +241,54 @@ fn run_product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
             }
         }
     };
-    match launch(&gemm, ty, &lhs, &rhs, out) {
-        Ok(()) => Outcome::Ran,
-        Err(message) => {
-            warn_once(message);
-            Outcome::Failed
-        }
-    }
+    launch(&gemm, ty, &lhs, &rhs, out);
+    Outcome::Ran
 }
 
+/// Queues the product behind every kernel launched before it; cuBLAS is called on cubecl's
+/// device thread when its turn comes (see [`queued_gemm`]).
 fn launch(
     gemm: &GemmPlan,
     ty: sys::cudaDataType,
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
     out: &CubeTensor<CudaRuntime>,
-) -> Result<(), String> {
-    let resource = |t: &CubeTensor<CudaRuntime>| {
-        t.client.get_resource(t.handle.clone()).map_err(|e| format!("cubecl resource: {e:?}"))
-    };
-    // Held until the call is queued: they keep the allocations from being recycled before.
-    let (l, r, o) = (resource(lhs)?, resource(rhs)?, resource(out)?);
-    let (l, r, o) = (l.resource(), r.resource(), o.resource());
-    let device = out.device.index;
+) {
+    let op = *GEMM_OP.get_or_init(|| external::register_external_op(queued_gemm));
+    let mut words = [0u64; PLAN_WORDS + 2];
+    words[..PLAN_WORDS].copy_from_slice(&gemm.to_words());
+    words[PLAN_WORDS] = ty as u64;
+    words[PLAN_WORDS + 1] = out.device.index as u64;
+    let buffers = [lhs, rhs, out].map(|t| t.handle.clone().binding()).into();
+    external::launch_external(&out.client, op, buffers, &words);
+}
+
+/// [`queued_gemm`] as registered with cubecl.
+static GEMM_OP: OnceLock<external::ExternalOpId> = OnceLock::new();
+
+fn data_type_from_word(word: u64) -> Option<sys::cudaDataType> {
+    [sys::cudaDataType::CUDA_R_32F, sys::cudaDataType::CUDA_R_16F, sys::cudaDataType::CUDA_R_16BF]
+        .into_iter()
+        .find(|ty| *ty as u64 == word)
+}
+
+/// The cuBLAS call, on cubecl's device thread with the operands' addresses (`lhs`, `rhs`,
+/// `out`) and the plan, element type and device index that [`launch`] packed.
+fn queued_gemm(call: external::ExternalCall<'_>) -> Result<(), String> {
+    let result = call_gemm(&call);
+    if let Err(message) = &result {
+        DECLINED_FAILED.fetch_add(1, Ordering::Relaxed);
+        RUN.fetch_sub(1, Ordering::Relaxed);
+        warn_once(message.clone());
+    }
+    result
+}
+
+fn call_gemm(call: &external::ExternalCall<'_>) -> Result<(), String> {
+    let gemm = GemmPlan::from_words(call.data).ok_or("cuBLAS product: truncated plan")?;
+    let ty = call.data.get(PLAN_WORDS).copied().and_then(data_type_from_word).ok_or("cuBLAS product: no element type")?;
+    let device = call.data.get(PLAN_WORDS + 1).copied().ok_or("cuBLAS product: no device")? as usize;
+    let &[l, r, o] = call.pointers else { return Err("cuBLAS product: expected three buffers".into()) };
     let mut handles = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
     if !handles.iter().any(|(d, _)| *d == device) {
         let blas = device_blas(device).map_err(|e| e.to_string())?;
@@ -217,11 +301,11 @@ fn launch(
     let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
     // SAFETY: the pointers are live cubecl allocations of the right sizes (the plan only
     // reads inside each operand's shape and strides and writes inside the output's), the
-    // stream is the output's own, and the handle belongs to this device's primary context,
-    // made current here.
+    // stream is the one cubecl queued this launch on, and the handle belongs to this device's
+    // primary context, made current here.
     unsafe {
         driver::ctx::set_current(blas.context).map_err(|e| format!("cuCtxSetCurrent: {e}"))?;
-        blas::set_stream(blas.handle, o.stream as sys::cudaStream_t).map_err(|e| format!("cublasSetStream: {e:?}"))?;
+        blas::set_stream(blas.handle, call.stream as sys::cudaStream_t).map_err(|e| format!("cublasSetStream: {e:?}"))?;
         blas::gemm_strided_batched_ex(
             blas.handle,
             op(gemm.a.transpose),
@@ -230,16 +314,16 @@ fn launch(
             gemm.n as i32,
             gemm.k as i32,
             (&alpha as *const f32).cast(),
-            r.ptr as *const std::ffi::c_void,
+            r as *const std::ffi::c_void,
             ty,
             gemm.a.ld as i32,
             gemm.a.batch_stride as i64,
-            l.ptr as *const std::ffi::c_void,
+            l as *const std::ffi::c_void,
             ty,
             gemm.b.ld as i32,
             gemm.b.batch_stride as i64,
             (&beta as *const f32).cast(),
-            o.ptr as *mut std::ffi::c_void,
+            o as *mut std::ffi::c_void,
             ty,
             gemm.ldc as i32,
             gemm.stride_c as i64,

@@ -51,6 +51,46 @@ pub struct GemmPlan {
     pub stride_c: usize,
 }
 
+/// Words in [`GemmPlan::to_words`].
+pub const PLAN_WORDS: usize = 12;
+
+impl GemmPlan {
+    /// The plan as integers, to travel with a queued launch to the thread that makes the call.
+    pub fn to_words(&self) -> [u64; PLAN_WORDS] {
+        let w = |v: usize| v as u64;
+        [
+            w(self.m),
+            w(self.n),
+            w(self.k),
+            w(self.batch),
+            u64::from(self.a.transpose),
+            w(self.a.ld),
+            w(self.a.batch_stride),
+            u64::from(self.b.transpose),
+            w(self.b.ld),
+            w(self.b.batch_stride),
+            w(self.ldc),
+            w(self.stride_c),
+        ]
+    }
+
+    /// The plan [`GemmPlan::to_words`] wrote, from the start of `words`.
+    pub fn from_words(words: &[u64]) -> Option<GemmPlan> {
+        let w: &[u64; PLAN_WORDS] = words.get(..PLAN_WORDS)?.try_into().ok()?;
+        let u = |v: u64| v as usize;
+        Some(GemmPlan {
+            m: u(w[0]),
+            n: u(w[1]),
+            k: u(w[2]),
+            batch: u(w[3]),
+            a: Operand { transpose: w[4] != 0, ld: u(w[5]), batch_stride: u(w[6]) },
+            b: Operand { transpose: w[7] != 0, ld: u(w[8]), batch_stride: u(w[9]) },
+            ldc: u(w[10]),
+            stride_c: u(w[11]),
+        })
+    }
+}
+
 /// A matrix's storage: row-major (`transpose == false` for BLAS) or column-major, with its
 /// leading dimension.
 fn matrix(rows: usize, cols: usize, row_stride: usize, col_stride: usize) -> Option<(bool, usize)> {
@@ -313,6 +353,16 @@ mod tests {
         assert_eq!(p.b.ld, 10);
         // Single-row and single-column operands with arbitrary strides on their unit dims.
         check(&[1, 4], &[99, 1], &[4, 1], &[1, 77]);
+    }
+
+    #[test]
+    fn plans_survive_their_words() {
+        let p = check_into(&[2, 3, 4], &[12, 4, 1], &[1, 4, 5], &[20, 5, 1], Some(&[30, 8, 1]));
+        assert_eq!(GemmPlan::from_words(&p.to_words()), Some(p));
+        let p = check(&[2, 3, 4], &[12, 1, 3], &[2, 4, 5], &[20, 1, 4]);
+        assert!(p.a.transpose && p.b.transpose);
+        assert_eq!(GemmPlan::from_words(&p.to_words()), Some(p));
+        assert_eq!(GemmPlan::from_words(&p.to_words()[..PLAN_WORDS - 1]), None);
     }
 
     #[test]

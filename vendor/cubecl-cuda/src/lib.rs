@@ -3,6 +3,9 @@ extern crate derive_new;
 extern crate alloc;
 
 mod compute;
+
+/// cuda-agent patch: host-side operations (vendor library calls) queued like kernels.
+pub use compute::external;
 mod device;
 mod runtime;
 

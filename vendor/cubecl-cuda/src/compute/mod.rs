@@ -1,6 +1,7 @@
 pub(crate) mod command;
 pub(crate) mod communication;
 pub(crate) mod context;
+pub mod external;
 pub(crate) mod io;
 pub(crate) mod storage;
 pub(crate) mod stream;

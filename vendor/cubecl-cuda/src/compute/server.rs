@@ -637,6 +637,32 @@ impl CudaServer {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) -> Result<(), ServerError> {
+        // cuda-agent patch: an external operation is called here, in stream order, with its
+        // buffers' addresses (see `external`), instead of being compiled and launched.
+        if super::external::is_external(&*kernel) {
+            let mut command = self.command(
+                stream_id,
+                bindings.buffers.iter(),
+                StreamErrorMode {
+                    ignore: true,
+                    flush: false,
+                },
+            )?;
+            let mut pointers = Vec::with_capacity(bindings.buffers.len());
+            for binding in bindings.buffers {
+                pointers.push(command.resource(binding)?.ptr);
+            }
+            let stream = command.streams.current().sys;
+            return super::external::call(stream, &pointers, &bindings.info.data).map_err(
+                |reason| {
+                    LaunchError::Unknown {
+                        reason,
+                        backtrace: BackTrace::capture(),
+                    }
+                    .into()
+                },
+            );
+        }
         let mut kernel_id = kernel.id();
         let logger = self.streams.logger.clone();
         kernel_id.mode(mode);

@@ -32,20 +32,12 @@ pub struct GpuResource {
     pub binding: *mut std::ffi::c_void,
     /// The size of the resource.
     pub size: u64,
-    /// cuda-agent patch: the stream whose memory pool owns this resource, so that work
-    /// launched outside cubecl (a vendor BLAS call) can be ordered with cubecl's kernels.
-    pub stream: cudarc::driver::sys::CUstream,
 }
 
 impl GpuResource {
     /// Creates a new [`GpuResource`].
     pub fn new(ptr: u64, binding: *mut std::ffi::c_void, size: u64) -> Self {
-        Self {
-            ptr,
-            binding,
-            size,
-            stream: std::ptr::null_mut(),
-        }
+        Self { ptr, binding, size }
     }
 }
 
@@ -163,13 +155,11 @@ impl ComputeStorage for GpuStorage {
         let size = handle.size();
         let ptr = self.ptr_bindings.register(ptr + offset);
 
-        let mut resource = GpuResource::new(
+        GpuResource::new(
             *ptr,
             ptr as *const cudarc::driver::sys::CUdeviceptr as *mut std::ffi::c_void,
             size,
-        );
-        resource.stream = self.stream;
-        resource
+        )
     }
 
     #[cfg_attr(
