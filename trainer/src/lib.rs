@@ -3,6 +3,8 @@
 //! multi-turn PPO) run against env-server over HTTP.
 
 pub mod blas;
+#[cfg(feature = "cuda")]
+pub mod kernels;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;

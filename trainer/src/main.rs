@@ -208,6 +208,7 @@ fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
     configure_matmul();
+    configure_attention();
     let device = burn::backend::cuda::CudaDevice::new(0);
     match p {
         Precision::F32 => run::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(cmd, device),
@@ -219,7 +220,7 @@ fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
 fn bench_cuda(b: &BenchArgs, p: Precision) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
-    let note = format!(", matmul {}", configure_matmul());
+    let note = format!(", matmul {}, attention {}", configure_matmul(), configure_attention());
     let device = burn::backend::cuda::CudaDevice::new(0);
     let result = match p {
         Precision::F32 => bench::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(b, device, &note),
@@ -228,8 +229,9 @@ fn bench_cuda(b: &BenchArgs, p: Precision) -> Result<()> {
     let counts = trainer::blas::cublas::counts();
     if counts.run + counts.declined() > 0 {
         tracing::info!(
-            "cuBLAS ran {} products and left {} to cubecl's kernels ({} by element type, {} by layout); {} calls failed",
+            "cuBLAS ran {} products ({} operands copied first) and left {} to cubecl's kernels ({} by element type, {} by layout); {} calls failed",
             counts.run,
+            counts.copied,
             counts.declined(),
             counts.declined_dtype,
             counts.declined_layout,
@@ -276,6 +278,18 @@ fn configure_matmul() -> &'static str {
                 }
             }
         }
+    }
+}
+
+/// Runs attention through the trainer's CUDA kernels (`kernels::attention`) unless
+/// `CUDA_AGENT_ATTENTION=decomposed`; returns the choice's name.
+#[cfg(feature = "cuda")]
+fn configure_attention() -> &'static str {
+    if trainer::kernels::attention::install() {
+        tracing::info!("attention runs on the trainer's CUDA kernels");
+        "kernels"
+    } else {
+        "decomposed"
     }
 }
 

@@ -117,6 +117,17 @@ fn a_fully_masked_row_gets_zero_output_and_zero_gradients() {
 fn attention_and_its_gradients_match_the_decomposed_reference_on_cuda() {
     type Cuda<F> = burn::backend::Cuda<F>;
     let device = burn::backend::cuda::CudaDevice::new(0);
+    // burn primitives on the inner backend first, then the trainer's kernels (registered
+    // for the rest of the process: one test, so the order is fixed).
     check_all::<Autodiff<Cuda<f32>>>(&device, 3e-3);
     check_all::<Autodiff<Cuda<half::bf16>>>(&device, 3e-2);
+    assert!(trainer::kernels::attention::install(), "CUDA_AGENT_ATTENTION=decomposed is set");
+    check_all::<Autodiff<Cuda<f32>>>(&device, 3e-3);
+    check_all::<Autodiff<Cuda<half::bf16>>>(&device, 3e-2);
+    // Rows longer than a thread block, a model's head width, and the padding mask.
+    let (b, h, t, d) = (2, 4, 300, 64);
+    let mask = padded_causal_mask::<Autodiff<Cuda<f32>>>(b, h, t, &device);
+    assert_close("kernels, 300 keys", compare::<Autodiff<Cuda<f32>>>([b, h, t, d], t, Some(mask), Default::default(), &device), 3e-3);
+    let mask = padded_causal_mask::<Autodiff<Cuda<half::bf16>>>(b, h, t, &device);
+    assert_close("kernels, 300 keys, bf16", compare::<Autodiff<Cuda<half::bf16>>>([b, h, t, d], t, Some(mask), Default::default(), &device), 3e-2);
 }

@@ -59,6 +59,7 @@ static RUN: AtomicU64 = AtomicU64::new(0);
 static DECLINED_DTYPE: AtomicU64 = AtomicU64::new(0);
 static DECLINED_LAYOUT: AtomicU64 = AtomicU64::new(0);
 static DECLINED_FAILED: AtomicU64 = AtomicU64::new(0);
+static COPIED: AtomicU64 = AtomicU64::new(0);
 
 /// What happened to the products offered to cuBLAS since start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +70,9 @@ pub struct Counts {
     pub declined_dtype: u64,
     /// Left to cubecl: operands or output no single strided-batched call can walk.
     pub declined_layout: u64,
+    /// Operands copied into a contiguous layout first (a view no strided-batched call can
+    /// walk, such as heads interleaved with positions); each copy is a kernel of its own.
+    pub copied: u64,
     /// Calls cuBLAS refused on the device thread (warned once per message). Those products
     /// were not computed: the stream records the error and the next read reports it.
     pub failed: u64,
@@ -88,6 +92,7 @@ pub fn counts() -> Counts {
         declined_dtype: DECLINED_DTYPE.load(Ordering::Relaxed),
         declined_layout: DECLINED_LAYOUT.load(Ordering::Relaxed),
         failed: DECLINED_FAILED.load(Ordering::Relaxed),
+        copied: COPIED.load(Ordering::Relaxed),
     }
 }
 
@@ -217,6 +222,21 @@ pub fn product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
     matches!(outcome, Outcome::Ran)
 }
 
+/// Logs (at debug level, once per layout) the operands of a product that is copied first,
+/// so that the views that cost a copy can be found.
+fn log_copy(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out: &CubeTensor<CudaRuntime>) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    let describe = |t: &CubeTensor<CudaRuntime>| format!("{:?} strides {:?}", &t.meta.shape()[..], &t.meta.strides()[..]);
+    let key = format!("lhs {}, rhs {}, out {}", describe(lhs), describe(rhs), describe(out));
+    static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let mut seen = SEEN.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    if seen.insert(key.clone()) {
+        tracing::debug!("product operands copied before cuBLAS: {key}");
+    }
+}
+
 fn run_product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out: &CubeTensor<CudaRuntime>) -> Outcome {
     let Some(ty) = data_type(out.dtype) else { return Outcome::Dtype };
     if lhs.dtype != out.dtype || rhs.dtype != out.dtype {
@@ -229,11 +249,14 @@ fn run_product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
         // Contiguous operands that still do not fit: copying changes nothing.
         None if lhs.is_contiguous() && rhs.is_contiguous() => return Outcome::Layout,
         None => {
+            log_copy(&lhs, &rhs, out);
             if !lhs.is_contiguous() {
                 lhs = into_contiguous(lhs);
+                COPIED.fetch_add(1, Ordering::Relaxed);
             }
             if !rhs.is_contiguous() {
                 rhs = into_contiguous(rhs);
+                COPIED.fetch_add(1, Ordering::Relaxed);
             }
             match plan(layout(&lhs), layout(&rhs), layout(out)) {
                 Some(gemm) => gemm,

@@ -18,6 +18,91 @@ use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, TensorMetadata, get_device_settings};
 use burn_std::Shape;
 
+/// Attention computed by kernels the application provides for backend `B` (hand-written
+/// CUDA kernels, say), tried before the decomposition below. Each returns `None` to leave
+/// the work to the decomposition. Both get the scale and causality already resolved.
+pub struct ExternalAttention<B: Backend> {
+    /// `softmax(Q Kᵗ · scale, masked) V` from `[batch, heads, seq, dim]` query, key, value.
+    #[allow(clippy::type_complexity)]
+    pub forward: fn(
+        &FloatTensor<B>,
+        &FloatTensor<B>,
+        &FloatTensor<B>,
+        Option<&BoolTensor<B>>,
+        f64,
+        bool,
+    ) -> Option<FloatTensor<B>>,
+    /// Gradients of query, key and value from query, key, value, the forward output, the
+    /// mask, scale, causality and the output's gradient.
+    #[allow(clippy::type_complexity)]
+    pub backward: fn(
+        &FloatTensor<B>,
+        &FloatTensor<B>,
+        &FloatTensor<B>,
+        &FloatTensor<B>,
+        Option<&BoolTensor<B>>,
+        f64,
+        bool,
+        &FloatTensor<B>,
+    ) -> Option<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)>,
+}
+
+impl<B: Backend> Clone for ExternalAttention<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for ExternalAttention<B> {}
+
+#[cfg(feature = "std")]
+type Registry = std::sync::RwLock<
+    alloc::vec::Vec<(
+        core::any::TypeId,
+        alloc::boxed::Box<dyn core::any::Any + Send + Sync>,
+    )>,
+>;
+
+#[cfg(feature = "std")]
+static REGISTRY: Registry = std::sync::RwLock::new(alloc::vec::Vec::new());
+
+/// Uses `kernels` for every differentiable attention on backend `B` from now on.
+#[cfg(feature = "std")]
+pub fn register_external_attention<B: Backend>(kernels: ExternalAttention<B>) {
+    let id = core::any::TypeId::of::<B>();
+    let mut registry = REGISTRY.write().unwrap_or_else(|p| p.into_inner());
+    registry.retain(|(known, _)| *known != id);
+    registry.push((id, alloc::boxed::Box::new(kernels)));
+}
+
+/// The kernels registered for backend `B`, if any.
+pub(crate) fn external_attention<B: Backend>() -> Option<ExternalAttention<B>> {
+    #[cfg(feature = "std")]
+    {
+        let id = core::any::TypeId::of::<B>();
+        let registry = REGISTRY.read().unwrap_or_else(|p| p.into_inner());
+        registry
+            .iter()
+            .find(|(known, _)| *known == id)
+            .and_then(|(_, k)| k.downcast_ref::<ExternalAttention<B>>().copied())
+    }
+    #[cfg(not(feature = "std"))]
+    None
+}
+
+/// The forward output through registered kernels, if there are any and they take it.
+pub(crate) fn external_forward<B: Backend>(
+    query: &FloatTensor<B>,
+    key: &FloatTensor<B>,
+    value: &FloatTensor<B>,
+    mask: Option<&BoolTensor<B>>,
+    options: &AttentionModuleOptions,
+) -> Option<FloatTensor<B>> {
+    let kernels = external_attention::<B>()?;
+    let scale = attention_scale(query, options);
+    (kernels.forward)(query, key, value, mask, scale, options.is_causal)
+}
+
 /// Softmax probabilities of the scores, NaN-safe on fully masked rows exactly as
 /// `attention_fallback` computes them (a fully masked row gets zeros).
 fn probabilities<B: Backend>(
@@ -92,6 +177,20 @@ pub(crate) fn attention_backward<B: Backend>(
     grad: FloatTensor<B>,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let scale = attention_scale(&query, &options);
+    if let Some(kernels) = external_attention::<B>() {
+        if let Some(grads) = (kernels.backward)(
+            &query,
+            &key,
+            &value,
+            &out,
+            mask.as_ref(),
+            scale,
+            options.is_causal,
+            &grad,
+        ) {
+            return grads;
+        }
+    }
     let probs = probabilities::<B>(query.clone(), key.clone(), mask, scale, options.is_causal);
     let grad_value = B::float_matmul(B::float_transpose(probs.clone()), grad.clone());
     let grad_probs = B::float_matmul(grad.clone(), B::float_transpose(value));

@@ -1,6 +1,9 @@
 mod activation;
 // cuda-agent: the attention backward (see vendor/README.md).
 mod attention;
+#[cfg(feature = "std")]
+pub use attention::register_external_attention;
+pub use attention::ExternalAttention;
 mod backward;
 mod base;
 mod bool_tensor;

@@ -1935,14 +1935,23 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
                 // Decomposed on the inner backend, untracked: a fusing backend fuses the
                 // masking and softmax into its reductions, which a backend's own fallback
                 // (run beneath fusion) cannot.
-                let out = attention_fallback::<B>(
-                    query.primitive.clone(),
-                    key.primitive.clone(),
-                    value.primitive.clone(),
-                    mask.clone(),
-                    None,
-                    options,
-                );
+                let out = super::attention::external_forward::<B>(
+                    &query.primitive,
+                    &key.primitive,
+                    &value.primitive,
+                    mask.as_ref(),
+                    &options,
+                )
+                .unwrap_or_else(|| {
+                    attention_fallback::<B>(
+                        query.primitive.clone(),
+                        key.primitive.clone(),
+                        value.primitive.clone(),
+                        mask.clone(),
+                        None,
+                        options,
+                    )
+                });
                 prep.finish(
                     (
                         query.primitive,
@@ -1955,14 +1964,25 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
                     out,
                 )
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::attention(
-                query.primitive,
-                key.primitive,
-                value.primitive,
-                mask,
-                None,
-                options,
-            )),
+            OpsKind::UnTracked(prep) => {
+                let out = super::attention::external_forward::<B>(
+                    &query.primitive,
+                    &key.primitive,
+                    &value.primitive,
+                    mask.as_ref(),
+                    &options,
+                );
+                prep.finish(out.unwrap_or_else(|| {
+                    B::attention(
+                        query.primitive,
+                        key.primitive,
+                        value.primitive,
+                        mask,
+                        None,
+                        options,
+                    )
+                }))
+            }
         }
     }
 

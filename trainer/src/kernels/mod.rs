@@ -1,0 +1,11 @@
+//! Hand-written CUDA kernels for steps burn's CUDA backend runs as many small unfused
+//! operations (feature `cuda`).
+//!
+//! The kernels are CUDA C compiled at run time with NVRTC (which burn's CUDA backend needs
+//! anyway), loaded once per device, and queued as external operations of the vendored
+//! cubecl-cuda: in order with cubecl's own kernels, on its stream, without the calling thread
+//! waiting. [`attention`] registers them with the vendored burn-autodiff, which then runs
+//! every differentiable attention through them.
+
+pub mod attention;
+mod module;

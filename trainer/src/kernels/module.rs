@@ -1,0 +1,135 @@
+//! Compiling, loading and launching the kernels of one CUDA C source.
+
+use std::ffi::{c_void, CString};
+use std::sync::Mutex;
+
+use cudarc::driver::{result as driver, sys as cuda};
+use cudarc::nvrtc::result as nvrtc;
+
+/// A CUDA C source and the kernels it defines.
+pub(crate) struct Source {
+    /// Name for compiler messages.
+    pub name: &'static str,
+    /// The code.
+    pub code: &'static str,
+    /// Kernel names, in the order [`launch`] numbers them.
+    pub kernels: &'static [&'static str],
+}
+
+/// Loaded functions per (source, device). Modules stay loaded for the life of the process.
+struct Loaded(Vec<cuda::CUfunction>);
+
+// SAFETY: CUfunction handles are plain driver handles, valid from any thread of the process.
+unsafe impl Send for Loaded {}
+
+static LOADED: Mutex<Vec<((&'static str, i32), Result<Loaded, String>)>> = Mutex::new(Vec::new());
+
+/// The device's compute capability as NVRTC spells it (`90` for an H200).
+fn architecture(device: i32) -> Result<String, String> {
+    use cuda::CUdevice_attribute::{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR};
+    // SAFETY: attribute queries on a device the context belongs to.
+    unsafe {
+        let dev = driver::device::get(device).map_err(|e| format!("cuDeviceGet: {e}"))?;
+        let major = driver::device::get_attribute(dev, MAJOR).map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
+        let minor = driver::device::get_attribute(dev, MINOR).map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
+        Ok(format!("{major}{minor}"))
+    }
+}
+
+fn compile(source: &Source, device: i32) -> Result<Vec<u8>, String> {
+    let code = CString::new(source.code).map_err(|e| e.to_string())?;
+    let name = CString::new(source.name).map_err(|e| e.to_string())?;
+    let program = nvrtc::create_program(&code, Some(&name)).map_err(|e| format!("NVRTC: {e:?}"))?;
+    // PTX for the device's own architecture (each NVRTC release drops old ones: CUDA 13's
+    // starts at 7.5), which the driver then compiles.
+    let arch = format!("--gpu-architecture=compute_{}", architecture(device)?);
+    let options = [arch.as_str(), "-default-device"];
+    // SAFETY: the program was just created and is destroyed below.
+    unsafe {
+        let compiled = nvrtc::compile_program(program, &options);
+        let result = match compiled {
+            Ok(()) => nvrtc::get_ptx(program).map(|ptx| ptx.iter().map(|c| *c as u8).collect::<Vec<u8>>()).map_err(|e| format!("NVRTC: {e:?}")),
+            Err(e) => {
+                let log = nvrtc::get_program_log(program).map(|l| l.iter().map(|c| *c as u8 as char).collect::<String>()).unwrap_or_default();
+                Err(format!("NVRTC could not compile {}: {e:?}\n{log}", source.name))
+            }
+        };
+        let _ = nvrtc::destroy_program(program);
+        result
+    }
+}
+
+/// PTX per (source, architecture), compiled once.
+static PTX: Mutex<Vec<((&'static str, String), Vec<u8>)>> = Mutex::new(Vec::new());
+
+fn ptx(source: &Source, device: i32) -> Result<Vec<u8>, String> {
+    let key = (source.name, architecture(device)?);
+    let mut cache = PTX.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, ptx)) = cache.iter().find(|(k, _)| *k == key) {
+        return Ok(ptx.clone());
+    }
+    let ptx = compile(source, device)?;
+    cache.push((key, ptx.clone()));
+    Ok(ptx)
+}
+
+/// Compiles `source` for the first CUDA device, so that a source that does not compile is
+/// found before any work depends on it (NVRTC needs no context).
+pub(crate) fn check(source: &Source) -> Result<(), String> {
+    // cuInit is idempotent.
+    driver::init().map_err(|e| format!("cuInit: {e}"))?;
+    ptx(source, 0).map(|_| ())
+}
+
+fn load(source: &Source, device: i32) -> Result<Loaded, String> {
+    let mut ptx = ptx(source, device)?;
+    if ptx.last() != Some(&0) {
+        ptx.push(0);
+    }
+    // SAFETY: called on cubecl's device thread, whose current context is the device's
+    // primary context; the image is NUL-terminated PTX.
+    unsafe {
+        let module = driver::module::load_data(ptx.as_ptr() as *const c_void).map_err(|e| format!("cuModuleLoadData: {e}"))?;
+        source
+            .kernels
+            .iter()
+            .map(|k| driver::module::get_function(module, CString::new(*k).expect("kernel names have no NUL")).map_err(|e| format!("cuModuleGetFunction {k}: {e}")))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Loaded)
+    }
+}
+
+/// The current device's ordinal (the device thread's context is current).
+fn current_device() -> Result<i32, String> {
+    let mut device = 0;
+    // SAFETY: writes one int.
+    unsafe { cuda::cuCtxGetDevice(&mut device) }.result().map_err(|e| format!("cuCtxGetDevice: {e}"))?;
+    Ok(device)
+}
+
+/// Launches kernel number `kernel` of `source` with `rows` blocks of `threads` threads on
+/// `stream`; `args` are the kernel's parameters, each 8 bytes (pointers, `long long`, or a
+/// `double`'s bits). Compiles and loads the source on the device's first call.
+pub(crate) fn launch(source: &'static Source, kernel: usize, rows: u32, threads: u32, stream: cuda::CUstream, args: &[u64]) -> Result<(), String> {
+    let device = current_device()?;
+    let function = {
+        let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (source.name, device);
+        if !loaded.iter().any(|(k, _)| *k == key) {
+            let module = load(source, device);
+            if let Err(e) = &module {
+                tracing::error!("{e}");
+            }
+            loaded.push((key, module));
+        }
+        let (_, module) = loaded.iter().find(|(k, _)| *k == key).expect("inserted above");
+        let module = module.as_ref().map_err(|e| e.clone())?;
+        *module.0.get(kernel).ok_or_else(|| format!("{} has no kernel number {kernel}", source.name))?
+    };
+    let mut values: Vec<u64> = args.to_vec();
+    let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+    // SAFETY: the parameters match the kernel's signature (every one 8 bytes, in order, as
+    // the kernel's caller builds them) and point at `values`, alive until the call returns.
+    unsafe { driver::launch_kernel(function, (rows, 1, 1), (threads, 1, 1), 0, stream, &mut params) }
+        .map_err(|e| format!("cuLaunchKernel {}: {e}", source.kernels[kernel]))
+}
