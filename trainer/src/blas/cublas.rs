@@ -22,7 +22,7 @@ use cudarc::driver::{result as driver, sys as cuda};
 
 use cubecl_cuda::external;
 
-use super::plan::{plan, GemmPlan, Layout, PLAN_WORDS};
+use super::plan::{copies_needed, plan, GemmPlan, Layout, PLAN_WORDS};
 
 /// Why cuBLAS could not be set up; products then stay on cubecl's kernels.
 #[derive(Debug, thiserror::Error)]
@@ -242,19 +242,21 @@ fn run_product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
     if lhs.dtype != out.dtype || rhs.dtype != out.dtype {
         return Outcome::Dtype;
     }
-    // A view BLAS cannot walk (heads interleaved with positions, say) is copied once.
+    // A view BLAS cannot walk (heads interleaved with positions, say) is copied once; only
+    // that operand, never a walkable one beside it (a transposed `[.., 2048, 2048]`).
     let (mut lhs, mut rhs) = (lhs.clone(), rhs.clone());
     let gemm = match plan(layout(&lhs), layout(&rhs), layout(out)) {
         Some(gemm) => gemm,
-        // Contiguous operands that still do not fit: copying changes nothing.
-        None if lhs.is_contiguous() && rhs.is_contiguous() => return Outcome::Layout,
         None => {
+            let Some((copy_lhs, copy_rhs)) = copies_needed(layout(&lhs), layout(&rhs), layout(out)) else {
+                return Outcome::Layout;
+            };
             log_copy(&lhs, &rhs, out);
-            if !lhs.is_contiguous() {
+            if copy_lhs {
                 lhs = into_contiguous(lhs);
                 COPIED.fetch_add(1, Ordering::Relaxed);
             }
-            if !rhs.is_contiguous() {
+            if copy_rhs {
                 rhs = into_contiguous(rhs);
                 COPIED.fetch_add(1, Ordering::Relaxed);
             }

@@ -51,6 +51,33 @@ pub struct GemmPlan {
     pub stride_c: usize,
 }
 
+/// Row-major contiguous strides for `shape`, as a copy of the operand would have them.
+fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+    }
+    strides
+}
+
+/// Which operands to copy into a contiguous layout, `(lhs, rhs)`, so that [`plan`] finds a
+/// call, copying as few elements as possible: a transposed `[.., 2048, 2048]` beside an
+/// unwalkable `[.., 2048, 64]` view must not be copied along with it. `None` when no copy
+/// helps (or none is needed: check [`plan`] first).
+pub fn copies_needed(lhs: Layout<'_>, rhs: Layout<'_>, out: Layout<'_>) -> Option<(bool, bool)> {
+    let size = |l: &Layout<'_>| l.shape.iter().product::<usize>();
+    let (lhs_copy, rhs_copy) = (contiguous_strides(lhs.shape), contiguous_strides(rhs.shape));
+    let mut choices = [(false, true), (true, false), (true, true)];
+    choices.sort_by_key(|&(l, r)| usize::from(l) * size(&lhs) + usize::from(r) * size(&rhs));
+    choices.into_iter().find(|&(copy_lhs, copy_rhs)| {
+        let l = if copy_lhs { Layout { shape: lhs.shape, strides: &lhs_copy } } else { lhs };
+        let r = if copy_rhs { Layout { shape: rhs.shape, strides: &rhs_copy } } else { rhs };
+        // A copy of an operand that is already contiguous changes nothing.
+        let useful = (!copy_lhs || lhs.strides != &lhs_copy[..]) && (!copy_rhs || rhs.strides != &rhs_copy[..]);
+        useful && plan(l, r, out).is_some()
+    })
+}
+
 /// Words in [`GemmPlan::to_words`].
 pub const PLAN_WORDS: usize = 12;
 
@@ -353,6 +380,25 @@ mod tests {
         assert_eq!(p.b.ld, 10);
         // Single-row and single-column operands with arbitrary strides on their unit dims.
         check(&[1, 4], &[99, 1], &[4, 1], &[1, 77]);
+    }
+
+    #[test]
+    fn only_the_unwalkable_operand_is_copied() {
+        let l = |shape: &'static [usize], strides: &'static [usize]| Layout { shape, strides };
+        // dV = Pᵀ dO: P transposed (walkable), dO with heads interleaved with positions.
+        let p_t = l(&[2, 3, 8, 8], &[192, 64, 1, 8]);
+        let d_o = l(&[2, 3, 8, 4], &[96, 4, 12, 1]);
+        let out = l(&[2, 3, 8, 4], &[96, 32, 4, 1]);
+        assert!(plan(p_t, d_o, out).is_none());
+        assert_eq!(copies_needed(p_t, d_o, out), Some((false, true)));
+        // The mirror case, and both unwalkable.
+        let q = l(&[2, 3, 8, 4], &[96, 4, 12, 1]);
+        let k_t = l(&[2, 3, 4, 8], &[96, 32, 1, 4]);
+        assert_eq!(copies_needed(q, k_t, l(&[2, 3, 8, 8], &[192, 64, 8, 1])), Some((true, false)));
+        assert_eq!(copies_needed(q, l(&[2, 3, 4, 4], &[48, 4, 12, 1]), l(&[2, 3, 8, 4], &[96, 32, 4, 1])), Some((true, true)));
+        // Contiguous operands that do not fit: no copy helps.
+        let a = l(&[3, 4], &[4, 1]);
+        assert_eq!(copies_needed(a, l(&[5, 5], &[5, 1]), l(&[3, 5], &[5, 1])), None);
     }
 
     #[test]
