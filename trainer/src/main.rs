@@ -17,7 +17,11 @@ use trainer::stage::rft::{run_rft, run_value_pretrain};
 use trainer::stage::{seed_of, Learner, StageOptions};
 
 #[derive(Parser)]
-#[command(name = "trainer", version, about = "Train LLM agents that write CUDA kernels, against env-server")]
+#[command(
+    name = "trainer",
+    version,
+    about = "Train LLM agents that write CUDA kernels, against env-server"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -173,19 +177,26 @@ struct BenchArgs {
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     if let Command::Plot(a) = &cli.command {
-        let out = a.out.clone().unwrap_or_else(|| a.metrics.with_extension("png"));
+        let out = a
+            .out
+            .clone()
+            .unwrap_or_else(|| a.metrics.with_extension("png"));
         trainer::plot::plot_metrics(&a.metrics, &out)?;
         println!("{}", out.display());
         return Ok(());
     }
     if let Command::BenchModel(b) = &cli.command {
         return match (b.device, b.precision) {
-            (DeviceKind::Cpu, Precision::F32) => bench::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(b, Default::default(), ""),
+            (DeviceKind::Cpu, Precision::F32) => bench::<
+                burn::backend::Autodiff<burn::backend::NdArray<f32>>,
+            >(b, Default::default(), ""),
             (DeviceKind::Cpu, Precision::Bf16) => bail!("--precision bf16 needs --device cuda"),
             (DeviceKind::Cuda, p) => bench_cuda(b, p),
         };
@@ -197,7 +208,9 @@ fn main() -> Result<()> {
         Command::Plot(_) | Command::BenchModel(_) => unreachable!("handled above"),
     };
     match (common.device, common.precision) {
-        (DeviceKind::Cpu, Precision::F32) => run::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(&cli.command, Default::default()),
+        (DeviceKind::Cpu, Precision::F32) => run::<
+            burn::backend::Autodiff<burn::backend::NdArray<f32>>,
+        >(&cli.command, Default::default()),
         (DeviceKind::Cpu, Precision::Bf16) => bail!("--precision bf16 needs --device cuda"),
         (DeviceKind::Cuda, p) => run_cuda(&cli.command, p),
     }
@@ -208,11 +221,13 @@ fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
     configure_matmul();
-    configure_attention();
+    configure_kernels();
     let device = burn::backend::cuda::CudaDevice::new(0);
     match p {
         Precision::F32 => run::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(cmd, device),
-        Precision::Bf16 => run::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(cmd, device),
+        Precision::Bf16 => {
+            run::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(cmd, device)
+        }
     }
 }
 
@@ -220,11 +235,15 @@ fn run_cuda(cmd: &Command, p: Precision) -> Result<()> {
 fn bench_cuda(b: &BenchArgs, p: Precision) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
-    let note = format!(", matmul {}, attention {}", configure_matmul(), configure_attention());
+    let note = format!(", matmul {}, {}", configure_matmul(), configure_kernels());
     let device = burn::backend::cuda::CudaDevice::new(0);
     let result = match p {
-        Precision::F32 => bench::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(b, device, &note),
-        Precision::Bf16 => bench::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(b, device, &note),
+        Precision::F32 => {
+            bench::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(b, device, &note)
+        }
+        Precision::Bf16 => {
+            bench::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(b, device, &note)
+        }
     };
     let counts = trainer::blas::cublas::counts();
     if counts.run + counts.declined() > 0 {
@@ -264,7 +283,9 @@ fn configure_matmul() -> &'static str {
         other => {
             if let Ok(unknown) = other {
                 if unknown != "cublas" {
-                    tracing::warn!("CUDA_AGENT_MATMUL={unknown} is not one of cublas, mma, auto; using cublas");
+                    tracing::warn!(
+                        "CUDA_AGENT_MATMUL={unknown} is not one of cublas, mma, auto; using cublas"
+                    );
                 }
             }
             match trainer::blas::cublas::install() {
@@ -281,16 +302,34 @@ fn configure_matmul() -> &'static str {
     }
 }
 
-/// Runs attention through the trainer's CUDA kernels (`kernels::attention`) unless
-/// `CUDA_AGENT_ATTENTION=decomposed`; returns the choice's name.
+/// Runs attention, the next-token statistics, RMSNorm, rotary embeddings and the SwiGLU gate
+/// through the trainer's CUDA kernels (`kernels::{attention, vocab, norm, rope, swiglu}`)
+/// unless `CUDA_AGENT_{ATTENTION,VOCAB,NORM,ROPE,SWIGLU}` is `decomposed`; returns the
+/// choices for the bench's note.
 #[cfg(feature = "cuda")]
-fn configure_attention() -> &'static str {
-    if trainer::kernels::attention::install() {
-        tracing::info!("attention runs on the trainer's CUDA kernels");
-        "kernels"
-    } else {
-        "decomposed"
-    }
+fn configure_kernels() -> String {
+    let name = |on: bool| if on { "kernels" } else { "decomposed" };
+    let attention = trainer::kernels::attention::install();
+    let vocab = trainer::kernels::vocab::install();
+    let norm = trainer::kernels::norm::install();
+    let rope = trainer::kernels::rope::install();
+    let swiglu = trainer::kernels::swiglu::install();
+    tracing::info!(
+        "trainer CUDA kernels: attention {}, next-token statistics {}, RMSNorm {}, rotary embeddings {}, SwiGLU {}",
+        name(attention),
+        name(vocab),
+        name(norm),
+        name(rope),
+        name(swiglu)
+    );
+    format!(
+        "attention {}, vocabulary {}, RMSNorm {}, rotary {}, SwiGLU {}",
+        name(attention),
+        name(vocab),
+        name(norm),
+        name(rope),
+        name(swiglu)
+    )
 }
 
 /// Keeps what burn's CUDA backend compiles. Every kernel is JIT-compiled on first use (NVRTC,
@@ -304,8 +343,15 @@ fn configure_attention() -> &'static str {
 fn configure_kernel_caches() {
     use cubecl_runtime::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
     let cwd = std::env::current_dir().unwrap_or_default();
-    if cwd.ancestors().any(|d| ["cubecl.toml", "CubeCL.toml", "burn.toml", "Burn.toml"].iter().any(|f| d.join(f).exists())) {
-        tracing::info!("kernel caches: as the cubecl.toml / burn.toml found above {} says", cwd.display());
+    if cwd.ancestors().any(|d| {
+        ["cubecl.toml", "CubeCL.toml", "burn.toml", "Burn.toml"]
+            .iter()
+            .any(|f| d.join(f).exists())
+    }) {
+        tracing::info!(
+            "kernel caches: as the cubecl.toml / burn.toml found above {} says",
+            cwd.display()
+        );
         return;
     }
     let dir = match std::env::var_os("CUDA_AGENT_KERNEL_CACHE") {
@@ -339,12 +385,31 @@ fn configure_kernel_caches() {
 /// for it first so the error is a sentence.
 #[cfg(feature = "cuda")]
 fn probe_libcuda() -> Result<()> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default();
-    dirs.extend(["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/cuda/lib64", "/usr/local/cuda/compat", "/usr/lib/wsl/lib"].map(PathBuf::from));
-    if dirs.iter().any(|d| d.join("libcuda.so.1").exists() || d.join("libcuda.so").exists()) {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    dirs.extend(
+        [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+            "/usr/local/cuda/lib64",
+            "/usr/local/cuda/compat",
+            "/usr/lib/wsl/lib",
+        ]
+        .map(PathBuf::from),
+    );
+    if dirs
+        .iter()
+        .any(|d| d.join("libcuda.so.1").exists() || d.join("libcuda.so").exists())
+    {
         return Ok(());
     }
-    let listed = std::process::Command::new("ldconfig").arg("-p").output().map(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so")).unwrap_or(false);
+    let listed = std::process::Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so"))
+        .unwrap_or(false);
     if listed {
         return Ok(());
     }
@@ -372,7 +437,11 @@ fn load_config(c: &Common) -> Result<TrainConfig> {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("tokio runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("tokio runtime")
 }
 
 fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
@@ -380,29 +449,54 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
     match cmd {
         Command::Warmup(a) | Command::Ppo(a) => {
             let warm = matches!(cmd, Command::Warmup(_));
-            let (stage, mode, context) = if warm { ("warmup", PpoMode::SingleTurn, 0) } else { ("ppo", PpoMode::MultiTurn, 0) };
+            let (stage, mode, context) = if warm {
+                ("warmup", PpoMode::SingleTurn, 0)
+            } else {
+                ("ppo", PpoMode::MultiTurn, 0)
+            };
             let cfg = load_config(&a.common)?;
-            let context = if warm { cfg.rollout.single_turn_context } else { cfg.rollout.context.max(context) };
+            let context = if warm {
+                cfg.rollout.single_turn_context
+            } else {
+                cfg.rollout.context.max(context)
+            };
             let steps = a.steps.unwrap_or(cfg.ppo.steps);
             let pool = EnvPool::new(&cfg.server)?;
-            let opts = StageOptions { init: a.common.init.clone(), resume: a.resume };
+            let opts = StageOptions {
+                init: a.common.init.clone(),
+                resume: a.resume,
+            };
             let kl = cfg.ppo.kl_coef > 0.0;
             let mut learner = Learner::<B>::new(cfg, stage, &opts, context, device)?;
             // The reference policy is the one the stage started from (before any resume).
-            let reference = kl.then(|| learner.policy().clone()).map(|p| burn::module::AutodiffModule::valid(&p));
+            let reference = kl
+                .then(|| learner.policy().clone())
+                .map(|p| burn::module::AutodiffModule::valid(&p));
             ppo::run(&mut learner, &rt, &pool, mode, steps, reference)?;
             println!("{}", learner.stage_dir.join("final").display());
         }
         Command::Rft(d) | Command::ValuePretrain(d) => {
             let value = matches!(cmd, Command::ValuePretrain(_));
             let cfg = load_config(&d.stage.common)?;
-            let opts = StageOptions { init: d.stage.common.init.clone(), resume: d.stage.resume };
+            let opts = StageOptions {
+                init: d.stage.common.init.clone(),
+                resume: d.stage.resume,
+            };
             let context = cfg.rollout.context;
-            let mut learner = Learner::<B>::new(cfg.clone(), if value { "value" } else { "rft" }, &opts, context, device)?;
+            let mut learner = Learner::<B>::new(
+                cfg.clone(),
+                if value { "value" } else { "rft" },
+                &opts,
+                context,
+                device,
+            )?;
             let samples = gather(&learner, &rt, &cfg, &d.trajectories)?;
             let (kept, summary) = rft_filter(samples, cfg.rft.min_reward, context);
             tracing::info!(kept = summary.kept, rejected = ?summary.rejected, "RFT filter");
-            std::fs::write(learner.stage_dir.join("filter.json"), serde_json::to_string_pretty(&summary)?)?;
+            std::fs::write(
+                learner.stage_dir.join("filter.json"),
+                serde_json::to_string_pretty(&summary)?,
+            )?;
             if value {
                 run_value_pretrain(&mut learner, &kept)?;
             } else {
@@ -417,7 +511,16 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             }
             let pool = EnvPool::new(&cfg.server)?;
             let context = cfg.rollout.context;
-            let learner = Learner::<B>::new(cfg.clone(), "evaluate", &StageOptions { init: e.common.init.clone(), resume: false }, context, device)?;
+            let learner = Learner::<B>::new(
+                cfg.clone(),
+                "evaluate",
+                &StageOptions {
+                    init: e.common.init.clone(),
+                    resume: false,
+                },
+                context,
+                device,
+            )?;
             let (samples, stats) = rollout(&learner, &rt, &pool, e.episodes, u64::MAX - 1);
             let mut summary = batch_summary(&samples);
             summary["rollout"] = serde_json::to_value(&stats)?;
@@ -446,11 +549,21 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
 }
 
 /// Episodes from trajectory logs, or rolled out with the learner's policy when none are given.
-fn gather<B: AutodiffBackend>(learner: &Learner<B>, rt: &tokio::runtime::Runtime, cfg: &TrainConfig, dirs: &[PathBuf]) -> Result<Vec<Sample>> {
+fn gather<B: AutodiffBackend>(
+    learner: &Learner<B>,
+    rt: &tokio::runtime::Runtime,
+    cfg: &TrainConfig,
+    dirs: &[PathBuf],
+) -> Result<Vec<Sample>> {
     if dirs.is_empty() {
         let pool = EnvPool::new(&cfg.server)?;
         let (samples, stats) = rollout(learner, rt, &pool, cfg.rft.rollouts, u64::MAX - 2);
-        tracing::info!(episodes = stats.episodes, failed = stats.failed, "rolled out trajectories for {}", learner.stage);
+        tracing::info!(
+            episodes = stats.episodes,
+            failed = stats.failed,
+            "rolled out trajectories for {}",
+            learner.stage
+        );
         return Ok(samples);
     }
     let mut all = Vec::new();
@@ -474,7 +587,16 @@ fn rollout<B: AutodiffBackend>(
     let resets = learner.resets_for(step as usize, n);
     let settings = RolloutSettings::multi_turn(&learner.cfg.rollout, learner.renderer.stop_ids());
     let seed = seed_of(learner.cfg.run.seed, step, 0);
-    run_episodes(rt, pool, &learner.renderer, &mut generator, &resets, &settings, &format!("eval-{seed:x}"), seed)
+    run_episodes(
+        rt,
+        pool,
+        &learner.renderer,
+        &mut generator,
+        &resets,
+        &settings,
+        &format!("eval-{seed:x}"),
+        seed,
+    )
 }
 
 /// Qwen2.5-0.5B's architecture (the shape the benchmark defaults to).
@@ -501,16 +623,29 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     let arch = Architecture::<B>::new(cfg.clone(), positions, &device);
     sync(&device)?;
     // Printed apart from the passes: on a fresh GPU machine kernel compilation lands here first.
-    eprintln!("model initialised in {:.3} s", t_init.elapsed().as_secs_f64());
-    let tokens_of = |b: usize, t: usize| -> Vec<i32> { (0..b * t).map(|i| ((i * 7919 + 13) % cfg.vocab_size) as i32).collect() };
+    eprintln!(
+        "model initialised in {:.3} s",
+        t_init.elapsed().as_secs_f64()
+    );
+    let tokens_of = |b: usize, t: usize| -> Vec<i32> {
+        (0..b * t)
+            .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as i32)
+            .collect()
+    };
     // Training: forward (log-probabilities of every next token) and backward.
     let (b, t) = (a.train_batch, a.seq);
     let mut times = Vec::new();
     let mut first_loss = 0.0;
-    let train_passes = if a.train_iters == 0 { 0 } else { a.train_iters + 1 };
+    let train_passes = if a.train_iters == 0 {
+        0
+    } else {
+        a.train_iters + 1
+    };
     for i in 0..train_passes {
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens_of(b, t), [b, t]), &device);
-        let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; b * t], [b, t]), &device);
+        let tokens =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(tokens_of(b, t), [b, t]), &device);
+        let valid =
+            Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; b * t], [b, t]), &device);
         sync(&device)?;
         let t0 = Instant::now();
         let stats = lm.sequence_stats(tokens, valid, &arch, 1.0);
@@ -536,8 +671,19 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     let inner = burn::module::AutodiffModule::valid(&lm);
     let inner_arch = Architecture::<B::InnerBackend>::new(cfg.clone(), positions, &device);
     for &gb in &a.gen_batch {
-        let prompts: Vec<Vec<u32>> = (0..gb).map(|r| tokens_of(1, a.prompt).iter().map(|&x| ((x as usize + r) % cfg.vocab_size) as u32).collect()).collect();
-        let params = SamplingParams { temperature: 1.0, max_new_tokens: a.new_tokens, ..Default::default() };
+        let prompts: Vec<Vec<u32>> = (0..gb)
+            .map(|r| {
+                tokens_of(1, a.prompt)
+                    .iter()
+                    .map(|&x| ((x as usize + r) % cfg.vocab_size) as u32)
+                    .collect()
+            })
+            .collect();
+        let params = SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: a.new_tokens,
+            ..Default::default()
+        };
         let mut best = f64::INFINITY;
         for rep in 0..2 {
             sync(&device)?;
@@ -555,7 +701,11 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
             }
         }
     }
-    let products = if a.products { bench_products::<B::InnerBackend>(&cfg, &a.gen_batch, &device)? } else { Vec::new() };
+    let products = if a.products {
+        bench_products::<B::InnerBackend>(&cfg, &a.gen_batch, &device)?
+    } else {
+        Vec::new()
+    };
     let report = serde_json::json!({
         "products": products,
         "engine": format!("burn {}{engine_note}", B::name(&device)),
@@ -568,7 +718,10 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
 }
 
 /// A named way to compute one product.
-type Formulation<'a, B> = (&'static str, Box<dyn Fn() -> burn::tensor::Tensor<B, 2> + 'a>);
+type Formulation<'a, B> = (
+    &'static str,
+    Box<dyn Fn() -> burn::tensor::Tensor<B, 2> + 'a>,
+);
 
 /// Times `[rows, k] x [k, n]` for the products of one decoding step (per layer: q/k/v,
 /// output, gate/up, down; then the tied head) in four formulations, and prints a table.
@@ -581,7 +734,13 @@ fn bench_products<B: burn::tensor::backend::Backend>(
     use std::time::Instant;
     let (d, hd) = (cfg.hidden_size, cfg.head_dim);
     let qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd;
-    let shapes = [("qkv", d, qkv), ("o", cfg.num_attention_heads * hd, d), ("gate_up", d, 2 * cfg.intermediate_size), ("down", cfg.intermediate_size, d), ("head", d, cfg.vocab_size)];
+    let shapes = [
+        ("qkv", d, qkv),
+        ("o", cfg.num_attention_heads * hd, d),
+        ("gate_up", d, 2 * cfg.intermediate_size),
+        ("down", cfg.intermediate_size, d),
+        ("head", d, cfg.vocab_size),
+    ];
     let sync = || B::sync(device).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
     let mut rows = Vec::new();
     eprintln!("| rows | product | k | n | plain us | split-k 8 us | rows as batch us | transposed us | max diff |");
@@ -593,13 +752,32 @@ fn bench_products<B: burn::tensor::backend::Backend>(
             let split = 8;
             let forms: [Formulation<'_, B>; 4] = [
                 ("plain", Box::new(|| x.clone().matmul(w.clone()))),
-                ("split-k", Box::new(|| {
-                    let xs = x.clone().reshape([m, split, k / split]).swap_dims(0, 1);
-                    let ws = w.clone().reshape([split, k / split, n]);
-                    xs.matmul(ws).sum_dim(0).reshape([m, n])
-                })),
-                ("rows-as-batch", Box::new(|| x.clone().reshape([m, 1, k]).matmul(w.clone().unsqueeze::<3>()).reshape([m, n]))),
-                ("transposed", Box::new(|| w.clone().transpose().matmul(x.clone().transpose()).transpose())),
+                (
+                    "split-k",
+                    Box::new(|| {
+                        let xs = x.clone().reshape([m, split, k / split]).swap_dims(0, 1);
+                        let ws = w.clone().reshape([split, k / split, n]);
+                        xs.matmul(ws).sum_dim(0).reshape([m, n])
+                    }),
+                ),
+                (
+                    "rows-as-batch",
+                    Box::new(|| {
+                        x.clone()
+                            .reshape([m, 1, k])
+                            .matmul(w.clone().unsqueeze::<3>())
+                            .reshape([m, n])
+                    }),
+                ),
+                (
+                    "transposed",
+                    Box::new(|| {
+                        w.clone()
+                            .transpose()
+                            .matmul(x.clone().transpose())
+                            .transpose()
+                    }),
+                ),
             ];
             let mut times = Vec::new();
             let reference = forms[0].1();
@@ -620,7 +798,10 @@ fn bench_products<B: burn::tensor::backend::Backend>(
                 drop(outs);
                 times.push(t0.elapsed().as_secs_f64() / 20.0 * 1e6);
             }
-            eprintln!("| {m} | {name} | {k} | {n} | {:.0} | {:.0} | {:.0} | {:.0} | {worst:.2e} |", times[0], times[1], times[2], times[3]);
+            eprintln!(
+                "| {m} | {name} | {k} | {n} | {:.0} | {:.0} | {:.0} | {:.0} | {worst:.2e} |",
+                times[0], times[1], times[2], times[3]
+            );
             rows.push(serde_json::json!({"rows": m, "product": name, "k": k, "n": n, "max_diff": worst, "us": {"plain": times[0], "split_k8": times[1], "rows_as_batch": times[2], "transposed": times[3]}}));
         }
     }

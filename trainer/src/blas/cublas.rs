@@ -139,7 +139,16 @@ fn toolkit_library_dirs() -> Vec<std::path::PathBuf> {
         }
     }
     let mut versioned: Vec<PathBuf> = std::fs::read_dir("/usr/local")
-        .map(|entries| entries.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cuda"))).collect())
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("cuda"))
+                })
+                .collect()
+        })
         .unwrap_or_default();
     // `cuda` (the symlink to the current toolkit) first, then the newest versioned one.
     versioned.sort_by_key(|p| std::cmp::Reverse((p.ends_with("cuda"), p.clone())));
@@ -160,16 +169,26 @@ fn preload_from_toolkit() -> bool {
             .flatten()
             .map(|e| e.path())
             .filter(|p| {
-                p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix(stem)).is_some_and(|v| !v.is_empty() && v.chars().all(|c| c.is_ascii_digit()))
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_prefix(stem))
+                    .is_some_and(|v| !v.is_empty() && v.chars().all(|c| c.is_ascii_digit()))
             })
             .collect();
         found.sort();
         found.pop()
     };
     for dir in toolkit_library_dirs() {
-        let (Some(lt), Some(blas)) = (versioned(&dir, "libcublasLt.so."), versioned(&dir, "libcublas.so.")) else { continue };
+        let (Some(lt), Some(blas)) = (
+            versioned(&dir, "libcublasLt.so."),
+            versioned(&dir, "libcublas.so."),
+        ) else {
+            continue;
+        };
         // SAFETY: loading NVIDIA's libraries runs only their initialisers.
-        let loaded = unsafe { libloading::Library::new(&lt).and_then(|lt| Ok((lt, libloading::Library::new(&blas)?))) };
+        let loaded = unsafe {
+            libloading::Library::new(&lt).and_then(|lt| Ok((lt, libloading::Library::new(&blas)?)))
+        };
         match loaded {
             Ok(libraries) => {
                 tracing::info!("cuBLAS loaded from {}", dir.display());
@@ -187,11 +206,16 @@ fn preload_from_toolkit() -> bool {
 /// tensor exists (the fusion engine reads the registration when a device starts).
 pub fn install() -> Result<(), CublasError> {
     // SAFETY: only probes the dynamic loader.
-    if !unsafe { sys::is_culib_present() } && !(preload_from_toolkit() && unsafe { sys::is_culib_present() }) {
+    if !unsafe { sys::is_culib_present() }
+        && !(preload_from_toolkit() && unsafe { sys::is_culib_present() })
+    {
         return Err(CublasError::NotFound);
     }
     let first = device_blas(0)?;
-    HANDLES.lock().unwrap_or_else(|p| p.into_inner()).push((0, first));
+    HANDLES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((0, first));
     register_external_matmul::<CudaRuntime>(product);
     Ok(())
 }
@@ -206,12 +230,19 @@ fn data_type(dtype: DType) -> Option<sys::cudaDataType> {
 }
 
 fn layout(t: &CubeTensor<CudaRuntime>) -> Layout<'_> {
-    Layout { shape: &t.meta.shape()[..], strides: &t.meta.strides()[..] }
+    Layout {
+        shape: &t.meta.shape()[..],
+        strides: &t.meta.strides()[..],
+    }
 }
 
 /// `out = lhs @ rhs` through cuBLAS; `false` (nothing written) for what it does not handle:
 /// other dtypes, quantised tensors, empty products, batches that broadcast unevenly.
-pub fn product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out: &CubeTensor<CudaRuntime>) -> bool {
+pub fn product(
+    lhs: &CubeTensor<CudaRuntime>,
+    rhs: &CubeTensor<CudaRuntime>,
+    out: &CubeTensor<CudaRuntime>,
+) -> bool {
     let outcome = run_product(lhs, rhs, out);
     let counter = match outcome {
         Outcome::Ran => &RUN,
@@ -224,21 +255,45 @@ pub fn product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
 
 /// Logs (at debug level, once per layout) the operands of a product that is copied first,
 /// so that the views that cost a copy can be found.
-fn log_copy(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out: &CubeTensor<CudaRuntime>) {
+fn log_copy(
+    lhs: &CubeTensor<CudaRuntime>,
+    rhs: &CubeTensor<CudaRuntime>,
+    out: &CubeTensor<CudaRuntime>,
+) {
     if !tracing::enabled!(tracing::Level::DEBUG) {
         return;
     }
-    let describe = |t: &CubeTensor<CudaRuntime>| format!("{:?} strides {:?}", &t.meta.shape()[..], &t.meta.strides()[..]);
-    let key = format!("lhs {}, rhs {}, out {}", describe(lhs), describe(rhs), describe(out));
+    let describe = |t: &CubeTensor<CudaRuntime>| {
+        format!(
+            "{:?} strides {:?}",
+            &t.meta.shape()[..],
+            &t.meta.strides()[..]
+        )
+    };
+    let key = format!(
+        "lhs {}, rhs {}, out {}",
+        describe(lhs),
+        describe(rhs),
+        describe(out)
+    );
     static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
-    let mut seen = SEEN.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     if seen.insert(key.clone()) {
         tracing::debug!("product operands copied before cuBLAS: {key}");
     }
 }
 
-fn run_product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out: &CubeTensor<CudaRuntime>) -> Outcome {
-    let Some(ty) = data_type(out.dtype) else { return Outcome::Dtype };
+fn run_product(
+    lhs: &CubeTensor<CudaRuntime>,
+    rhs: &CubeTensor<CudaRuntime>,
+    out: &CubeTensor<CudaRuntime>,
+) -> Outcome {
+    let Some(ty) = data_type(out.dtype) else {
+        return Outcome::Dtype;
+    };
     if lhs.dtype != out.dtype || rhs.dtype != out.dtype {
         return Outcome::Dtype;
     }
@@ -248,7 +303,8 @@ fn run_product(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>, out
     let gemm = match plan(layout(&lhs), layout(&rhs), layout(out)) {
         Some(gemm) => gemm,
         None => {
-            let Some((copy_lhs, copy_rhs)) = copies_needed(layout(&lhs), layout(&rhs), layout(out)) else {
+            let Some((copy_lhs, copy_rhs)) = copies_needed(layout(&lhs), layout(&rhs), layout(out))
+            else {
                 return Outcome::Layout;
             };
             log_copy(&lhs, &rhs, out);
@@ -292,9 +348,13 @@ fn launch(
 static GEMM_OP: OnceLock<external::ExternalOpId> = OnceLock::new();
 
 fn data_type_from_word(word: u64) -> Option<sys::cudaDataType> {
-    [sys::cudaDataType::CUDA_R_32F, sys::cudaDataType::CUDA_R_16F, sys::cudaDataType::CUDA_R_16BF]
-        .into_iter()
-        .find(|ty| *ty as u64 == word)
+    [
+        sys::cudaDataType::CUDA_R_32F,
+        sys::cudaDataType::CUDA_R_16F,
+        sys::cudaDataType::CUDA_R_16BF,
+    ]
+    .into_iter()
+    .find(|ty| *ty as u64 == word)
 }
 
 /// The cuBLAS call, on cubecl's device thread with the operands' addresses (`lhs`, `rhs`,
@@ -311,51 +371,82 @@ fn queued_gemm(call: external::ExternalCall<'_>) -> Result<(), String> {
 
 fn call_gemm(call: &external::ExternalCall<'_>) -> Result<(), String> {
     let gemm = GemmPlan::from_words(call.data).ok_or("cuBLAS product: truncated plan")?;
-    let ty = call.data.get(PLAN_WORDS).copied().and_then(data_type_from_word).ok_or("cuBLAS product: no element type")?;
-    let device = call.data.get(PLAN_WORDS + 1).copied().ok_or("cuBLAS product: no device")? as usize;
-    let &[l, r, o] = call.pointers else { return Err("cuBLAS product: expected three buffers".into()) };
+    let ty = call
+        .data
+        .get(PLAN_WORDS)
+        .copied()
+        .and_then(data_type_from_word)
+        .ok_or("cuBLAS product: no element type")?;
+    let device = call
+        .data
+        .get(PLAN_WORDS + 1)
+        .copied()
+        .ok_or("cuBLAS product: no device")? as usize;
+    let &[l, r, o] = call.pointers else {
+        return Err("cuBLAS product: expected three buffers".into());
+    };
     let mut handles = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
     if !handles.iter().any(|(d, _)| *d == device) {
         let blas = device_blas(device).map_err(|e| e.to_string())?;
         handles.push((device, blas));
     }
-    let blas = &handles.iter().find(|(d, _)| *d == device).expect("inserted above").1;
+    let blas = &handles
+        .iter()
+        .find(|(d, _)| *d == device)
+        .expect("inserted above")
+        .1;
     let (alpha, beta) = (1.0f32, 0.0f32);
-    let op = |t: bool| if t { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
     // f32 accumulation for every input type, and no TF32 for f32 inputs (as PyTorch's default).
     let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+    let bytes = if ty == sys::cudaDataType::CUDA_R_32F {
+        4
+    } else {
+        2
+    };
     // SAFETY: the pointers are live cubecl allocations of the right sizes (the plan only
-    // reads inside each operand's shape and strides and writes inside the output's), the
-    // stream is the one cubecl queued this launch on, and the handle belongs to this device's
-    // primary context, made current here.
+    // reads inside each operand's shape and strides and writes inside the output's, each
+    // outer call at its own offsets), the stream is the one cubecl queued this launch on, and
+    // the handle belongs to this device's primary context, made current here.
     unsafe {
         driver::ctx::set_current(blas.context).map_err(|e| format!("cuCtxSetCurrent: {e}"))?;
-        blas::set_stream(blas.handle, call.stream as sys::cudaStream_t).map_err(|e| format!("cublasSetStream: {e:?}"))?;
-        blas::gemm_strided_batched_ex(
-            blas.handle,
-            op(gemm.a.transpose),
-            op(gemm.b.transpose),
-            gemm.m as i32,
-            gemm.n as i32,
-            gemm.k as i32,
-            (&alpha as *const f32).cast(),
-            r as *const std::ffi::c_void,
-            ty,
-            gemm.a.ld as i32,
-            gemm.a.batch_stride as i64,
-            l as *const std::ffi::c_void,
-            ty,
-            gemm.b.ld as i32,
-            gemm.b.batch_stride as i64,
-            (&beta as *const f32).cast(),
-            o as *mut std::ffi::c_void,
-            ty,
-            gemm.ldc as i32,
-            gemm.stride_c as i64,
-            gemm.batch as i32,
-            compute,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-        .map_err(|e| format!("cublasGemmStridedBatchedEx: {e:?}"))
+        blas::set_stream(blas.handle, call.stream as sys::cudaStream_t)
+            .map_err(|e| format!("cublasSetStream: {e:?}"))?;
+        for outer in 0..gemm.outer as u64 {
+            let [ra, lb, oc] = gemm.outer_strides.map(|s| outer * s as u64 * bytes);
+            blas::gemm_strided_batched_ex(
+                blas.handle,
+                op(gemm.a.transpose),
+                op(gemm.b.transpose),
+                gemm.m as i32,
+                gemm.n as i32,
+                gemm.k as i32,
+                (&alpha as *const f32).cast(),
+                (r + ra) as *const std::ffi::c_void,
+                ty,
+                gemm.a.ld as i32,
+                gemm.a.batch_stride as i64,
+                (l + lb) as *const std::ffi::c_void,
+                ty,
+                gemm.b.ld as i32,
+                gemm.b.batch_stride as i64,
+                (&beta as *const f32).cast(),
+                (o + oc) as *mut std::ffi::c_void,
+                ty,
+                gemm.ldc as i32,
+                gemm.stride_c as i64,
+                gemm.batch as i32,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .map_err(|e| format!("cublasGemmStridedBatchedEx: {e:?}"))?;
+        }
+        Ok(())
     }
 }

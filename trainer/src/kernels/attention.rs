@@ -36,12 +36,18 @@ type Handles = HandleContainer<<Cube<f32> as burn_ir::BackendIr>::Handle>;
 
 static SOURCE: Source = Source {
     name: "attention.cu",
-    code: include_str!("attention.cu"),
-    kernels: &["softmax_rows_f32", "softmax_rows_bf16", "grad_scores_f32", "grad_scores_bf16"],
+    code: concat!(include_str!("common.cuh"), include_str!("attention.cu")),
+    kernels: &[
+        "softmax_rows_f32",
+        "softmax_rows_bf16",
+        "grad_scores_f32",
+        "grad_scores_bf16",
+    ],
 };
 
-/// Threads per row: 2048 keys are 8 per thread.
-const THREADS: u64 = 256;
+/// Rows per block (a warp each) and threads per block, as `attention.cu` defines them.
+const ROWS_PER_BLOCK: u64 = 8;
+const THREADS: u64 = 32 * ROWS_PER_BLOCK;
 
 /// Runs every differentiable attention of burn's CUDA backend (f32 and bf16) through these
 /// kernels from now on, and returns true; false (nothing registered) when
@@ -54,7 +60,10 @@ pub fn install() -> bool {
         tracing::warn!("{e}; attention stays decomposed into burn operations");
         return false;
     }
-    register_external_attention::<Fusion<Cube<f32>>>(ExternalAttention { forward: forward::<f32>, backward: backward::<f32> });
+    register_external_attention::<Fusion<Cube<f32>>>(ExternalAttention {
+        forward: forward::<f32>,
+        backward: backward::<f32>,
+    });
     register_external_attention::<Fusion<Cube<half::bf16>>>(ExternalAttention {
         forward: forward::<half::bf16>,
         backward: backward::<half::bf16>,
@@ -66,28 +75,54 @@ type Tensor = FusionTensor<Runtime>;
 
 /// Whether the kernels take these inputs: f32 or bf16 throughout, rows countable by a grid.
 fn supported(q: &Tensor, others: &[&Tensor]) -> bool {
-    let dtype_ok = matches!(q.dtype, DType::F32 | DType::BF16) && others.iter().all(|t| t.dtype == q.dtype);
+    let dtype_ok =
+        matches!(q.dtype, DType::F32 | DType::BF16) && others.iter().all(|t| t.dtype == q.dtype);
     let dims = q.shape.dims::<4>();
-    dtype_ok && dims[0] * dims[1] * dims[2] <= i32::MAX as usize && others.iter().all(|t| t.shape.num_dims() == 4)
+    dtype_ok
+        && dims[0] * dims[1] * dims[2] <= i32::MAX as usize
+        && others.iter().all(|t| t.shape.num_dims() == 4)
 }
 
-fn forward<F: FloatElement>(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool) -> Option<Tensor> {
+fn forward<F: FloatElement>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    causal: bool,
+) -> Option<Tensor> {
     if !supported(q, &[k, v]) {
         return None;
     }
     let [b, h, t, _] = q.shape.dims::<4>();
     let dv = v.shape.dims::<4>()[3];
     let client = q.client.clone();
-    let out = TensorIr::uninit(client.create_empty_handle(), Shape::new([b, h, t, dv]), q.dtype);
+    let out = TensorIr::uninit(
+        client.create_empty_handle(),
+        Shape::new([b, h, t, dv]),
+        q.dtype,
+    );
     let mut streams = OperationStreams::with_inputs([q, k, v]);
-    let mut inputs = vec![q.clone().into_ir(), k.clone().into_ir(), v.clone().into_ir()];
+    let mut inputs = vec![
+        q.clone().into_ir(),
+        k.clone().into_ir(),
+        v.clone().into_ir(),
+    ];
     if let Some(mask) = mask {
         streams.tensor(mask);
         inputs.push(mask.clone().into_ir());
     }
     let desc = CustomOpIr::new("cuda_agent_attention_forward", &inputs, &[out]);
-    let op = AttentionOp::<F> { desc: desc.clone(), scale, causal, backward: false, _f: PhantomData };
-    client.register(streams, OperationIr::Custom(desc), op).pop()
+    let op = AttentionOp::<F> {
+        desc: desc.clone(),
+        scale,
+        causal,
+        backward: false,
+        _f: PhantomData,
+    };
+    client
+        .register(streams, OperationIr::Custom(desc), op)
+        .pop()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -105,17 +140,29 @@ fn backward<F: FloatElement>(
         return None;
     }
     let client = q.client.clone();
-    let like = |t: &Tensor| TensorIr::uninit(client.create_empty_handle(), t.shape.clone(), t.dtype);
+    let like =
+        |t: &Tensor| TensorIr::uninit(client.create_empty_handle(), t.shape.clone(), t.dtype);
     let outputs = [like(q), like(k), like(v)];
     let mut streams = OperationStreams::with_inputs([q, k, v, out, grad]);
-    let mut inputs: Vec<TensorIr> = [q, k, v, out, grad].iter().map(|t| (*t).clone().into_ir()).collect();
+    let mut inputs: Vec<TensorIr> = [q, k, v, out, grad]
+        .iter()
+        .map(|t| (*t).clone().into_ir())
+        .collect();
     if let Some(mask) = mask {
         streams.tensor(mask);
         inputs.push(mask.clone().into_ir());
     }
     let desc = CustomOpIr::new("cuda_agent_attention_backward", &inputs, &outputs);
-    let op = AttentionOp::<F> { desc: desc.clone(), scale, causal, backward: true, _f: PhantomData };
-    let mut grads = client.register(streams, OperationIr::Custom(desc), op).into_iter();
+    let op = AttentionOp::<F> {
+        desc: desc.clone(),
+        scale,
+        causal,
+        backward: true,
+        _f: PhantomData,
+    };
+    let mut grads = client
+        .register(streams, OperationIr::Custom(desc), op)
+        .into_iter();
     Some((grads.next()?, grads.next()?, grads.next()?))
 }
 
@@ -141,7 +188,8 @@ impl<F: FloatElement> Operation<Runtime> for AttentionOp<F> {
         } else {
             let (q, k, v, out, grad) = (float(0), float(1), float(2), float(3), float(4));
             let mask = inputs.get(5).map(|m| handles.get_bool_tensor::<Cube<F>>(m));
-            let (dq, dk, dv) = backward_cube::<F>(q, k, v, out, mask.as_ref(), self.scale, self.causal, grad);
+            let (dq, dk, dv) =
+                backward_cube::<F>(q, k, v, out, mask.as_ref(), self.scale, self.causal, grad);
             for (ir, grad) in self.desc.outputs.iter().zip([dq, dk, dv]) {
                 handles.register_float_tensor::<Cube<F>>(&ir.id, grad);
             }
@@ -156,13 +204,26 @@ fn transposed<F: FloatElement>(t: Cuda) -> Cuda {
 }
 
 /// Probabilities `[b, h, t, s]` of `q` against `k`.
-fn probabilities<F: FloatElement>(q: Cuda, k: Cuda, mask: Option<&Cuda>, scale: f64, causal: bool) -> Cuda {
+fn probabilities<F: FloatElement>(
+    q: Cuda,
+    k: Cuda,
+    mask: Option<&Cuda>,
+    scale: f64,
+    causal: bool,
+) -> Cuda {
     let scores = Cube::<F>::float_matmul(q, transposed::<F>(k));
     softmax_in_place(&scores, mask, scale, causal);
     scores
 }
 
-fn forward_cube<F: FloatElement>(q: Cuda, k: Cuda, v: Cuda, mask: Option<&Cuda>, scale: f64, causal: bool) -> Cuda {
+fn forward_cube<F: FloatElement>(
+    q: Cuda,
+    k: Cuda,
+    v: Cuda,
+    mask: Option<&Cuda>,
+    scale: f64,
+    causal: bool,
+) -> Cuda {
     let probs = probabilities::<F>(q, k, mask, scale, causal);
     Cube::<F>::float_matmul(probs, v)
 }
@@ -190,7 +251,9 @@ fn backward_cube<F: FloatElement>(
 /// Element strides of `t`'s first `n` dimensions, 0 along dimensions of size 1 (broadcast).
 fn strides(t: &Cuda, n: usize) -> Vec<u64> {
     let (shape, strides) = (t.meta.shape(), t.meta.strides());
-    (0..n).map(|i| if shape[i] == 1 { 0 } else { strides[i] as u64 }).collect()
+    (0..n)
+        .map(|i| if shape[i] == 1 { 0 } else { strides[i] as u64 })
+        .collect()
 }
 
 fn dims(t: &Cuda) -> [usize; 4] {
@@ -215,21 +278,42 @@ fn op() -> external::ExternalOpId {
     *OP.get_or_init(|| external::register_external_op(run))
 }
 
-/// On cubecl's device thread: `data` is [kernel, rows, pointer count, kernel scalars...];
+/// On cubecl's device thread: `data` is [kernel, blocks, pointer count, kernel scalars...];
 /// missing pointers (no mask) are passed as null.
 fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
-    let [kernel, rows, pointers, scalars @ ..] = call.data else { return Err("attention kernel: truncated launch".into()) };
+    let [kernel, blocks, pointers, scalars @ ..] = call.data else {
+        return Err("attention kernel: truncated launch".into());
+    };
     let mut args: Vec<u64> = call.pointers.to_vec();
     args.resize(*pointers as usize, 0);
     args.extend_from_slice(scalars);
-    module::launch(&SOURCE, *kernel as usize, *rows as u32, THREADS as u32, call.stream, &args)
+    module::launch(
+        &SOURCE,
+        *kernel as usize,
+        *blocks as u32,
+        THREADS as u32,
+        call.stream,
+        &args,
+    )
 }
 
 fn softmax_in_place(scores: &Cuda, mask: Option<&Cuda>, scale: f64, causal: bool) {
     let [b, h, t, s] = dims(scores);
-    assert_eq!(scores.meta.strides()[3], 1, "products write their rows contiguously");
+    assert_eq!(
+        scores.meta.strides()[3],
+        1,
+        "products write their rows contiguously"
+    );
     let rows = (b * h * t) as u64;
-    let mut data = vec![kernel(scores, false), rows, 2, h as u64, t as u64, s as u64];
+    let mut data = vec![
+        kernel(scores, false),
+        rows.div_ceil(ROWS_PER_BLOCK),
+        2,
+        rows,
+        h as u64,
+        t as u64,
+        s as u64,
+    ];
     data.extend(strides(scores, 3));
     let mut buffers = vec![scores.handle.clone().binding()];
     match mask {
@@ -246,14 +330,29 @@ fn softmax_in_place(scores: &Cuda, mask: Option<&Cuda>, scale: f64, causal: bool
 
 fn grad_scores_in_place(dp: &Cuda, probs: &Cuda, grad: &Cuda, out: &Cuda, scale: f64) {
     let [b, h, t, s] = dims(dp);
-    assert!(dp.meta.strides()[3] == 1 && probs.meta.strides()[3] == 1, "products write their rows contiguously");
+    assert!(
+        dp.meta.strides()[3] == 1 && probs.meta.strides()[3] == 1,
+        "products write their rows contiguously"
+    );
     let dim = dims(grad)[3];
-    let mut data = vec![kernel(dp, true), (b * h * t) as u64, 4, h as u64, t as u64, s as u64, dim as u64];
+    let rows = (b * h * t) as u64;
+    let mut data = vec![
+        kernel(dp, true),
+        rows.div_ceil(ROWS_PER_BLOCK),
+        4,
+        rows,
+        h as u64,
+        t as u64,
+        s as u64,
+        dim as u64,
+    ];
     data.extend(strides(dp, 3));
     data.extend(strides(probs, 3));
     data.extend(strides(grad, 4));
     data.extend(strides(out, 4));
     data.push(scale.to_bits());
-    let buffers = [dp, probs, grad, out].map(|t| t.handle.clone().binding()).into();
+    let buffers = [dp, probs, grad, out]
+        .map(|t| t.handle.clone().binding())
+        .into();
     external::launch_external(&dp.client, op(), buffers, &data);
 }

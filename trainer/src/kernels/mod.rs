@@ -5,7 +5,13 @@
 //! anyway), loaded once per device, and queued as external operations of the vendored
 //! cubecl-cuda: in order with cubecl's own kernels, on its stream, without the calling thread
 //! waiting. [`attention`] registers them with the vendored burn-autodiff, which then runs
-//! every differentiable attention through them.
+//! every differentiable attention through them; [`vocab`], [`norm`], [`rope`] and [`swiglu`]
+//! register the next-token statistics of a training pass, RMSNorm, rotary embeddings and the
+//! SwiGLU gate with `model::fused`.
 
 pub mod attention;
 mod module;
+pub mod norm;
+pub mod rope;
+pub mod swiglu;
+pub mod vocab;

@@ -1,6 +1,7 @@
 //! Rotary position embeddings in Hugging Face's (non-interleaved, `rotate_half`) layout.
 
-use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::config::{ModelConfig, RopeScaling};
 
@@ -13,7 +14,12 @@ pub fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
     match &cfg.rope_scaling {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
-        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => {
             let old = *original_max_position_embeddings as f64;
             let low_wavelen = old / low_freq_factor;
             let high_wavelen = old / high_freq_factor;
@@ -25,7 +31,8 @@ pub fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
                     } else if wavelen > low_wavelen {
                         f / factor
                     } else {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
                 })
@@ -83,7 +90,11 @@ impl<B: Backend> RopeTables<B> {
         let d = self.cos.dims()[1];
         let flat = positions.clone().reshape([b * t]);
         RopeAngles {
-            cos: self.cos.clone().select(0, flat.clone()).reshape([b, t, 1, d]),
+            cos: self
+                .cos
+                .clone()
+                .select(0, flat.clone())
+                .reshape([b, t, 1, d]),
             sin: self.sin.clone().select(0, flat).reshape([b, t, 1, d]),
         }
     }
@@ -98,9 +109,32 @@ pub struct RopeAngles<B: Backend> {
     sin: Tensor<B, 4>,
 }
 
+/// A fused [`RopeAngles::apply`] for backend `B` (registered with [`super::fused`]): `x`
+/// `[batch, seq, heads, head_dim]` and the angles' cosines and sines `[batch, seq, head_dim]`
+/// to the rotated `x`, or `None` to decline. Differentiable in `x` on autodiff backends (the
+/// angles are constants).
+pub type FusedRope<B> =
+    fn(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> Option<FloatTensor<B>>;
+
 impl<B: Backend> RopeAngles<B> {
     /// Rotates `x` `[batch, seq, heads, head_dim]` (every head by its token's angles).
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        if let Some(fused) = super::fused::get::<B, FusedRope<B>>() {
+            let [b, t, _, d] = x.dims();
+            let angles = |a: &Tensor<B, 4>| a.clone().reshape([b, t, d]).into_primitive().tensor();
+            if let Some(y) = fused(
+                x.clone().into_primitive().tensor(),
+                angles(&self.cos),
+                angles(&self.sin),
+            ) {
+                return Tensor::from_primitive(TensorPrimitive::Float(y));
+            }
+        }
+        self.apply_decomposed(x)
+    }
+
+    /// [`Self::apply`] as burn operations, whatever is registered.
+    pub fn apply_decomposed(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let d = x.dims()[3];
         let x1 = x.clone().narrow(3, 0, d / 2);
         let x2 = x.clone().narrow(3, d / 2, d / 2);

@@ -4,8 +4,8 @@
 use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
 use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{backend::Backend, Bool, Int, Tensor};
+use burn::tensor::ops::{AttentionModuleOptions, FloatTensor};
+use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorPrimitive};
 
 use super::cache::{KvCache, LayerCache};
 use super::config::ModelConfig;
@@ -23,7 +23,11 @@ pub struct Dense<B: Backend> {
 impl<B: Backend> Dense<B> {
     /// A layer with normally distributed weights (std 0.02, as Hugging Face initialises).
     pub fn random(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
-        let w = Tensor::random([d_in, d_out], burn::tensor::Distribution::Normal(0.0, std), device);
+        let w = Tensor::random(
+            [d_in, d_out],
+            burn::tensor::Distribution::Normal(0.0, std),
+            device,
+        );
         Self {
             weight: Param::from_tensor(w),
             bias: bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device))),
@@ -33,7 +37,7 @@ impl<B: Backend> Dense<B> {
     /// `x @ W + b` over the last dimension.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.bias.as_ref().map(|b| b.val());
-        if D <= 2 || !B::ad_enabled(&x.device()) {
+        if !B::ad_enabled(&x.device()) {
             return burn::tensor::module::linear(x, self.weight.val(), bias);
         }
         let mut dims = x.dims();
@@ -42,7 +46,11 @@ impl<B: Backend> Dense<B> {
         // over every position rather than a product per sequence summed afterwards. (Without
         // gradients the reshapes would only add operations to every decoding step.)
         let rows: Tensor<B, 2> = x.reshape([-1, d_in as i32]);
-        let y = burn::tensor::module::linear(rows, self.weight.val(), bias);
+        let y = rows.matmul(self.weight.val());
+        let y = match bias {
+            Some(b) => y + broadcast_rows(b, dims[..D - 1].iter().product()),
+            None => y,
+        };
         dims[D - 1] = y.dims()[1];
         y.reshape(dims)
     }
@@ -56,7 +64,9 @@ impl<B: Backend> Dense<B> {
         let (weights, biases): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
         Self {
             weight: Param::from_tensor(Tensor::cat(weights, 1)),
-            bias: with_bias.then(|| Param::from_tensor(Tensor::cat(biases.into_iter().flatten().collect(), 0))),
+            bias: with_bias.then(|| {
+                Param::from_tensor(Tensor::cat(biases.into_iter().flatten().collect(), 0))
+            }),
         }
     }
 
@@ -69,7 +79,9 @@ impl<B: Backend> Dense<B> {
             .map(|&w| {
                 let part = (
                     self.weight.val().detach().narrow(1, start, w),
-                    self.bias.as_ref().map(|b| b.val().detach().narrow(0, start, w)),
+                    self.bias
+                        .as_ref()
+                        .map(|b| b.val().detach().narrow(0, start, w)),
                 );
                 start += w;
                 part
@@ -77,6 +89,11 @@ impl<B: Backend> Dense<B> {
             .collect()
     }
 }
+
+/// A fused [`RmsNorm`] for backend `B` (registered with [`super::fused`]): rows `[rows, d]`,
+/// scale `[d]` and epsilon to `x / sqrt(mean(x²) + eps) · scale`, or `None` to decline (the
+/// composition of burn operations then runs). Differentiable in both on autodiff backends.
+pub type FusedRmsNorm<B> = fn(FloatTensor<B>, FloatTensor<B>, f64) -> Option<FloatTensor<B>>;
 
 /// Root-mean-square normalisation with a learned scale.
 #[derive(Module, Debug)]
@@ -90,16 +107,46 @@ pub struct RmsNorm<B: Backend> {
 impl<B: Backend> RmsNorm<B> {
     /// A norm with unit scale.
     pub fn ones(d: usize, eps: f64, device: &B::Device) -> Self {
-        Self { weight: Param::from_tensor(Tensor::ones([d], device)), eps }
+        Self {
+            weight: Param::from_tensor(Tensor::ones([d], device)),
+            eps,
+        }
     }
 
     /// Normalises the last dimension.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let d = x.dims()[2];
+        let [b, t, d] = x.dims();
+        if let Some(fused) = super::fused::get::<B, FusedRmsNorm<B>>() {
+            let rows = x.clone().reshape([b * t, d]).into_primitive().tensor();
+            if let Some(y) = fused(rows, self.weight.val().into_primitive().tensor(), self.eps) {
+                return Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y))
+                    .reshape([b, t, d]);
+            }
+        }
+        self.forward_decomposed(x)
+    }
+
+    /// [`Self::forward`] as burn operations, whatever is registered.
+    pub fn forward_decomposed(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
         let ms = x.clone().powi_scalar(2).mean_dim(2);
         let inv = (ms + self.eps).sqrt().recip();
-        x * inv * self.weight.val().reshape([1, 1, d])
+        if !B::ad_enabled(&x.device()) {
+            return x * inv * self.weight.val().reshape([1, 1, d]);
+        }
+        (x * inv) * broadcast_rows(self.weight.val(), b * t).reshape([b, t, d])
     }
+}
+
+/// `v` (`[n]`) repeated as `rows` rows (`[rows, n]`), made as the product of a column of ones
+/// and `v` so that its gradient is a product too: `onesᵗ · grad`, one matrix product, where
+/// the gradient of a broadcast sums over the rows with a reduction along the strided axis.
+/// At 8192 rows that reduction took 1.2 ms for a 1152-wide bias (0.23 ms for a 896-wide norm
+/// scale), the product tens of microseconds, measured on an H200.
+fn broadcast_rows<B: Backend>(v: Tensor<B, 1>, rows: usize) -> Tensor<B, 2> {
+    let n = v.dims()[0];
+    let ones = Tensor::<B, 2>::ones([rows, 1], &v.device()).cast(v.dtype());
+    ones.matmul(v.reshape([1, n]))
 }
 
 /// Grouped-query self-attention with rotary positions.
@@ -120,7 +167,11 @@ pub struct Attention<B: Backend> {
 impl<B: Backend> Attention<B> {
     /// Output widths of the query, key and value parts of `qkv_proj`.
     pub fn qkv_widths(&self) -> [usize; 3] {
-        [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
+        [
+            self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+        ]
     }
 
     fn forward(
@@ -147,7 +198,9 @@ impl<B: Backend> Attention<B> {
         let groups = h / kvh;
         let (k, v) = if groups > 1 {
             let expand = |z: Tensor<B, 4>| {
-                z.unsqueeze_dim::<5>(2).expand([b, kvh, groups, s, hd]).reshape([b, h, s, hd])
+                z.unsqueeze_dim::<5>(2)
+                    .expand([b, kvh, groups, s, hd])
+                    .reshape([b, h, s, hd])
             };
             (expand(k), expand(v))
         } else {
@@ -155,7 +208,8 @@ impl<B: Backend> Attention<B> {
         };
         let mask = mask.clone().expand([b, h, t, s]);
         let out = attention(q, k, v, Some(mask), None, AttentionModuleOptions::default());
-        self.o_proj.forward(out.swap_dims(1, 2).reshape([b, t, h * hd]))
+        self.o_proj
+            .forward(out.swap_dims(1, 2).reshape([b, t, h * hd]))
     }
 }
 
@@ -168,8 +222,32 @@ pub struct Mlp<B: Backend> {
     pub down_proj: Dense<B>,
 }
 
+/// A fused SwiGLU gate for backend `B` (registered with [`super::fused`]): the gate-and-up
+/// projection `[rows, 2n]` (gate first) to `silu(gate) · up` `[rows, n]`, or `None` to
+/// decline. Differentiable on autodiff backends.
+pub type FusedSwiGlu<B> = fn(FloatTensor<B>) -> Option<FloatTensor<B>>;
+
 impl<B: Backend> Mlp<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// `down(silu(gate(x)) · up(x))`, the gate fused where a backend registered it.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let Some(fused) = super::fused::get::<B, FusedSwiGlu<B>>() else {
+            return self.forward_decomposed(x);
+        };
+        // As rows: the fused gate takes a matrix.
+        let [b, t, d] = x.dims();
+        let gu = self.gate_up_proj.forward(x.reshape([b * t, d]));
+        let n = gu.dims()[1] / 2;
+        let h = match fused(gu.clone().into_primitive().tensor()) {
+            Some(h) => Tensor::from_primitive(TensorPrimitive::Float(h)),
+            None => silu(gu.clone().narrow(1, 0, n)) * gu.narrow(1, n, n),
+        };
+        let y = self.down_proj.forward(h);
+        let out = y.dims()[1];
+        y.reshape([b, t, out])
+    }
+
+    /// [`Self::forward`] as burn operations, whatever is registered.
+    pub fn forward_decomposed(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let gu = self.gate_up_proj.forward(x);
         let inner = gu.dims()[2] / 2;
         let gate = gu.clone().narrow(2, 0, inner);
@@ -233,7 +311,13 @@ impl<B: Backend> Backbone<B> {
                 },
                 post_attention_layernorm: RmsNorm::ones(d, cfg.rms_norm_eps, device),
                 mlp: Mlp {
-                    gate_up_proj: Dense::random(d, 2 * cfg.intermediate_size, cfg.mlp_bias, std, device),
+                    gate_up_proj: Dense::random(
+                        d,
+                        2 * cfg.intermediate_size,
+                        cfg.mlp_bias,
+                        std,
+                        device,
+                    ),
                     down_proj: Dense::random(cfg.intermediate_size, d, cfg.mlp_bias, std, device),
                 },
             })
@@ -269,7 +353,12 @@ impl<B: Backend> Backbone<B> {
         let angles = rope.angles(&pos.positions);
         for (i, layer) in self.layers.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let h = layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), &angles, &pos.mask, lc);
+            let h = layer.self_attn.forward(
+                layer.input_layernorm.forward(x.clone()),
+                &angles,
+                &pos.mask,
+                lc,
+            );
             x = x + h;
             x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
         }
@@ -299,8 +388,13 @@ pub fn positions_and_mask<B: Backend>(
     // tril_mask(o) is true where k > q + o: the future of query q at absolute index past_len + q.
     let tri = |o: i64| Tensor::<B, 2, Bool>::tril_mask([t, s], o, &device).reshape([1, 1, t, s]);
     let future = tri(past_len as i64);
-    let diag = tri(past_len as i64 - 1).bool_and(future.clone().bool_not()).expand([b, 1, t, s]);
+    let diag = tri(past_len as i64 - 1)
+        .bool_and(future.clone().bool_not())
+        .expand([b, 1, t, s]);
     let key_pad = all.bool_not().reshape([b, 1, 1, s]).expand([b, 1, t, s]);
-    let mask = future.expand([b, 1, t, s]).bool_or(key_pad).bool_and(diag.bool_not());
+    let mask = future
+        .expand([b, 1, t, s])
+        .bool_or(key_pad)
+        .bool_and(diag.bool_not());
     Positions { positions, mask }
 }

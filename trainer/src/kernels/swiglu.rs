@@ -1,0 +1,265 @@
+//! The SwiGLU gate (`model::transformer::Mlp`) on burn's CUDA backend as one kernel per
+//! direction (`swiglu.cu`): the forward reads the fused gate-and-up projection once and writes
+//! `silu(gate) · up`; the backward writes the gradient of both halves into one tensor, where
+//! the composition of burn operations zero-filled and slice-assigned each half and added them.
+//! Each direction is one custom operation of the fusion stream; on the autodiff backend the
+//! pair is one tracked operation whose state is the projection.
+
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape};
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::NoCheckpointing;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::Autodiff;
+use burn_cubecl::fusion::FusionCubeRuntime;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, FloatElement};
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use cubecl_cuda::{external, CudaRuntime};
+
+use super::module::{self, Source};
+use crate::model::fused;
+use crate::model::transformer::FusedSwiGlu;
+
+type Cube<F> = CubeBackend<CudaRuntime, F, i32, u8>;
+type Cuda<F> = Fusion<Cube<F>>;
+type Runtime = FusionCubeRuntime<CudaRuntime>;
+type Handles = HandleContainer<<Cube<f32> as burn_ir::BackendIr>::Handle>;
+type Tensor = FusionTensor<Runtime>;
+
+static SOURCE: Source = Source {
+    name: "swiglu.cu",
+    code: concat!(include_str!("common.cuh"), include_str!("swiglu.cu")),
+    kernels: &[
+        "swiglu_f32",
+        "swiglu_bf16",
+        "swiglu_grad_f32",
+        "swiglu_grad_bf16",
+    ],
+};
+
+const THREADS: u64 = 256;
+
+/// Makes the SwiGLU gate on burn's CUDA backends (f32 and bf16, with and without autodiff)
+/// run these kernels, and returns true; false (nothing registered) when
+/// `CUDA_AGENT_SWIGLU=decomposed` asks for burn operations or the kernels do not compile.
+pub fn install() -> bool {
+    if std::env::var("CUDA_AGENT_SWIGLU").as_deref() == Ok("decomposed") {
+        return false;
+    }
+    if let Err(e) = module::check(&SOURCE) {
+        tracing::warn!("{e}; the SwiGLU gate stays decomposed into burn operations");
+        return false;
+    }
+    fused::register::<Cuda<f32>, FusedSwiGlu<Cuda<f32>>>(|gu| gate::<f32>(&gu));
+    fused::register::<Cuda<half::bf16>, FusedSwiGlu<Cuda<half::bf16>>>(|gu| {
+        gate::<half::bf16>(&gu)
+    });
+    fused::register::<Autodiff<Cuda<f32>>, FusedSwiGlu<Autodiff<Cuda<f32>>>>(tracked::<f32>);
+    fused::register::<Autodiff<Cuda<half::bf16>>, FusedSwiGlu<Autodiff<Cuda<half::bf16>>>>(
+        tracked::<half::bf16>,
+    );
+    true
+}
+
+/// Whether the kernels take this input: f32 or bf16 `[rows, 2n]`, elements countable by a grid.
+fn supported(gu: &Tensor) -> bool {
+    let s = gu.shape.as_slice();
+    s.len() == 2
+        && s[1] % 2 == 0
+        && s[1] > 0
+        && matches!(gu.dtype, DType::F32 | DType::BF16)
+        && (s[0] * s[1] / 2).div_ceil(THREADS as usize) <= u32::MAX as usize
+}
+
+fn gate<F: FloatElement>(gu: &Tensor) -> Option<Tensor> {
+    if !supported(gu) {
+        return None;
+    }
+    let client = gu.client.clone();
+    let out = TensorIr::uninit(
+        client.create_empty_handle(),
+        Shape::new([gu.shape[0], gu.shape[1] / 2]),
+        gu.dtype,
+    );
+    let streams = OperationStreams::with_inputs([gu]);
+    let desc = CustomOpIr::new("cuda_agent_swiglu", &[gu.clone().into_ir()], &[out]);
+    let op = GateOp::<F> {
+        desc: desc.clone(),
+        _f: PhantomData,
+    };
+    client
+        .register(streams, OperationIr::Custom(desc), op)
+        .pop()
+}
+
+fn gate_backward<F: FloatElement>(gu: &Tensor, grad: &Tensor) -> Tensor {
+    let client = gu.client.clone();
+    let out = TensorIr::uninit(client.create_empty_handle(), gu.shape.clone(), gu.dtype);
+    let inputs = [gu, grad];
+    let streams = OperationStreams::with_inputs(inputs);
+    let desc = CustomOpIr::new(
+        "cuda_agent_swiglu_backward",
+        &inputs.map(|t| t.clone().into_ir()),
+        &[out],
+    );
+    let op = GateOp::<F> {
+        desc: desc.clone(),
+        _f: PhantomData,
+    };
+    client
+        .register(streams, OperationIr::Custom(desc), op)
+        .pop()
+        .expect("one output registered")
+}
+
+/// The tracked operation on the autodiff backend.
+fn tracked<F: FloatElement>(
+    gu: FloatTensor<Autodiff<Cuda<F>>>,
+) -> Option<FloatTensor<Autodiff<Cuda<F>>>> {
+    let y = gate::<F>(&gu.primitive)?;
+    let prep = GateBackward::<F>(PhantomData)
+        .prepare::<NoCheckpointing>([gu.node.clone()])
+        .compute_bound()
+        .stateful();
+    Some(match prep {
+        OpsKind::Tracked(prep) => prep.finish(gu.primitive, y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    })
+}
+
+#[derive(Debug)]
+struct GateBackward<F>(PhantomData<F>);
+
+impl<F: FloatElement> Backward<Cuda<F>, 1> for GateBackward<F> {
+    /// The gate-and-up projection.
+    type State = Tensor;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<Cuda<F>>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(parent) = parent {
+            grads.register::<Cuda<F>>(parent.id, gate_backward::<F>(&ops.state, &grad));
+        }
+    }
+}
+
+/// One direction as an operation of the fusion stream: the forward when it has one input,
+/// the backward (projection, output gradient) when two.
+#[derive(Debug)]
+struct GateOp<F> {
+    desc: CustomOpIr,
+    _f: PhantomData<F>,
+}
+
+type CudaTensor = CubeTensor<CudaRuntime>;
+
+/// `t` with a unit-stride last dimension.
+fn rows_contiguous(t: CudaTensor) -> CudaTensor {
+    if t.meta.strides()[1] == 1 {
+        t
+    } else {
+        burn_cubecl::kernel::into_contiguous(t)
+    }
+}
+
+/// Row stride, 0 for a single row.
+fn row_stride(t: &CudaTensor) -> u64 {
+    if t.meta.shape()[0] == 1 {
+        0
+    } else {
+        t.meta.strides()[0] as u64
+    }
+}
+
+impl<F: FloatElement> Operation<Runtime> for GateOp<F> {
+    fn execute(&self, handles: &mut Handles) {
+        let inputs = &self.desc.inputs;
+        let gu = rows_contiguous(handles.get_float_tensor::<Cube<F>>(&inputs[0]));
+        let [rows, n] = [gu.meta.shape()[0], gu.meta.shape()[1] / 2];
+        let bf16 = u64::from(gu.dtype == DType::BF16);
+        let blocks = ((rows * n) as u64).div_ceil(THREADS);
+        let (client, device) = (gu.client.clone(), gu.device.clone());
+        if inputs.len() == 1 {
+            let y = empty_device_contiguous_dtype(
+                client.clone(),
+                device,
+                Shape::new([rows, n]),
+                gu.dtype,
+            );
+            let data = [
+                bf16,
+                blocks,
+                rows as u64,
+                n as u64,
+                row_stride(&gu),
+                row_stride(&y),
+            ];
+            let buffers = [&gu, &y].map(|t| t.handle.clone().binding()).into();
+            external::launch_external(&client, op(), buffers, &data);
+            handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, y);
+        } else {
+            let dy = rows_contiguous(handles.get_float_tensor::<Cube<F>>(&inputs[1]));
+            let dy = if dy.dtype == gu.dtype {
+                dy
+            } else {
+                burn_cubecl::kernel::cast(dy, gu.dtype)
+            };
+            let dgu = empty_device_contiguous_dtype(
+                client.clone(),
+                device,
+                Shape::new([rows, 2 * n]),
+                gu.dtype,
+            );
+            let data = [
+                2 + bf16,
+                blocks,
+                rows as u64,
+                n as u64,
+                row_stride(&gu),
+                row_stride(&dy),
+                row_stride(&dgu),
+            ];
+            let buffers = [&gu, &dy, &dgu].map(|t| t.handle.clone().binding()).into();
+            external::launch_external(&client, op(), buffers, &data);
+            handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, dgu);
+        }
+    }
+}
+
+/// The kernels as registered with cubecl.
+static OP: OnceLock<external::ExternalOpId> = OnceLock::new();
+
+fn op() -> external::ExternalOpId {
+    *OP.get_or_init(|| external::register_external_op(run))
+}
+
+/// On cubecl's device thread: `data` is [kernel, blocks, kernel scalars...]; the pointers are
+/// the kernel's pointer parameters in order.
+fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
+    let [kernel, blocks, scalars @ ..] = call.data else {
+        return Err("SwiGLU kernel: truncated launch".into());
+    };
+    let mut args: Vec<u64> = call.pointers.to_vec();
+    args.extend_from_slice(scalars);
+    module::launch(
+        &SOURCE,
+        *kernel as usize,
+        *blocks as u32,
+        THREADS as u32,
+        call.stream,
+        &args,
+    )
+}
