@@ -8,8 +8,11 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, ElementConversion, Tensor, TensorData};
+use burn::tensor::{Bool, Tensor, TensorData};
 use trainer::model::transformer::positions_and_mask;
+
+mod common;
+use common::rel_diffs;
 
 /// Query, key, value and a weighting of the output (so every output element gets its own
 /// gradient), on `device`, the same on every call. Drawn from a local generator: the
@@ -46,18 +49,6 @@ fn padded_causal_mask<B: Backend>(
     positions_and_mask(valid, None).mask.expand([b, h, t, t])
 }
 
-/// Largest difference relative to the reference's largest magnitude.
-fn rel_diff<B: Backend>(a: Tensor<B, 4>, reference: Tensor<B, 4>) -> f32 {
-    let scale = reference
-        .clone()
-        .abs()
-        .max()
-        .into_scalar()
-        .elem::<f32>()
-        .max(1e-6);
-    (a - reference).abs().max().into_scalar().elem::<f32>() / scale
-}
-
 /// Relative differences between the fused op and the reference: output, then dQ, dK, dV.
 fn compare<B: AutodiffBackend>(
     shape: [usize; 4],
@@ -80,11 +71,7 @@ fn compare<B: AutodiffBackend>(
         [out.inner(), g(&q), g(&k), g(&v)]
     };
     let (ours, reference) = (run(false), run(true));
-    let mut out = [0.0; 4];
-    for (i, (a, b)) in ours.into_iter().zip(reference).enumerate() {
-        out[i] = rel_diff(a, b);
-    }
-    out
+    rel_diffs(ours, reference)
 }
 
 fn assert_close(what: &str, diffs: [f32; 4], tol: f32) {

@@ -5,10 +5,14 @@
 //! and scale). The CPU always takes the decompositions, which the unit and parity tests check.
 
 #[cfg(feature = "cuda")]
+mod common;
+
+#[cfg(feature = "cuda")]
 mod cuda {
+    use super::common::{rel_diff, rel_diffs};
     use burn::backend::Autodiff;
     use burn::tensor::backend::{AutodiffBackend, Backend};
-    use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+    use burn::tensor::{Int, Tensor, TensorData};
     use trainer::model::vocab::{token_stats, token_stats_decomposed};
 
     /// Logits `[rows, vocab]` (spread like a trained model's, with a few large entries),
@@ -30,20 +34,6 @@ mod cuda {
             Tensor::from_data(TensorData::new(targets, [rows]), device),
             Tensor::from_data(TensorData::new(weights, [rows, 2]), device),
         )
-    }
-
-    /// Largest difference relative to the reference's largest magnitude.
-    fn rel_diff<B: Backend>(a: Tensor<B, 2>, reference: Tensor<B, 2>) -> f32 {
-        let a = a.cast(burn::tensor::FloatDType::F32);
-        let reference = reference.cast(burn::tensor::FloatDType::F32);
-        let scale = reference
-            .clone()
-            .abs()
-            .max()
-            .into_scalar()
-            .elem::<f32>()
-            .max(1e-6);
-        (a - reference).abs().max().into_scalar().elem::<f32>() / scale
     }
 
     /// Relative differences of the statistics and of the logits' gradient.
@@ -154,12 +144,7 @@ mod cuda {
                 dw,
             ]
         };
-        let (ours, reference) = (run(true), run(false));
-        let mut out = [0.0; 3];
-        for (i, (a, r)) in ours.into_iter().zip(reference).enumerate() {
-            out[i] = rel_diff(a, r);
-        }
-        out
+        rel_diffs(run(true), run(false))
     }
 
     fn check_norm<B: AutodiffBackend>(device: &B::Device, tol: f32) {
@@ -316,12 +301,7 @@ mod cuda {
                 dw,
             ]
         };
-        let (ours, reference) = (run(true), run(false));
-        let mut out = [0.0; 3];
-        for (i, (a, r)) in ours.into_iter().zip(reference).enumerate() {
-            out[i] = rel_diff(a, r);
-        }
-        out
+        rel_diffs(run(true), run(false))
     }
 
     #[test]

@@ -18,23 +18,15 @@
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
 use burn_autodiff::ops::{register_external_attention, ExternalAttention};
-use burn_cubecl::fusion::FusionCubeRuntime;
-use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, FloatElement};
+use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
-use cubecl_cuda::{external, CudaRuntime};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 use std::marker::PhantomData;
-use std::sync::OnceLock;
 
-use super::module::{self, Source};
+use super::module::Source;
+use super::stream::{enabled, queue, stride, Cube, CudaTensor as Cuda, FusionTensor as Tensor, Handles, Runtime};
 
-type Cube<F> = CubeBackend<CudaRuntime, F, i32, u8>;
-type Runtime = FusionCubeRuntime<CudaRuntime>;
-type Handles = HandleContainer<<Cube<f32> as burn_ir::BackendIr>::Handle>;
-
-static SOURCE: Source = Source {
+pub(super) static SOURCE: Source = Source {
     name: "attention.cu",
     code: concat!(include_str!("common.cuh"), include_str!("attention.cu")),
     kernels: &[
@@ -47,31 +39,26 @@ static SOURCE: Source = Source {
 
 /// Rows per block (a warp each) and threads per block, as `attention.cu` defines them.
 const ROWS_PER_BLOCK: u64 = 8;
-const THREADS: u64 = 32 * ROWS_PER_BLOCK;
+const THREADS: u32 = 32 * ROWS_PER_BLOCK as u32;
 
 /// Runs every differentiable attention of burn's CUDA backend (f32 and bf16) through these
 /// kernels from now on, and returns true; false (nothing registered) when
 /// `CUDA_AGENT_ATTENTION=decomposed` asks for burn primitives or the kernels do not compile.
 pub fn install() -> bool {
-    if std::env::var("CUDA_AGENT_ATTENTION").as_deref() == Ok("decomposed") {
+    if !enabled(&SOURCE, "CUDA_AGENT_ATTENTION", "attention") {
         return false;
     }
-    if let Err(e) = module::check(&SOURCE) {
-        tracing::warn!("{e}; attention stays decomposed into burn operations");
-        return false;
-    }
-    register_external_attention::<Fusion<Cube<f32>>>(ExternalAttention {
+    register_external_attention::<super::stream::Cuda<f32>>(ExternalAttention {
         forward: forward::<f32>,
         backward: backward::<f32>,
     });
-    register_external_attention::<Fusion<Cube<half::bf16>>>(ExternalAttention {
+    register_external_attention::<super::stream::Cuda<half::bf16>>(ExternalAttention {
         forward: forward::<half::bf16>,
         backward: backward::<half::bf16>,
     });
     true
 }
 
-type Tensor = FusionTensor<Runtime>;
 
 /// Whether the kernels take these inputs: f32 or bf16 throughout, rows countable by a grid.
 fn supported(q: &Tensor, others: &[&Tensor]) -> bool {
@@ -197,7 +184,6 @@ impl<F: FloatElement> Operation<Runtime> for AttentionOp<F> {
     }
 }
 
-type Cuda = CubeTensor<CudaRuntime>;
 
 fn transposed<F: FloatElement>(t: Cuda) -> Cuda {
     Cube::<F>::float_swap_dims(t, 2, 3)
@@ -250,10 +236,7 @@ fn backward_cube<F: FloatElement>(
 
 /// Element strides of `t`'s first `n` dimensions, 0 along dimensions of size 1 (broadcast).
 fn strides(t: &Cuda, n: usize) -> Vec<u64> {
-    let (shape, strides) = (t.meta.shape(), t.meta.strides());
-    (0..n)
-        .map(|i| if shape[i] == 1 { 0 } else { strides[i] as u64 })
-        .collect()
+    (0..n).map(|d| stride(t, d)).collect()
 }
 
 fn dims(t: &Cuda) -> [usize; 4] {
@@ -262,39 +245,13 @@ fn dims(t: &Cuda) -> [usize; 4] {
 }
 
 /// Kernel number in [`SOURCE`]: the softmax (`grad == false`) or the gradient, by dtype.
-fn kernel(t: &Cuda, grad: bool) -> u64 {
-    let bf16 = u64::from(t.dtype == DType::BF16);
+fn kernel(t: &Cuda, grad: bool) -> usize {
+    let bf16 = usize::from(t.dtype == DType::BF16);
     if grad {
         2 + bf16
     } else {
         bf16
     }
-}
-
-/// The kernels as registered with cubecl.
-static OP: OnceLock<external::ExternalOpId> = OnceLock::new();
-
-fn op() -> external::ExternalOpId {
-    *OP.get_or_init(|| external::register_external_op(run))
-}
-
-/// On cubecl's device thread: `data` is [kernel, blocks, pointer count, kernel scalars...];
-/// missing pointers (no mask) are passed as null.
-fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
-    let [kernel, blocks, pointers, scalars @ ..] = call.data else {
-        return Err("attention kernel: truncated launch".into());
-    };
-    let mut args: Vec<u64> = call.pointers.to_vec();
-    args.resize(*pointers as usize, 0);
-    args.extend_from_slice(scalars);
-    module::launch(
-        &SOURCE,
-        *kernel as usize,
-        *blocks as u32,
-        THREADS as u32,
-        call.stream,
-        &args,
-    )
 }
 
 fn softmax_in_place(scores: &Cuda, mask: Option<&Cuda>, scale: f64, causal: bool) {
@@ -305,27 +262,20 @@ fn softmax_in_place(scores: &Cuda, mask: Option<&Cuda>, scale: f64, causal: bool
         "products write their rows contiguously"
     );
     let rows = (b * h * t) as u64;
-    let mut data = vec![
-        kernel(scores, false),
-        rows.div_ceil(ROWS_PER_BLOCK),
-        2,
-        rows,
-        h as u64,
-        t as u64,
-        s as u64,
-    ];
-    data.extend(strides(scores, 3));
+    let mut scalars = vec![rows, h as u64, t as u64, s as u64];
+    scalars.extend(strides(scores, 3));
     let mut buffers = vec![scores.handle.clone().binding()];
     match mask {
         Some(m) => {
-            data.push(m.dtype.size() as u64);
-            data.extend(strides(m, 4));
+            scalars.push(m.dtype.size() as u64);
+            scalars.extend(strides(m, 4));
             buffers.push(m.handle.clone().binding());
         }
-        None => data.extend([0, 0, 0, 0, 0]),
+        None => scalars.extend([0, 0, 0, 0, 0]),
     }
-    data.extend([u64::from(causal), scale.to_bits()]);
-    external::launch_external(&scores.client, op(), buffers, &data);
+    scalars.extend([u64::from(causal), scale.to_bits()]);
+    let nulls = 2 - buffers.len();
+    queue(&scores.client, &SOURCE, kernel(scores, false), rows.div_ceil(ROWS_PER_BLOCK), THREADS, buffers, nulls, &scalars);
 }
 
 fn grad_scores_in_place(dp: &Cuda, probs: &Cuda, grad: &Cuda, out: &Cuda, scale: f64) {
@@ -336,23 +286,12 @@ fn grad_scores_in_place(dp: &Cuda, probs: &Cuda, grad: &Cuda, out: &Cuda, scale:
     );
     let dim = dims(grad)[3];
     let rows = (b * h * t) as u64;
-    let mut data = vec![
-        kernel(dp, true),
-        rows.div_ceil(ROWS_PER_BLOCK),
-        4,
-        rows,
-        h as u64,
-        t as u64,
-        s as u64,
-        dim as u64,
-    ];
-    data.extend(strides(dp, 3));
-    data.extend(strides(probs, 3));
-    data.extend(strides(grad, 4));
-    data.extend(strides(out, 4));
-    data.push(scale.to_bits());
-    let buffers = [dp, probs, grad, out]
-        .map(|t| t.handle.clone().binding())
-        .into();
-    external::launch_external(&dp.client, op(), buffers, &data);
+    let mut scalars = vec![rows, h as u64, t as u64, s as u64, dim as u64];
+    scalars.extend(strides(dp, 3));
+    scalars.extend(strides(probs, 3));
+    scalars.extend(strides(grad, 4));
+    scalars.extend(strides(out, 4));
+    scalars.push(scale.to_bits());
+    let buffers = [dp, probs, grad, out].map(|t| t.handle.clone().binding()).into();
+    queue(&dp.client, &SOURCE, kernel(dp, true), rows.div_ceil(ROWS_PER_BLOCK), THREADS, buffers, 0, &scalars);
 }

@@ -13,5 +13,6 @@ pub mod attention;
 mod module;
 pub mod norm;
 pub mod rope;
+mod stream;
 pub mod swiglu;
 pub mod vocab;

@@ -7,8 +7,6 @@
 //! the fusion stream; on the autodiff backend the pair is one tracked operation.
 
 use std::marker::PhantomData;
-use std::sync::OnceLock;
-
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, Shape};
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -16,26 +14,17 @@ use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
-use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, FloatElement};
+use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
-use cubecl_cuda::{external, CudaRuntime};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 
-use super::module::{self, Source};
+use super::module::Source;
+use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
 use crate::model::fused;
 use crate::model::transformer::FusedRmsNorm;
 
-type Cube<F> = CubeBackend<CudaRuntime, F, i32, u8>;
-type Cuda<F> = Fusion<Cube<F>>;
-type Runtime = FusionCubeRuntime<CudaRuntime>;
-type Handles = HandleContainer<<Cube<f32> as burn_ir::BackendIr>::Handle>;
-type Tensor = FusionTensor<Runtime>;
-
-static SOURCE: Source = Source {
+pub(super) static SOURCE: Source = Source {
     name: "norm.cu",
     code: concat!(include_str!("common.cuh"), include_str!("norm.cu")),
     kernels: &[
@@ -53,11 +42,7 @@ const THREADS: u32 = 128;
 /// these kernels, and returns true; false (nothing registered) when
 /// `CUDA_AGENT_NORM=decomposed` asks for burn operations or the kernels do not compile.
 pub fn install() -> bool {
-    if std::env::var("CUDA_AGENT_NORM").as_deref() == Ok("decomposed") {
-        return false;
-    }
-    if let Err(e) = module::check(&SOURCE) {
-        tracing::warn!("{e}; RMSNorm stays decomposed into burn operations");
+    if !enabled(&SOURCE, "CUDA_AGENT_NORM", "RMSNorm") {
         return false;
     }
     fused::register::<Cuda<f32>, FusedRmsNorm<Cuda<f32>>>(|x, w, eps| {
@@ -203,26 +188,6 @@ struct NormOp<F> {
     _f: PhantomData<F>,
 }
 
-type CudaTensor = CubeTensor<CudaRuntime>;
-
-/// Element stride of dimension `d`, 0 along a dimension of size 1.
-fn stride(t: &CudaTensor, d: usize) -> u64 {
-    if t.meta.shape()[d] == 1 {
-        0
-    } else {
-        t.meta.strides()[d] as u64
-    }
-}
-
-/// `t` with unit-stride rows (the kernels walk rows element by element).
-fn rows_contiguous(t: CudaTensor) -> CudaTensor {
-    let n = t.meta.shape().len();
-    if t.meta.strides()[n - 1] == 1 || t.meta.shape()[n - 1] == 1 {
-        t
-    } else {
-        burn_cubecl::kernel::into_contiguous(t)
-    }
-}
 
 impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
     fn execute(&self, handles: &mut Handles) {
@@ -245,20 +210,16 @@ impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
                 Shape::new([rows]),
                 DType::F32,
             );
-            let data = [
-                bf16,
-                rows as u64,
-                d as u64,
+            let scalars = [d as u64,
                 stride(&x, 0),
                 stride(&y, 0),
                 stride(&w, 0),
                 stride(&inv, 0),
-                self.eps.to_bits(),
-            ];
+                self.eps.to_bits()];
             let buffers = [&x, &w, &y, &inv]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            external::launch_external(&client, op(), buffers, &data);
+            queue(&client, &SOURCE, bf16 as usize, rows as u64, THREADS, buffers, 0, &scalars);
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, y);
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[1].id, inv);
         } else {
@@ -281,21 +242,17 @@ impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
                 Shape::new([rows, d]),
                 x.dtype,
             );
-            let data = [
-                2 + bf16,
-                rows as u64,
-                d as u64,
+            let scalars = [d as u64,
                 stride(&x, 0),
                 stride(&w, 0),
                 stride(&inv, 0),
                 stride(&grad, 0),
                 stride(&dx, 0),
-                stride(&gx, 0),
-            ];
+                stride(&gx, 0)];
             let buffers = [&x, &w, &inv, &grad, &dx, &gx]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            external::launch_external(&client, op(), buffers, &data);
+            queue(&client, &SOURCE, (2 + bf16) as usize, rows as u64, THREADS, buffers, 0, &scalars);
             // dw = 1ᵀ (g ∘ x̂): column sums as one product.
             let ones = Cube::<F>::float_ones(Shape::new([1, rows]), &device, x.dtype.into());
             let dw = Cube::<F>::float_reshape(Cube::<F>::float_matmul(ones, gx), Shape::new([d]));
@@ -305,27 +262,4 @@ impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
     }
 }
 
-/// The kernels as registered with cubecl.
-static OP: OnceLock<external::ExternalOpId> = OnceLock::new();
 
-fn op() -> external::ExternalOpId {
-    *OP.get_or_init(|| external::register_external_op(run))
-}
-
-/// On cubecl's device thread: `data` is [kernel, rows, kernel scalars...]; the pointers are
-/// the kernel's pointer parameters in order.
-fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
-    let [kernel, rows, scalars @ ..] = call.data else {
-        return Err("RMSNorm kernel: truncated launch".into());
-    };
-    let mut args: Vec<u64> = call.pointers.to_vec();
-    args.extend_from_slice(scalars);
-    module::launch(
-        &SOURCE,
-        *kernel as usize,
-        *rows as u32,
-        THREADS,
-        call.stream,
-        &args,
-    )
-}

@@ -6,8 +6,6 @@
 //! whose state is the angles.
 
 use std::marker::PhantomData;
-use std::sync::OnceLock;
-
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -15,26 +13,17 @@ use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
-use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, FloatElement};
+use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
-use cubecl_cuda::{external, CudaRuntime};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 
-use super::module::{self, Source};
+use super::module::Source;
+use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
 use crate::model::fused;
 use crate::model::rope::FusedRope;
 
-type Cube<F> = CubeBackend<CudaRuntime, F, i32, u8>;
-type Cuda<F> = Fusion<Cube<F>>;
-type Runtime = FusionCubeRuntime<CudaRuntime>;
-type Handles = HandleContainer<<Cube<f32> as burn_ir::BackendIr>::Handle>;
-type Tensor = FusionTensor<Runtime>;
-
-static SOURCE: Source = Source {
+pub(super) static SOURCE: Source = Source {
     name: "rope.cu",
     code: concat!(include_str!("common.cuh"), include_str!("rope.cu")),
     kernels: &["rope_f32", "rope_bf16"],
@@ -46,11 +35,7 @@ const THREADS: u64 = 256;
 /// run this kernel, and returns true; false (nothing registered) when
 /// `CUDA_AGENT_ROPE=decomposed` asks for burn operations or the kernel does not compile.
 pub fn install() -> bool {
-    if std::env::var("CUDA_AGENT_ROPE").as_deref() == Ok("decomposed") {
-        return false;
-    }
-    if let Err(e) = module::check(&SOURCE) {
-        tracing::warn!("{e}; rotary embeddings stay decomposed into burn operations");
+    if !enabled(&SOURCE, "CUDA_AGENT_ROPE", "rotary embeddings") {
         return false;
     }
     fused::register::<Cuda<f32>, FusedRope<Cuda<f32>>>(|x, c, s| rotate::<f32>(&x, &c, &s, false));
@@ -155,26 +140,6 @@ struct RopeOp<F> {
     _f: PhantomData<F>,
 }
 
-type CudaTensor = CubeTensor<CudaRuntime>;
-
-/// Element stride of dimension `d`, 0 along a dimension of size 1.
-fn stride(t: &CudaTensor, d: usize) -> u64 {
-    if t.meta.shape()[d] == 1 {
-        0
-    } else {
-        t.meta.strides()[d] as u64
-    }
-}
-
-/// `t` with a unit-stride last dimension.
-fn rows_contiguous(t: CudaTensor) -> CudaTensor {
-    let n = t.meta.shape().len();
-    if t.meta.strides()[n - 1] == 1 {
-        t
-    } else {
-        burn_cubecl::kernel::into_contiguous(t)
-    }
-}
 
 impl<F: FloatElement> Operation<Runtime> for RopeOp<F> {
     fn execute(&self, handles: &mut Handles) {
@@ -197,10 +162,7 @@ impl<F: FloatElement> Operation<Runtime> for RopeOp<F> {
         let [_, t, heads, d] = [shape[0], shape[1], shape[2], shape[3]];
         let pairs = (shape.num_elements() / 2) as u64;
         let y = empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
-        let data = [
-            u64::from(x.dtype == DType::BF16),
-            pairs.div_ceil(THREADS),
-            pairs,
+        let scalars = [pairs,
             t as u64,
             heads as u64,
             (d / 2) as u64,
@@ -209,37 +171,13 @@ impl<F: FloatElement> Operation<Runtime> for RopeOp<F> {
             stride(&x, 2),
             stride(&cos, 0),
             stride(&cos, 1),
-            u64::from(self.inverse),
-        ];
+            u64::from(self.inverse)];
         let buffers = [&x, &cos, &sin, &y]
             .map(|t| t.handle.clone().binding())
             .into();
-        external::launch_external(&x.client, op(), buffers, &data);
+        queue(&x.client, &SOURCE, u64::from(x.dtype == DType::BF16) as usize, pairs.div_ceil(THREADS), THREADS as u32, buffers, 0, &scalars);
         handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, y);
     }
 }
 
-/// The kernel as registered with cubecl.
-static OP: OnceLock<external::ExternalOpId> = OnceLock::new();
 
-fn op() -> external::ExternalOpId {
-    *OP.get_or_init(|| external::register_external_op(run))
-}
-
-/// On cubecl's device thread: `data` is [kernel, blocks, kernel scalars...]; the pointers are
-/// the kernel's pointer parameters in order.
-fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
-    let [kernel, blocks, scalars @ ..] = call.data else {
-        return Err("rotary kernel: truncated launch".into());
-    };
-    let mut args: Vec<u64> = call.pointers.to_vec();
-    args.extend_from_slice(scalars);
-    module::launch(
-        &SOURCE,
-        *kernel as usize,
-        *blocks as u32,
-        THREADS as u32,
-        call.stream,
-        &args,
-    )
-}

@@ -6,8 +6,6 @@
 //! pair is one tracked operation whose state is the projection.
 
 use std::marker::PhantomData;
-use std::sync::OnceLock;
-
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -15,26 +13,17 @@ use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
-use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, FloatElement};
+use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
-use cubecl_cuda::{external, CudaRuntime};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 
-use super::module::{self, Source};
+use super::module::Source;
+use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
 use crate::model::fused;
 use crate::model::transformer::FusedSwiGlu;
 
-type Cube<F> = CubeBackend<CudaRuntime, F, i32, u8>;
-type Cuda<F> = Fusion<Cube<F>>;
-type Runtime = FusionCubeRuntime<CudaRuntime>;
-type Handles = HandleContainer<<Cube<f32> as burn_ir::BackendIr>::Handle>;
-type Tensor = FusionTensor<Runtime>;
-
-static SOURCE: Source = Source {
+pub(super) static SOURCE: Source = Source {
     name: "swiglu.cu",
     code: concat!(include_str!("common.cuh"), include_str!("swiglu.cu")),
     kernels: &[
@@ -51,11 +40,7 @@ const THREADS: u64 = 256;
 /// run these kernels, and returns true; false (nothing registered) when
 /// `CUDA_AGENT_SWIGLU=decomposed` asks for burn operations or the kernels do not compile.
 pub fn install() -> bool {
-    if std::env::var("CUDA_AGENT_SWIGLU").as_deref() == Ok("decomposed") {
-        return false;
-    }
-    if let Err(e) = module::check(&SOURCE) {
-        tracing::warn!("{e}; the SwiGLU gate stays decomposed into burn operations");
+    if !enabled(&SOURCE, "CUDA_AGENT_SWIGLU", "the SwiGLU gate") {
         return false;
     }
     fused::register::<Cuda<f32>, FusedSwiGlu<Cuda<f32>>>(|gu| gate::<f32>(&gu));
@@ -164,25 +149,6 @@ struct GateOp<F> {
     _f: PhantomData<F>,
 }
 
-type CudaTensor = CubeTensor<CudaRuntime>;
-
-/// `t` with a unit-stride last dimension.
-fn rows_contiguous(t: CudaTensor) -> CudaTensor {
-    if t.meta.strides()[1] == 1 {
-        t
-    } else {
-        burn_cubecl::kernel::into_contiguous(t)
-    }
-}
-
-/// Row stride, 0 for a single row.
-fn row_stride(t: &CudaTensor) -> u64 {
-    if t.meta.shape()[0] == 1 {
-        0
-    } else {
-        t.meta.strides()[0] as u64
-    }
-}
 
 impl<F: FloatElement> Operation<Runtime> for GateOp<F> {
     fn execute(&self, handles: &mut Handles) {
@@ -199,16 +165,12 @@ impl<F: FloatElement> Operation<Runtime> for GateOp<F> {
                 Shape::new([rows, n]),
                 gu.dtype,
             );
-            let data = [
-                bf16,
-                blocks,
-                rows as u64,
+            let scalars = [rows as u64,
                 n as u64,
-                row_stride(&gu),
-                row_stride(&y),
-            ];
+                stride(&gu, 0),
+                stride(&y, 0)];
             let buffers = [&gu, &y].map(|t| t.handle.clone().binding()).into();
-            external::launch_external(&client, op(), buffers, &data);
+            queue(&client, &SOURCE, bf16 as usize, blocks, THREADS as u32, buffers, 0, &scalars);
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, y);
         } else {
             let dy = rows_contiguous(handles.get_float_tensor::<Cube<F>>(&inputs[1]));
@@ -223,43 +185,16 @@ impl<F: FloatElement> Operation<Runtime> for GateOp<F> {
                 Shape::new([rows, 2 * n]),
                 gu.dtype,
             );
-            let data = [
-                2 + bf16,
-                blocks,
-                rows as u64,
+            let scalars = [rows as u64,
                 n as u64,
-                row_stride(&gu),
-                row_stride(&dy),
-                row_stride(&dgu),
-            ];
+                stride(&gu, 0),
+                stride(&dy, 0),
+                stride(&dgu, 0)];
             let buffers = [&gu, &dy, &dgu].map(|t| t.handle.clone().binding()).into();
-            external::launch_external(&client, op(), buffers, &data);
+            queue(&client, &SOURCE, (2 + bf16) as usize, blocks, THREADS as u32, buffers, 0, &scalars);
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, dgu);
         }
     }
 }
 
-/// The kernels as registered with cubecl.
-static OP: OnceLock<external::ExternalOpId> = OnceLock::new();
 
-fn op() -> external::ExternalOpId {
-    *OP.get_or_init(|| external::register_external_op(run))
-}
-
-/// On cubecl's device thread: `data` is [kernel, blocks, kernel scalars...]; the pointers are
-/// the kernel's pointer parameters in order.
-fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
-    let [kernel, blocks, scalars @ ..] = call.data else {
-        return Err("SwiGLU kernel: truncated launch".into());
-    };
-    let mut args: Vec<u64> = call.pointers.to_vec();
-    args.extend_from_slice(scalars);
-    module::launch(
-        &SOURCE,
-        *kernel as usize,
-        *blocks as u32,
-        THREADS as u32,
-        call.stream,
-        &args,
-    )
-}

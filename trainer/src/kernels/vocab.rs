@@ -6,8 +6,6 @@
 //! logits, the targets and the forward's per-row results.
 
 use std::marker::PhantomData;
-use std::sync::OnceLock;
-
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -15,25 +13,16 @@ use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
-use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, FloatElement};
+use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
-use cubecl_cuda::{external, CudaRuntime};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 
-use super::module::{self, Source};
+use super::module::Source;
+use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
 use crate::model::vocab::register_token_stats;
 
-type Cube<F> = CubeBackend<CudaRuntime, F, i32, u8>;
-type Cuda<F> = Fusion<Cube<F>>;
-type Runtime = FusionCubeRuntime<CudaRuntime>;
-type Handles = HandleContainer<<Cube<f32> as burn_ir::BackendIr>::Handle>;
-type Tensor = FusionTensor<Runtime>;
-
-static SOURCE: Source = Source {
+pub(super) static SOURCE: Source = Source {
     name: "vocab.cu",
     code: concat!(include_str!("common.cuh"), include_str!("vocab.cu")),
     kernels: &[
@@ -51,11 +40,7 @@ const THREADS: u32 = 512;
 /// these kernels, and returns true; false (nothing registered) when
 /// `CUDA_AGENT_VOCAB=decomposed` asks for burn operations or the kernels do not compile.
 pub fn install() -> bool {
-    if std::env::var("CUDA_AGENT_VOCAB").as_deref() == Ok("decomposed") {
-        return false;
-    }
-    if let Err(e) = module::check(&SOURCE) {
-        tracing::warn!("{e}; next-token statistics stay decomposed into burn operations");
+    if !enabled(&SOURCE, "CUDA_AGENT_VOCAB", "next-token statistics") {
         return false;
     }
     register_token_stats::<Cuda<f32>>(|z, t, temp| forward(&z, &t, temp).map(|(stats, _)| stats));
@@ -199,26 +184,6 @@ struct StatsOp {
     backward: bool,
 }
 
-type CudaTensor = CubeTensor<CudaRuntime>;
-
-/// Element stride of dimension `d`, 0 along a dimension of size 1.
-fn stride(t: &CudaTensor, d: usize) -> u64 {
-    if t.meta.shape()[d] == 1 {
-        0
-    } else {
-        t.meta.strides()[d] as u64
-    }
-}
-
-/// `t` with its last dimension contiguous (the kernels walk rows element by element).
-fn rows_contiguous(t: CudaTensor) -> CudaTensor {
-    let n = t.meta.shape().len();
-    if t.meta.strides()[n - 1] == 1 {
-        t
-    } else {
-        burn_cubecl::kernel::into_contiguous(t)
-    }
-}
 
 impl Operation<Runtime> for StatsOp {
     fn execute(&self, handles: &mut Handles) {
@@ -244,20 +209,16 @@ impl Operation<Runtime> for StatsOp {
                 Shape::new([rows]),
                 DType::F32,
             );
-            let data = [
-                bf16,
-                rows as u64,
-                vocab as u64,
+            let scalars = [vocab as u64,
                 stride(&logits, 0),
                 stride(&targets, 0),
                 stride(&stats, 0),
                 stride(&lse, 0),
-                inv_temp,
-            ];
+                inv_temp];
             let buffers = [&logits, &targets, &stats, &lse]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            external::launch_external(&client, op(), buffers, &data);
+            queue(&client, &SOURCE, bf16 as usize, rows as u64, THREADS, buffers, 0, &scalars);
             handles.register_float_tensor::<Cube<f32>>(&self.desc.outputs[0].id, stats);
             handles.register_float_tensor::<Cube<f32>>(&self.desc.outputs[1].id, lse);
         } else {
@@ -276,10 +237,7 @@ impl Operation<Runtime> for StatsOp {
                 Shape::new([rows, vocab]),
                 logits.dtype,
             );
-            let data = [
-                2 + bf16,
-                rows as u64,
-                vocab as u64,
+            let scalars = [vocab as u64,
                 stride(&logits, 0),
                 stride(&targets, 0),
                 stride(&lse, 0),
@@ -287,38 +245,14 @@ impl Operation<Runtime> for StatsOp {
                 stride(&grad, 0),
                 stride(&grad, 1),
                 stride(&dz, 0),
-                inv_temp,
-            ];
+                inv_temp];
             let buffers = [&logits, &dz, &targets, &lse, &stats, &grad]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            external::launch_external(&client, op(), buffers, &data);
+            queue(&client, &SOURCE, (2 + bf16) as usize, rows as u64, THREADS, buffers, 0, &scalars);
             handles.register_float_tensor::<Cube<f32>>(&self.desc.outputs[0].id, dz);
         }
     }
 }
 
-/// The kernels as registered with cubecl.
-static OP: OnceLock<external::ExternalOpId> = OnceLock::new();
 
-fn op() -> external::ExternalOpId {
-    *OP.get_or_init(|| external::register_external_op(run))
-}
-
-/// On cubecl's device thread: `data` is [kernel, rows, kernel scalars...]; the pointers are
-/// the kernel's pointer parameters in order.
-fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
-    let [kernel, rows, scalars @ ..] = call.data else {
-        return Err("vocabulary kernel: truncated launch".into());
-    };
-    let mut args: Vec<u64> = call.pointers.to_vec();
-    args.extend_from_slice(scalars);
-    module::launch(
-        &SOURCE,
-        *kernel as usize,
-        *rows as u32,
-        THREADS,
-        call.stream,
-        &args,
-    )
-}
