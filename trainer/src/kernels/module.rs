@@ -22,7 +22,10 @@ struct Loaded(Vec<cuda::CUfunction>);
 // SAFETY: CUfunction handles are plain driver handles, valid from any thread of the process.
 unsafe impl Send for Loaded {}
 
-static LOADED: Mutex<Vec<((&'static str, i32), Result<Loaded, String>)>> = Mutex::new(Vec::new());
+/// Per (source name, device): the loaded functions, or why loading failed.
+type LoadedTable = Vec<((&'static str, i32), Result<Loaded, String>)>;
+
+static LOADED: Mutex<LoadedTable> = Mutex::new(Vec::new());
 
 /// The device's compute capability as NVRTC spells it (`90` for an H200).
 fn architecture(device: i32) -> Result<String, String> {
@@ -60,7 +63,10 @@ fn compile(source: &Source, device: i32) -> Result<Vec<u8>, String> {
 }
 
 /// PTX per (source, architecture), compiled once.
-static PTX: Mutex<Vec<((&'static str, String), Vec<u8>)>> = Mutex::new(Vec::new());
+/// Per (source name, architecture): the PTX.
+type PtxTable = Vec<((&'static str, String), Vec<u8>)>;
+
+static PTX: Mutex<PtxTable> = Mutex::new(Vec::new());
 
 fn ptx(source: &Source, device: i32) -> Result<Vec<u8>, String> {
     let key = (source.name, architecture(device)?);

@@ -68,7 +68,7 @@ fn supported(logits: &Tensor, targets: &Tensor) -> bool {
 
 /// `([rows, 2]` statistics, `[rows]` log-sum-exp`)`, both f32.
 fn forward(logits: &Tensor, targets: &Tensor, temperature: f64) -> Option<(Tensor, Tensor)> {
-    if !supported(logits, targets) || !(temperature > 0.0) {
+    if !supported(logits, targets) || temperature.is_nan() || temperature <= 0.0 {
         return None;
     }
     let rows = logits.shape[0];
