@@ -147,16 +147,11 @@ impl<F: FloatElement> Operation<Runtime> for RopeOp<F> {
         let x = rows_contiguous(handles.get_float_tensor::<Cube<F>>(&inputs[0]));
         let cos = rows_contiguous(handles.get_float_tensor::<Cube<F>>(&inputs[1]));
         let sin = rows_contiguous(handles.get_float_tensor::<Cube<F>>(&inputs[2]));
-        // The kernel indexes sines with the cosines' strides.
-        let sin = if (0..2).all(|d| stride(&sin, d) == stride(&cos, d)) {
-            sin
+        // The kernel indexes sines with the cosines' strides: when they differ, both contiguous.
+        let (cos, sin) = if (0..2).all(|d| stride(&sin, d) == stride(&cos, d)) {
+            (cos, sin)
         } else {
-            burn_cubecl::kernel::into_contiguous(sin)
-        };
-        let cos = if (0..2).all(|d| stride(&sin, d) == stride(&cos, d)) {
-            cos
-        } else {
-            burn_cubecl::kernel::into_contiguous(cos)
+            (burn_cubecl::kernel::into_contiguous(cos), burn_cubecl::kernel::into_contiguous(sin))
         };
         let shape = x.meta.shape().clone();
         let [_, t, heads, d] = [shape[0], shape[1], shape[2], shape[3]];
