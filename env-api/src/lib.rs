@@ -374,3 +374,132 @@ pub struct TaskList {
     /// Split names.
     pub splits: Vec<String>,
 }
+
+/// Caps on the fields of requests. The server checks them (through [`Capped`]) before it
+/// looks at anything else, so that no field can grow its memory, its logs or its metrics
+/// beyond these sizes.
+pub mod caps {
+    /// Ids: task ids, request ids, OpenAI call ids (bytes).
+    pub const ID: usize = 256;
+    /// Split names and small enumerations such as a device or the OpenAI call type (bytes).
+    pub const NAME: usize = 64;
+    /// A tool name (bytes).
+    pub const TOOL_NAME: usize = 64;
+    /// A tool call's arguments, as JSON (bytes).
+    pub const ARGUMENTS_BYTES: usize = 1 << 20;
+    /// An inline task source of `POST /v1/evaluate` (bytes).
+    pub const TASK_SOURCE_BYTES: usize = 1 << 20;
+    /// Files in one solution.
+    pub const SOLUTION_FILES: usize = 64;
+    /// A solution file's path (bytes).
+    pub const SOLUTION_PATH: usize = 256;
+    /// A solution file's contents (bytes).
+    pub const SOLUTION_FILE_BYTES: usize = 4 << 20;
+    /// The largest `options.max_turns` of a reset.
+    pub const MAX_TURNS: u32 = 100_000;
+}
+
+/// A request field over its cap (see [`caps`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldTooLong {
+    /// The field, as a JSON path (`action.tool`, `solution.files["kernels/a.cu"]`).
+    pub field: String,
+    /// Its size (bytes, entries or value).
+    pub len: usize,
+    /// The cap.
+    pub max: usize,
+}
+
+impl std::fmt::Display for FieldTooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is {} long; the most accepted is {}", self.field, self.len, self.max)
+    }
+}
+
+impl std::error::Error for FieldTooLong {}
+
+/// A request whose fields have caps.
+pub trait Capped {
+    /// The first field over its cap, if any.
+    fn check_caps(&self) -> Result<(), FieldTooLong>;
+}
+
+fn cap(field: impl FnOnce() -> String, len: usize, max: usize) -> Result<(), FieldTooLong> {
+    if len > max {
+        return Err(FieldTooLong { field: field(), len, max });
+    }
+    Ok(())
+}
+
+fn cap_opt(field: &str, value: Option<&String>, max: usize) -> Result<(), FieldTooLong> {
+    cap(|| field.to_string(), value.map_or(0, String::len), max)
+}
+
+/// Bytes of `v` as compact JSON, counted without building the text and stopped soon after
+/// `max`.
+fn json_len(v: &Value, max: usize) -> usize {
+    struct Counter {
+        n: usize,
+        max: usize,
+    }
+    impl std::io::Write for Counter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.n += buf.len();
+            if self.n > self.max {
+                return Err(std::io::Error::other("over the cap"));
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Counter { n: 0, max };
+    let _ = serde_json::to_writer(&mut c, v);
+    c.n
+}
+
+impl Capped for ResetRequest {
+    fn check_caps(&self) -> Result<(), FieldTooLong> {
+        cap_opt("task", self.task.as_ref(), caps::ID)?;
+        cap_opt("split", self.split.as_ref(), caps::NAME)?;
+        let turns = self.options.as_ref().and_then(|o| o.max_turns).unwrap_or(0);
+        cap(|| "options.max_turns".into(), turns as usize, caps::MAX_TURNS as usize)
+    }
+}
+
+impl Capped for StepRequest {
+    fn check_caps(&self) -> Result<(), FieldTooLong> {
+        cap_opt("request_id", self.request_id.as_ref(), caps::ID)?;
+        if let Action::OpenAi(a) = &self.action {
+            cap_opt("action.id", a.id.as_ref(), caps::ID)?;
+            cap_opt("action.type", a.kind.as_ref(), caps::NAME)?;
+        }
+        let (tool, arguments) = self.action.parts();
+        cap(|| "action.tool".into(), tool.len(), caps::TOOL_NAME)?;
+        cap(|| "action.arguments".into(), json_len(arguments, caps::ARGUMENTS_BYTES), caps::ARGUMENTS_BYTES)
+    }
+}
+
+impl Capped for EvaluateRequest {
+    fn check_caps(&self) -> Result<(), FieldTooLong> {
+        match &self.task {
+            TaskRef::Id(id) => cap(|| "task".into(), id.len(), caps::ID)?,
+            TaskRef::Source { source } => cap(|| "task.source".into(), source.len(), caps::TASK_SOURCE_BYTES)?,
+        }
+        match &self.solution {
+            SolutionRef::Text(t) => cap(|| "solution".into(), t.len(), caps::SOLUTION_FILE_BYTES)?,
+            SolutionRef::Files { files } => {
+                cap(|| "solution.files".into(), files.len(), caps::SOLUTION_FILES)?;
+                for (path, text) in files {
+                    cap(|| "solution.files (a path)".into(), path.len(), caps::SOLUTION_PATH)?;
+                    cap(|| format!("solution.files[{path:?}]"), text.len(), caps::SOLUTION_FILE_BYTES)?;
+                }
+            }
+        }
+        if let Some(o) = &self.options {
+            cap_opt("options.device", o.device.as_ref(), caps::NAME)?;
+        }
+        Ok(())
+    }
+}
