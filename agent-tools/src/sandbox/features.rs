@@ -15,11 +15,19 @@ pub struct KernelFeatures {
     pub network_namespaces: bool,
     /// The server runs as root, so tool processes can drop to a per-episode uid.
     pub can_switch_uid: bool,
+    /// A command can get its own pid namespace and `/proc` (root, pidfds, mount namespaces).
+    pub pid_namespace: bool,
+    /// A command can get a `/proc` hiding other uids' processes (a mount namespace and a
+    /// `hidepid` proc mount); also tells that the server may mount (tmpfs volumes).
+    pub hidepid: bool,
+    /// Cgroup layers the server can use.
+    pub cgroups: super::CgroupSupport,
 }
 
 impl KernelFeatures {
     /// Probes the kernel. Never fails: a missing feature is reported as absent.
     pub fn detect() -> Self {
+        let (pid_namespace, hidepid) = super::namespace::probe();
         Self {
             landlock_abi: super::landlock::abi_version(),
             seccomp: super::seccomp::available(),
@@ -30,6 +38,9 @@ impl KernelFeatures {
             network_namespaces: std::path::Path::new("/proc/self/ns/net").exists(),
             // SAFETY: geteuid has no preconditions.
             can_switch_uid: unsafe { libc::geteuid() } == 0,
+            pid_namespace,
+            hidepid,
+            cgroups: super::cgroup::Hierarchies::detect().support(),
         }
     }
 

@@ -123,13 +123,7 @@ impl Ruleset {
             // SAFETY: just opened.
             let pfd = unsafe { OwnedFd::from_raw_fd(pfd) };
             let is_dir = std::fs::metadata(path).map(|m| m.is_dir()).unwrap_or(false);
-            let mut rights = match access {
-                Access::ReadOnly => EXECUTE | READ_FILE | READ_DIR,
-                Access::Device => READ_FILE | WRITE_FILE | IOCTL_DEV | TRUNCATE,
-                // TRUNCATE too: fopen(path, "w") opens with O_TRUNC.
-                Access::WriteExisting => EXECUTE | READ_FILE | READ_DIR | WRITE_FILE | TRUNCATE,
-                Access::ReadWrite => handled,
-            } & handled;
+            let mut rights = dir_rights(abi, *access);
             if !is_dir {
                 rights &= FILE_RIGHTS;
             }
@@ -148,6 +142,32 @@ impl Ruleset {
     /// The raw descriptor, for the child's `restrict_self`.
     pub fn raw_fd(&self) -> i32 {
         self.fd.as_raw_fd()
+    }
+}
+
+/// The rights a rule of `access` grants on a directory under `abi`.
+pub fn dir_rights(abi: u32, access: Access) -> u64 {
+    let handled = handled_fs(abi);
+    let rights = match access {
+        Access::ReadOnly => EXECUTE | READ_FILE | READ_DIR,
+        Access::Device => READ_FILE | WRITE_FILE | IOCTL_DEV | TRUNCATE,
+        // TRUNCATE too: fopen(path, "w") opens with O_TRUNC.
+        Access::WriteExisting => EXECUTE | READ_FILE | READ_DIR | WRITE_FILE | TRUNCATE,
+        Access::ReadWrite => handled,
+    };
+    rights & handled
+}
+
+/// Adds a path-beneath rule for the object `path_fd` refers to. Async-signal-safe (only a
+/// syscall), for a child that mounted something the parent could not name.
+pub fn add_path_rule(ruleset: i32, path_fd: i32, rights: u64) -> std::io::Result<()> {
+    let rule = PathBeneathAttr { allowed_access: rights, parent_fd: path_fd };
+    // SAFETY: rule is a valid path-beneath attribute that outlives the call.
+    let rc = unsafe { libc::syscall(libc::SYS_landlock_add_rule, ruleset, RULE_PATH_BENEATH, &rule, 0u32) };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
     }
 }
 

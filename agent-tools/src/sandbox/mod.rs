@@ -1,22 +1,39 @@
-//! The sandbox every tool process runs in: landlock, seccomp, rlimits, its own session and
-//! process group, no_new_privs, a scrubbed environment and, when the server runs as root, a
-//! per-episode uid.
+//! The sandbox every tool process runs in: landlock, seccomp, rlimits, its own session,
+//! no_new_privs, a scrubbed environment and, when the server runs as root, a leased uid,
+//! its own pid namespace and `/proc`, cgroups bounding memory and processes over the whole
+//! command, and a size- and inode-limited volume for everything it writes.
+//!
+//! Nothing a command starts outlives it: not the command's end (its namespace or cgroup is
+//! killed), not a dropped handle ([`SandboxedChild`] kills on drop), not the server's death
+//! (the keeper process watches a lifeline pipe), not a server restart ([`Sandbox::sweep_leftovers`]).
 //!
 //! The parent does all the work that allocates (compiling filters, building the landlock
 //! ruleset, building argv and env); the child, between fork and exec, only makes syscalls.
 
+mod cgroup;
 mod features;
 mod landlock;
+mod namespace;
+mod process;
+mod quota;
 mod seccomp;
+mod uid;
 
 use std::ffi::OsString;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
+pub use cgroup::{CgroupSupport, CgroupVersion};
 pub use features::KernelFeatures;
 pub use landlock::Access;
+pub use namespace::ProcessView;
+pub use process::{kill_session, kill_uid};
+pub use quota::{sweep_volumes, QuotaEnforcement, Volume, VolumeLimits, VolumeUsage};
+pub use uid::{UidLease, UidPool, DEFAULT_LOCK_DIR, DEFAULT_RANGE};
 
 /// Errors from setting up a sandboxed process.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +66,12 @@ pub struct ResourceLimits {
     pub open_files: u64,
     /// Processes per uid (RLIMIT_NPROC); only binding when the process runs as a non-root uid.
     pub processes: u64,
+    /// Memory of all of a command's processes together, in bytes (a cgroup limit, where the
+    /// host provides one; past it the kernel kills a process and the command is ended).
+    pub total_memory_bytes: u64,
+    /// Processes of a command at once (a cgroup limit, where the host provides one; whatever
+    /// their uid).
+    pub total_processes: u64,
 }
 
 impl Default for ResourceLimits {
@@ -59,6 +82,8 @@ impl Default for ResourceLimits {
             file_size_bytes: 1 << 30,
             open_files: 4096,
             processes: 512,
+            total_memory_bytes: 16 << 30,
+            total_processes: 512,
         }
     }
 }
@@ -80,6 +105,10 @@ pub struct SandboxConfig {
     pub landlock: bool,
     /// Apply seccomp (turning it off is for diagnosis, and makes the sandbox unconfined).
     pub seccomp: bool,
+    /// Where uid leases are locked; shared by every server on the host.
+    pub uid_lock_dir: PathBuf,
+    /// The uids leased to jails.
+    pub uid_range: Range<u32>,
 }
 
 impl SandboxConfig {
@@ -110,7 +139,17 @@ impl SandboxConfig {
         // processes' entries stay out of reach: file modes, the per-episode uid, and
         // landlock's ptrace scoping guard them.
         let write_existing = vec![PathBuf::from("/proc")];
-        Self { read_only, devices, write_existing, limits: ResourceLimits::default(), allow_unconfined: false, landlock: true, seccomp: true }
+        Self {
+            read_only,
+            devices,
+            write_existing,
+            limits: ResourceLimits::default(),
+            allow_unconfined: false,
+            landlock: true,
+            seccomp: true,
+            uid_lock_dir: PathBuf::from(DEFAULT_LOCK_DIR),
+            uid_range: DEFAULT_RANGE,
+        }
     }
 }
 
@@ -129,6 +168,88 @@ pub struct SandboxStatus {
     pub confined: bool,
     /// Resource limits in force.
     pub limits: ResourceLimits,
+    /// What a jail asking for [`ProcessView::Private`] gets on this host (less where the
+    /// kernel or the server's privileges do not allow it).
+    pub process_view: ProcessView,
+    /// How a command's processes are all killed at its end: `pid_namespace`, `cgroup_kill`,
+    /// `freezer` or `session` (a scan of the process table, which a process can escape by
+    /// leaving the session only where setsid is allowed, which seccomp forbids).
+    pub kill_method: &'static str,
+    /// A command's processes die when the server dies (a keeper watching a lifeline pipe).
+    pub die_with_server: bool,
+    /// Unix sockets: `socketpair_only` (socket() is denied, so no named socket anywhere can
+    /// be reached) or `unrestricted` without seccomp.
+    pub unix_sockets: &'static str,
+    /// Cgroup layers in force.
+    pub cgroups: CgroupSupport,
+    /// How volumes ([`Volume`]) enforce their size and inode limits.
+    pub disk_quota: QuotaEnforcement,
+    /// The uids leased to jails, when uids are switched.
+    pub uid_pool: Option<Range<u32>>,
+}
+
+/// A limit a command ran into; the command is ended when it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Breach {
+    /// Its volume's bytes are used up.
+    DiskQuota,
+    /// Its volume's inodes are used up.
+    Inodes,
+    /// Its processes together went past the memory limit (the kernel killed one).
+    Memory,
+    /// It tried to run more processes at once than allowed.
+    Processes,
+}
+
+impl Breach {
+    /// A short machine-readable name, usable as a truncation reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Breach::DiskQuota => "disk_quota",
+            Breach::Inodes => "inode_quota",
+            Breach::Memory => "memory_limit",
+            Breach::Processes => "process_limit",
+        }
+    }
+}
+
+impl std::fmt::Display for Breach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Breach::DiskQuota => "the disk quota (workspace and temp dir together) is used up",
+            Breach::Inodes => "the file-count quota (workspace and temp dir together) is used up",
+            Breach::Memory => "the processes together went past the memory limit",
+            Breach::Processes => "too many processes at once",
+        })
+    }
+}
+
+/// How a sandboxed command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// Its exit status (signals as 128 + signal number, as a shell reports them); `None`
+    /// when it could not be collected.
+    pub status: Option<std::process::ExitStatus>,
+    /// It ran out of time and was killed.
+    pub timed_out: bool,
+    /// The limit it ran into, if any (it was killed if still running).
+    pub breach: Option<Breach>,
+    /// Processes killed after the command ended or was stopped.
+    pub killed: usize,
+}
+
+/// What [`Sandbox::sweep_leftovers`] found and ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct SweepReport {
+    /// Processes of unleased uids of the pool killed.
+    pub processes_killed: usize,
+    /// Cgroups of servers no longer running removed.
+    pub cgroups_removed: usize,
+    /// Processes in those cgroups killed.
+    pub cgroup_processes_killed: usize,
+    /// Volumes of servers no longer running unmounted.
+    pub volumes_unmounted: Vec<PathBuf>,
 }
 
 /// One confined place to run processes: a workspace and what it may touch.
@@ -140,8 +261,13 @@ pub struct Jail {
     pub read_only: Vec<PathBuf>,
     /// The complete environment; nothing of the server's leaks through.
     pub env: Vec<(OsString, OsString)>,
-    /// Uid and gid to run as, when the server can switch.
+    /// Uid and gid to run as, when the server can switch (from a [`UidLease`]).
     pub uid: Option<(u32, u32)>,
+    /// What the processes see of the host's process table. Every path above stays at the
+    /// same absolute path whatever the view (only `/proc` is replaced).
+    pub process_view: ProcessView,
+    /// The volume holding what the jail may write, whose limits end a command that reaches them.
+    pub volume: Option<Arc<Volume>>,
 }
 
 impl Jail {
@@ -170,7 +296,14 @@ impl Jail {
             ("TORCHINDUCTOR_COMPILE_THREADS".into(), "1".into()),
         ];
         env.extend(extra_env.iter().map(|(k, v)| (k.into(), v.into())));
-        Self { writable: vec![workspace.to_path_buf(), tmp.to_path_buf()], read_only: Vec::new(), env, uid }
+        Self {
+            writable: vec![workspace.to_path_buf(), tmp.to_path_buf()],
+            read_only: Vec::new(),
+            env,
+            uid,
+            process_view: ProcessView::Private,
+            volume: None,
+        }
     }
 }
 
@@ -195,6 +328,8 @@ struct Inner {
     config: SandboxConfig,
     features: KernelFeatures,
     filters: Vec<seccompiler::BpfProgram>,
+    cgroups: cgroup::Hierarchies,
+    uids: Option<UidPool>,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -218,8 +353,50 @@ impl Sandbox {
             return Err(SandboxError::Unconfined(missing.join(", ")));
         }
         let filters = if features.seccomp { seccomp::compile()? } else { Vec::new() };
+        let cgroups = cgroup::Hierarchies::detect();
+        features.cgroups = cgroups.support();
+        let uids = if features.can_switch_uid { Some(UidPool::new(&config.uid_lock_dir, config.uid_range.clone())?) } else { None };
         become_subreaper();
-        Ok(Self { inner: Arc::new(Inner { config, features, filters }) })
+        Ok(Self { inner: Arc::new(Inner { config, features, filters, cgroups, uids }) })
+    }
+
+    /// The uid pool, when tool processes can run under their own uids.
+    pub fn uid_pool(&self) -> Option<&UidPool> {
+        self.inner.uids.as_ref()
+    }
+
+    /// Leases a uid for an episode; `None` when the server cannot switch uids.
+    pub fn lease_uid(&self) -> Result<Option<UidLease>, SandboxError> {
+        self.inner.uids.as_ref().map(UidPool::acquire).transpose()
+    }
+
+    /// Leases two uids for an evaluation (judge, worker); `None` when the server cannot
+    /// switch uids.
+    pub fn lease_uid_pair(&self) -> Result<Option<(UidLease, UidLease)>, SandboxError> {
+        self.inner.uids.as_ref().map(UidPool::acquire_pair).transpose()
+    }
+
+    /// Ends what a previous run (or a crashed server) left: processes of the pool's uids no
+    /// running server holds, cgroups and volumes of servers that are gone. Call once at start.
+    pub fn sweep_leftovers(&self) -> SweepReport {
+        let processes_killed = self.inner.uids.as_ref().map(UidPool::sweep).unwrap_or(0);
+        let (cgroups_removed, cgroup_processes_killed) = self.inner.cgroups.sweep();
+        let volumes_unmounted = sweep_volumes();
+        let report = SweepReport { processes_killed, cgroups_removed, cgroup_processes_killed, volumes_unmounted };
+        if report != SweepReport::default() {
+            tracing::warn!(?report, "ended what an earlier run left behind");
+        }
+        report
+    }
+
+    /// The process view a jail asking for `wanted` gets on this host.
+    pub fn effective_view(&self, wanted: ProcessView) -> ProcessView {
+        let f = &self.inner.features;
+        match wanted {
+            ProcessView::Private if f.pid_namespace => ProcessView::Private,
+            ProcessView::Private | ProcessView::OwnUid if f.hidepid => ProcessView::OwnUid,
+            _ => ProcessView::Host,
+        }
     }
 
     /// What is enforced.
@@ -232,6 +409,21 @@ impl Sandbox {
             uid_isolation: f.can_switch_uid,
             confined: f.missing().is_empty(),
             limits: self.inner.config.limits.clone(),
+            process_view: self.effective_view(ProcessView::Private),
+            kill_method: if f.pid_namespace {
+                "pid_namespace"
+            } else if f.cgroups.kill {
+                "cgroup_kill"
+            } else if f.cgroups.freezer {
+                "freezer"
+            } else {
+                "session"
+            },
+            die_with_server: namespace::lifeline().is_some(),
+            unix_sockets: if f.seccomp { "socketpair_only" } else { "unrestricted" },
+            cgroups: f.cgroups,
+            disk_quota: if f.hidepid { QuotaEnforcement::Tmpfs } else { QuotaEnforcement::Measured },
+            uid_pool: self.inner.uids.as_ref().map(UidPool::range),
         }
     }
 
@@ -285,43 +477,40 @@ impl Sandbox {
             (libc::RLIMIT_NPROC, limits.processes),
             (libc::RLIMIT_CORE, 0),
         ];
-        let uid = if inner.features.can_switch_uid { jail.uid } else { None };
-        let ruleset_fd = ruleset.as_ref().map(|r| r.raw_fd());
+        let cgroup = match inner.cgroups.create(limits.total_memory_bytes, limits.total_processes) {
+            Ok(cg) => Some(cg),
+            Err(e) => {
+                tracing::warn!(error = %e, "no cgroup for this command; falling back to the session kill and per-process limits");
+                None
+            }
+        };
+        // A /proc mounted in the child is a new filesystem: it needs its own landlock rule.
+        let proc_path = Path::new("/proc");
+        let proc_rights = if inner.config.write_existing.iter().any(|p| p == proc_path) {
+            landlock::dir_rights(inner.features.landlock_abi, Access::WriteExisting)
+        } else if inner.config.read_only.iter().any(|p| p == proc_path) {
+            landlock::dir_rights(inner.features.landlock_abi, Access::ReadOnly)
+        } else {
+            0
+        };
+        let plan = namespace::ChildPlan {
+            view: self.effective_view(jail.process_view),
+            cgroup_procs: cgroup.as_ref().map(cgroup::CommandCgroup::procs_files).unwrap_or_default(),
+            cgroup_kill: cgroup.as_ref().and_then(cgroup::CommandCgroup::kill_file),
+            lifeline: namespace::lifeline(),
+            rlimits,
+            uid: if inner.features.can_switch_uid { jail.uid } else { None },
+            ruleset_fd: ruleset.as_ref().map(|r| r.raw_fd()),
+            proc_rights,
+        };
+        let view = plan.view;
         let this = self.clone();
         // SAFETY: the closure makes only async-signal-safe syscalls and touches memory that
         // was allocated before fork; it allocates nothing.
         unsafe {
-            cmd.pre_exec(move || {
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                for (res, value) in rlimits {
-                    let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
-                    if libc::setrlimit(res, &lim) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                if let Some((uid, gid)) = uid {
-                    if libc::setgroups(0, std::ptr::null()) < 0
-                        || libc::setresgid(gid, gid, gid) < 0
-                        || libc::setresuid(uid, uid, uid) < 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if let Some(fd) = ruleset_fd {
-                    landlock::restrict_self(fd)?;
-                }
-                for prog in &this.inner.filters {
-                    seccomp::install(prog)?;
-                }
-                Ok(())
-            });
+            cmd.pre_exec(move || plan.run(&this.inner.filters));
         }
-        Ok(SandboxedCommand { cmd, _ruleset: ruleset })
+        Ok(SandboxedCommand { cmd, _ruleset: ruleset, cgroup, view, volume: jail.volume.clone() })
     }
 }
 
@@ -330,12 +519,162 @@ pub struct SandboxedCommand {
     /// The command; spawn it with [`SandboxedCommand::spawn`] or adjust it first.
     pub cmd: tokio::process::Command,
     _ruleset: Option<landlock::Ruleset>,
+    cgroup: Option<cgroup::CommandCgroup>,
+    view: ProcessView,
+    volume: Option<Arc<Volume>>,
 }
 
 impl SandboxedCommand {
     /// Spawns the process; the ruleset is closed in the parent afterwards.
-    pub fn spawn(mut self) -> std::io::Result<tokio::process::Child> {
-        self.cmd.spawn()
+    pub fn spawn(mut self) -> std::io::Result<SandboxedChild> {
+        match self.cmd.spawn() {
+            Ok(child) => {
+                let sid = child.id().map(|p| p as i32);
+                Ok(SandboxedChild { child, sid, cgroup: self.cgroup.take(), view: self.view, volume: self.volume.take(), exited: false })
+            }
+            Err(e) => {
+                if let Some(cg) = self.cgroup.take() {
+                    cg.remove();
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A running sandboxed command. Everything it started is killed when it ends (see
+/// [`SandboxedChild::wait_within`]), when [`SandboxedChild::kill_all`] is called, and when
+/// this handle is dropped (such as when the future driving it is cancelled).
+///
+/// Dereferences to the spawned process (the command's keeper, whose pid is the session id
+/// and whose exit status is the command's) for its pipes and `wait`.
+#[derive(Debug)]
+pub struct SandboxedChild {
+    child: tokio::process::Child,
+    sid: Option<i32>,
+    cgroup: Option<cgroup::CommandCgroup>,
+    view: ProcessView,
+    volume: Option<Arc<Volume>>,
+    exited: bool,
+}
+
+impl std::ops::Deref for SandboxedChild {
+    type Target = tokio::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.child
+    }
+}
+
+impl std::ops::DerefMut for SandboxedChild {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.child
+    }
+}
+
+/// Kills what is left of a command and removes its cgroups. `keeper_done`: the keeper has
+/// exited, so in a pid namespace nothing can be left.
+fn clean_up(sid: Option<i32>, keeper_done: bool, view: ProcessView, cgroup: Option<cgroup::CommandCgroup>) -> usize {
+    let mut killed = 0;
+    if let Some(cg) = &cgroup {
+        killed += cg.kill_all();
+    }
+    let contained = (view == ProcessView::Private && keeper_done) || cgroup.as_ref().is_some_and(|c| c.kill_file().is_some());
+    if let (Some(sid), false) = (sid, contained) {
+        killed += kill_session(sid, false);
+    }
+    if let Some(cg) = cgroup {
+        cg.remove();
+    }
+    killed
+}
+
+impl SandboxedChild {
+    /// The limit the command has run into, if any.
+    pub fn breach(&self) -> Option<Breach> {
+        self.cgroup.as_ref().and_then(cgroup::CommandCgroup::breach).or_else(|| self.volume.as_ref().and_then(|v| v.breach()))
+    }
+
+    /// Waits for the command to end, at most `timeout`, checking its limits meanwhile; a
+    /// command that runs out of time or into a limit is killed. Then kills everything it left.
+    pub async fn wait_within(&mut self, timeout: Duration) -> Outcome {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A measured volume costs a directory walk: checked every 2 s only.
+        let walk_every = match self.volume.as_ref().map(|v| v.enforcement()) {
+            Some(QuotaEnforcement::Measured) => 20,
+            _ => 1,
+        };
+        let mut ticks = 0u64;
+        let (mut timed_out, mut breach) = (false, None);
+        let status = loop {
+            tokio::select! {
+                st = self.child.wait() => break st.ok(),
+                _ = tokio::time::sleep_until(deadline) => {
+                    timed_out = true;
+                    break None;
+                }
+                _ = tick.tick() => {
+                    ticks += 1;
+                    let b = self.cgroup.as_ref().and_then(cgroup::CommandCgroup::breach).or_else(|| {
+                        (ticks % walk_every == 0).then(|| self.volume.as_ref().and_then(|v| v.breach())).flatten()
+                    });
+                    if b.is_some() {
+                        breach = b;
+                        break None;
+                    }
+                }
+            }
+        };
+        let status = match status {
+            Some(s) => {
+                self.exited = true;
+                Some(s)
+            }
+            None => None,
+        };
+        let killed = self.kill_all().await;
+        let status = match status {
+            Some(s) => Some(s),
+            None => self.child.wait().await.ok(),
+        };
+        // A command that filled its volume and then exited still ran into the limit.
+        let breach = breach.or_else(|| self.breach());
+        Outcome { status, timed_out, breach, killed }
+    }
+
+    /// Kills the command and everything it started; returns how many processes were killed
+    /// besides the command's keeper. Safe to call more than once.
+    pub async fn kill_all(&mut self) -> usize {
+        if !self.exited {
+            let _ = self.child.start_kill();
+            let _ = self.child.wait().await;
+            self.exited = true;
+        }
+        let (sid, view, cgroup) = (self.sid, self.view, self.cgroup.take());
+        tokio::task::spawn_blocking(move || clean_up(sid, true, view, cgroup)).await.unwrap_or(0)
+    }
+}
+
+impl Drop for SandboxedChild {
+    fn drop(&mut self) {
+        let (sid, view, cgroup, exited) = (self.sid, self.view, self.cgroup.take(), self.exited);
+        if exited && cgroup.is_none() && view == ProcessView::Private {
+            return; // nothing can be left
+        }
+        if !exited {
+            // Its death takes down the command's pid namespace (parent-death signal).
+            let _ = self.child.start_kill();
+        }
+        let work = move || {
+            clean_up(sid, exited, view, cgroup);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn_blocking(work);
+            }
+            Err(_) => work(),
+        }
     }
 }
 
@@ -345,72 +684,4 @@ impl SandboxedCommand {
 fn become_subreaper() {
     // SAFETY: prctl with integer arguments.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-}
-
-struct ProcEntry {
-    pid: i32,
-    ppid: i32,
-    session: i32,
-    zombie: bool,
-}
-
-fn processes() -> Vec<ProcEntry> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .flatten()
-        .filter_map(|e| {
-            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // Fields after the command name, which is in parentheses and may hold spaces:
-            // state ppid pgrp session ...
-            let rest = &stat[stat.rfind(')')? + 1..];
-            let mut f = rest.split_whitespace();
-            let state = f.next()?;
-            let ppid = f.next()?.parse().ok()?;
-            let _pgrp = f.next()?;
-            let session = f.next()?.parse().ok()?;
-            Some(ProcEntry { pid, ppid, session, zombie: state == "Z" })
-        })
-        .collect()
-}
-
-/// Reaps zombies of session `sid` that were reparented to this process. The session leader
-/// (pid `sid`) is left alone: it is the direct child its spawner waits for.
-fn reap_orphans(procs: &[ProcEntry], sid: i32) {
-    // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
-    for p in procs.iter().filter(|p| p.zombie && p.ppid == me && p.session == sid && p.pid != sid) {
-        let mut status = 0;
-        // SAFETY: waitpid on a specific zombie child of ours.
-        unsafe { libc::waitpid(p.pid, &mut status, libc::WNOHANG) };
-    }
-}
-
-/// Kills every process in session `sid` (the child's own session, whose id is its pid),
-/// including ones that moved to another process group, and reaps the orphans. The leader
-/// itself is signalled only when `leader_unreaped` (the caller has not waited for it). Repeats until
-/// none is left, so a process forking while being killed is caught on the next pass.
-pub fn kill_session(sid: i32, leader_unreaped: bool) -> usize {
-    if leader_unreaped {
-        // Not reaped yet, so the pid cannot have been reused. (Once reaped it could be, so
-        // then only the processes /proc shows in the session are signalled.)
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(sid, libc::SIGKILL) };
-    }
-    let mut killed = 0;
-    for _ in 0..100 {
-        let procs = processes();
-        let members: Vec<&ProcEntry> = procs.iter().filter(|p| p.session == sid && p.pid != sid).collect();
-        if members.is_empty() {
-            break;
-        }
-        for p in members.iter().filter(|p| !p.zombie) {
-            // SAFETY: kill has no memory preconditions.
-            unsafe { libc::kill(p.pid, libc::SIGKILL) };
-            killed += 1;
-        }
-        reap_orphans(&procs, sid);
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    killed
 }

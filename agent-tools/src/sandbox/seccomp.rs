@@ -94,14 +94,19 @@ fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SandboxError> {
 pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
-    // Sockets by allow-list: only AF_UNIX. A deny-list of AF_INET would let AF_INET6,
-    // AF_PACKET or AF_NETLINK through.
-    for nr in [libc::SYS_socket, libc::SYS_socketpair] {
-        rules.insert(
-            nr,
-            vec![rule(vec![cond(0, SeccompCmpOp::Ne, libc::AF_UNIX as u64)?])?],
-        );
+    // No socket() at all: network families are a way out, and so are AF_UNIX sockets, which
+    // can connect to any named socket on the host (landlock does not govern connect on a
+    // socket file). Toolchains get their local channels from socketpair(), allowed for
+    // AF_UNIX stream and seqpacket pairs only: a datagram socket could still send to a
+    // named socket elsewhere (sendmsg with an address, which a filter cannot read).
+    rules.insert(libc::SYS_socket, Vec::new());
+    let mut pair_rules = vec![rule(vec![cond(0, SeccompCmpOp::Ne, libc::AF_UNIX as u64)?])?];
+    for ty in 0..16u64 {
+        if ty != libc::SOCK_STREAM as u64 && ty != libc::SOCK_SEQPACKET as u64 {
+            pair_rules.push(rule(vec![cond(1, SeccompCmpOp::MaskedEq(0xf), ty)?])?);
+        }
     }
+    rules.insert(libc::SYS_socketpair, pair_rules);
     let clone_rules = CLONE_NS_FLAGS
         .iter()
         .map(|&flag| rule(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag)?]))

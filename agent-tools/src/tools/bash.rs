@@ -9,7 +9,6 @@ use serde_json::json;
 use tokio::io::AsyncReadExt;
 
 use super::{ToolError, ToolOutput, Toolbox};
-use crate::sandbox::kill_session;
 
 /// The wrapper records the final working directory on exit, whatever way the command ends.
 const WRAPPER: &str = r#"trap 'pwd -P > "$CUDA_AGENT_CWD_FILE" 2>/dev/null' EXIT
@@ -57,6 +56,15 @@ impl Capped {
     }
 }
 
+/// A reader task that is cancelled with the step.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 async fn read_capped<R: tokio::io::AsyncRead + Unpin>(mut r: R, cap: usize) -> Capped {
     let mut c = Capped::default();
     let mut buf = vec![0u8; 64 * 1024];
@@ -91,33 +99,26 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
     ];
     let sc = tb.sandbox.command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
     let started = Instant::now();
+    // Dropping `child` (the step's future cancelled, say by a client that went away) kills
+    // the command and everything it started.
     let mut child = sc.spawn().map_err(|e| ToolError::io(Path::new("/bin/bash"), e))?;
-    let pid = child.id().map(|p| p as i32);
     let cap = tb.limits.max_output_chars;
     // Readers keep draining so a chatty process never blocks on a full pipe.
-    let out_task = child.stdout.take().map(|s| tokio::spawn(read_capped(s, cap)));
-    let err_task = child.stderr.take().map(|s| tokio::spawn(read_capped(s, cap)));
-    let waited = tokio::time::timeout(timeout, child.wait()).await;
-    let timed_out = waited.is_err();
+    let out_task = child.stdout.take().map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
+    let err_task = child.stderr.take().map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
     // Whatever happened, nothing the command started outlives the step.
-    let killed = match pid {
-        Some(sid) => tokio::task::spawn_blocking(move || kill_session(sid, timed_out)).await.unwrap_or(0),
-        None => 0,
-    };
-    let status = match waited {
-        Ok(s) => s.ok(),
-        Err(_) => child.wait().await.ok(),
-    };
+    let outcome = child.wait_within(timeout).await;
+    let (timed_out, killed, breach) = (outcome.timed_out, outcome.killed, outcome.breach);
     let elapsed = started.elapsed();
-    let collect = |t: Option<tokio::task::JoinHandle<Capped>>| async move {
+    let collect = |t: Option<AbortOnDrop<Capped>>| async move {
         match t {
-            Some(t) => tokio::time::timeout(Duration::from_secs(5), t).await.ok().and_then(Result::ok).unwrap_or_default(),
+            Some(mut t) => tokio::time::timeout(Duration::from_secs(5), &mut t.0).await.ok().and_then(Result::ok).unwrap_or_default(),
             None => Capped::default(),
         }
     };
     let stdout = collect(out_task).await;
     let stderr = collect(err_task).await;
-    let exit_code = status.map(|s| {
+    let exit_code = outcome.status.map(|s| {
         use std::os::unix::process::ExitStatusExt;
         s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
     });
@@ -142,7 +143,12 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
         text.push_str("[stderr]\n");
         text.push_str(&err_text);
     }
-    if timed_out {
+    if let Some(b) = breach {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&format!("[stopped: {b}; the command and every process it started were killed]"));
+    } else if timed_out {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
@@ -165,7 +171,7 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
     }
     Ok(ToolOutput {
         text,
-        is_error: timed_out || exit_code != Some(0),
+        is_error: timed_out || breach.is_some() || exit_code != Some(0),
         data: json!({
             "exit_code": exit_code,
             "timed_out": timed_out,
@@ -175,6 +181,7 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
             "truncated": out_cut || err_cut,
             "duration_ms": elapsed.as_millis() as u64,
             "processes_killed": killed,
+            "breach": breach.map(|b| b.reason()),
             "cwd": tb.workspace.display(&tb.cwd),
         }),
     })

@@ -1,0 +1,348 @@
+//! A cgroup per sandboxed command, in whatever hierarchies this host lets the server write:
+//! cgroup v2 for `cgroup.kill` (all of a command's processes killed at once, even without
+//! delegated controllers), memory and pids limits over all of a command's processes (v2
+//! controllers where enabled, else cgroup v1), and the v1 freezer to stop a command before
+//! killing it where `cgroup.kill` is missing.
+//!
+//! Cgroups are named `cuda-agent.<server pid>.<server start time>.<n>` under the server's
+//! own cgroup, so a later server can tell which were left by a server that is gone.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use super::process::start_time;
+use super::Breach;
+
+const PREFIX: &str = "cuda-agent.";
+
+/// Which cgroup version provides a controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CgroupVersion {
+    /// The legacy per-controller hierarchies.
+    V1,
+    /// The unified hierarchy.
+    V2,
+}
+
+/// The cgroup layers in force for sandboxed commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CgroupSupport {
+    /// Every process of a command is killed at once through cgroup v2 `cgroup.kill`.
+    pub kill: bool,
+    /// The v1 freezer stops a command's processes before they are killed (used without `kill`).
+    pub freezer: bool,
+    /// A memory limit over all of a command's processes.
+    pub memory: Option<CgroupVersion>,
+    /// A process-count limit over all of a command's processes.
+    pub pids: Option<CgroupVersion>,
+}
+
+/// The server's own cgroup directory in each usable hierarchy.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Hierarchies {
+    v2: Option<PathBuf>,
+    memory: Option<(PathBuf, CgroupVersion)>,
+    pids: Option<(PathBuf, CgroupVersion)>,
+    freezer: Option<PathBuf>,
+}
+
+/// Where each hierarchy is mounted and where this process sits in it.
+fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else { return (None, Vec::new()) };
+    let Ok(membership) = std::fs::read_to_string("/proc/self/cgroup") else { return (None, Vec::new()) };
+    // mountinfo: id parent major:minor root mountpoint opts... - fstype source superopts
+    let mounts: Vec<(String, PathBuf, String, String)> = mountinfo
+        .lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let left: Vec<&str> = left.split_whitespace().collect();
+            let right: Vec<&str> = right.split_whitespace().collect();
+            Some((left.get(3)?.to_string(), PathBuf::from(left.get(4)?), right.first()?.to_string(), right.get(2).unwrap_or(&"").to_string()))
+        })
+        .collect();
+    let join = |mount_root: &str, mountpoint: &Path, path: &str| -> Option<PathBuf> {
+        let rel = path.strip_prefix(mount_root.trim_end_matches('/')).unwrap_or(path);
+        let dir = mountpoint.join(rel.trim_start_matches('/'));
+        dir.is_dir().then_some(dir)
+    };
+    let mut v2 = None;
+    let mut v1 = Vec::new();
+    for line in membership.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else { continue };
+        if controllers.is_empty() {
+            if let Some((root, mp, _, _)) = mounts.iter().find(|m| m.2 == "cgroup2") {
+                v2 = join(root, mp, path);
+            }
+            continue;
+        }
+        for c in controllers.split(',') {
+            if let Some((root, mp, _, _)) = mounts.iter().find(|m| m.2 == "cgroup" && m.3.split(',').any(|o| o == c)) {
+                if let Some(dir) = join(root, mp, path) {
+                    v1.push((c.to_string(), dir));
+                }
+            }
+        }
+    }
+    (v2, v1)
+}
+
+/// Whether a cgroup can be created (and removed) under `dir`.
+fn writable(dir: &Path) -> bool {
+    let probe = dir.join(format!("{PREFIX}probe.{}", std::process::id()));
+    let ok = std::fs::create_dir(&probe).is_ok();
+    let _ = std::fs::remove_dir(&probe);
+    ok
+}
+
+impl Hierarchies {
+    /// Finds the hierarchies this process may create cgroups in.
+    pub fn detect() -> Self {
+        let (v2, v1) = own_dirs();
+        let v2 = v2.filter(|d| writable(d));
+        let v2_controllers = v2
+            .as_ref()
+            .and_then(|d| std::fs::read_to_string(d.join("cgroup.subtree_control")).ok())
+            .unwrap_or_default();
+        let v2_has = |c: &str| v2_controllers.split_whitespace().any(|x| x == c);
+        let v1_dir = |c: &str| v1.iter().find(|(name, _)| name == c).map(|(_, d)| d.clone()).filter(|d| writable(d));
+        let pick = |c: &str| -> Option<(PathBuf, CgroupVersion)> {
+            match &v2 {
+                Some(d) if v2_has(c) => Some((d.clone(), CgroupVersion::V2)),
+                _ => v1_dir(c).map(|d| (d, CgroupVersion::V1)),
+            }
+        };
+        let v2_kill = v2.clone().filter(|_| {
+            // cgroup.kill exists in every non-root v2 cgroup since Linux 5.14; check on a probe.
+            let probe = v2.as_ref().map(|d| d.join(format!("{PREFIX}probe-kill.{}", std::process::id())));
+            let ok = probe.as_ref().is_some_and(|p| std::fs::create_dir(p).is_ok() && p.join("cgroup.kill").exists());
+            if let Some(p) = probe {
+                let _ = std::fs::remove_dir(p);
+            }
+            ok
+        });
+        Self { memory: pick("memory"), pids: pick("pids"), freezer: v1_dir("freezer"), v2: v2_kill }
+    }
+
+    /// What these hierarchies provide.
+    pub fn support(&self) -> CgroupSupport {
+        CgroupSupport {
+            kill: self.v2.is_some(),
+            freezer: self.freezer.is_some(),
+            memory: self.memory.as_ref().map(|(_, v)| *v),
+            pids: self.pids.as_ref().map(|(_, v)| *v),
+        }
+    }
+
+    fn bases(&self) -> Vec<PathBuf> {
+        let mut b: Vec<PathBuf> = Vec::new();
+        for d in [self.v2.clone(), self.memory.clone().map(|m| m.0), self.pids.clone().map(|p| p.0), self.freezer.clone()].into_iter().flatten() {
+            if !b.contains(&d) {
+                b.push(d);
+            }
+        }
+        b
+    }
+
+    /// Creates the cgroups of one command with its limits. Fails only if a hierarchy that
+    /// was usable at start refuses.
+    pub fn create(&self, total_memory: u64, total_processes: u64) -> std::io::Result<CommandCgroup> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let me = std::process::id();
+        let name = format!("{PREFIX}{me}.{}.{}", start_time(me as i32).unwrap_or(0), NEXT.fetch_add(1, Ordering::Relaxed));
+        let mut cg = CommandCgroup { dirs: Vec::new(), kill: None, memory: None, pids: None, freezer: None };
+        for base in self.bases() {
+            let dir = base.join(&name);
+            std::fs::create_dir(&dir)?;
+            cg.dirs.push(dir);
+        }
+        if let Some(v2) = &self.v2 {
+            cg.kill = Some(v2.join(&name));
+        }
+        if let Some((base, v)) = &self.memory {
+            let dir = base.join(&name);
+            match v {
+                CgroupVersion::V1 => {
+                    std::fs::write(dir.join("memory.limit_in_bytes"), total_memory.to_string())?;
+                    // Swap counts too where the kernel accounts it.
+                    let memsw = dir.join("memory.memsw.limit_in_bytes");
+                    if memsw.exists() {
+                        let _ = std::fs::write(memsw, total_memory.to_string());
+                    }
+                }
+                CgroupVersion::V2 => {
+                    std::fs::write(dir.join("memory.max"), total_memory.to_string())?;
+                    let _ = std::fs::write(dir.join("memory.swap.max"), "0");
+                }
+            }
+            cg.memory = Some((dir, *v));
+        }
+        if let Some((base, v)) = &self.pids {
+            let dir = base.join(&name);
+            std::fs::write(dir.join("pids.max"), total_processes.to_string())?;
+            cg.pids = Some((dir, *v));
+        }
+        if let Some(base) = &self.freezer {
+            cg.freezer = Some(base.join(&name));
+        }
+        Ok(cg)
+    }
+
+    /// Kills the processes of and removes every cgroup a server that is no longer running
+    /// left behind. Returns (cgroups removed, processes killed).
+    pub fn sweep(&self) -> (usize, usize) {
+        let (mut removed, mut killed) = (0, 0);
+        for base in self.bases() {
+            let Ok(entries) = std::fs::read_dir(&base) else { continue };
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let Some(rest) = name.strip_prefix(PREFIX) else { continue };
+                let mut f = rest.split('.');
+                let owner = match (f.next().and_then(|p| p.parse::<i32>().ok()), f.next().and_then(|s| s.parse::<u64>().ok())) {
+                    (Some(pid), Some(start)) => Some((pid, start)),
+                    _ => None, // a probe: removable once empty
+                };
+                if owner.is_some_and(|(pid, start)| start_time(pid) == Some(start)) {
+                    continue; // its server is alive
+                }
+                let dir = e.path();
+                let cg = CommandCgroup {
+                    dirs: vec![dir.clone()],
+                    kill: dir.join("cgroup.kill").exists().then(|| dir.clone()),
+                    memory: None,
+                    pids: None,
+                    freezer: dir.join("freezer.state").exists().then(|| dir.clone()),
+                };
+                killed += cg.kill_all();
+                if cg.remove() {
+                    removed += 1;
+                }
+            }
+        }
+        (removed, killed)
+    }
+}
+
+/// The cgroups of one command (one directory per hierarchy).
+#[derive(Debug)]
+pub(crate) struct CommandCgroup {
+    dirs: Vec<PathBuf>,
+    kill: Option<PathBuf>,
+    memory: Option<(PathBuf, CgroupVersion)>,
+    pids: Option<(PathBuf, CgroupVersion)>,
+    freezer: Option<PathBuf>,
+}
+
+fn cstring(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).unwrap_or_default()
+}
+
+fn members(dir: &Path) -> Vec<i32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// The value of `key` in a flat-keyed cgroup file such as `memory.events`.
+fn counter(file: &Path, key: &str) -> u64 {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == key).then(|| v.trim().parse().ok()).flatten()
+        })
+        .unwrap_or(0)
+}
+
+impl CommandCgroup {
+    /// The `cgroup.procs` files the command joins.
+    pub fn procs_files(&self) -> Vec<CString> {
+        self.dirs.iter().map(|d| cstring(&d.join("cgroup.procs"))).collect()
+    }
+
+    /// The `cgroup.kill` file, where there is one.
+    pub fn kill_file(&self) -> Option<CString> {
+        self.kill.as_ref().map(|d| cstring(&d.join("cgroup.kill")))
+    }
+
+    /// Kills every process in the cgroup; returns how many there were.
+    pub fn kill_all(&self) -> usize {
+        let mut seen = 0;
+        for round in 0..200 {
+            let pids: Vec<i32> = self.dirs.iter().flat_map(|d| members(d)).collect();
+            seen = seen.max(pids.len());
+            if pids.is_empty() {
+                break;
+            }
+            if let Some(k) = &self.kill {
+                let _ = std::fs::write(k.join("cgroup.kill"), "1");
+            } else {
+                // Stop them first so none can fork while the list is walked.
+                let frozen = self.freezer.as_ref().is_some_and(|f| std::fs::write(f.join("freezer.state"), "FROZEN").is_ok());
+                for pid in &pids {
+                    // SAFETY: kill has no memory preconditions.
+                    unsafe { libc::kill(*pid, libc::SIGKILL) };
+                }
+                if frozen {
+                    if let Some(f) = &self.freezer {
+                        let _ = std::fs::write(f.join("freezer.state"), "THAWED");
+                    }
+                }
+            }
+            let procs = super::process::processes();
+            super::process::reap_orphans(&procs, |p| pids.contains(&p.pid));
+            std::thread::sleep(std::time::Duration::from_micros(if round < 10 { 200 } else { 2000 }));
+        }
+        seen
+    }
+
+    /// Which limit, if any, the command ran into.
+    pub fn breach(&self) -> Option<Breach> {
+        if let Some((dir, v)) = &self.memory {
+            let kills = match v {
+                CgroupVersion::V1 => counter(&dir.join("memory.oom_control"), "oom_kill"),
+                CgroupVersion::V2 => counter(&dir.join("memory.events"), "oom_kill"),
+            };
+            if kills > 0 {
+                return Some(Breach::Memory);
+            }
+        }
+        if let Some((dir, _)) = &self.pids {
+            if counter(&dir.join("pids.events"), "max") > 0 {
+                return Some(Breach::Processes);
+            }
+        }
+        None
+    }
+
+    /// Removes the cgroup directories; false if one is still busy.
+    pub fn remove(&self) -> bool {
+        let mut all = true;
+        for d in &self.dirs {
+            let mut gone = false;
+            for _ in 0..50 {
+                match std::fs::remove_dir(d) {
+                    Ok(()) => {
+                        gone = true;
+                        break;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        gone = true;
+                        break;
+                    }
+                    Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
+                }
+            }
+            all &= gone;
+        }
+        all
+    }
+}
