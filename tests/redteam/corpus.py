@@ -1,0 +1,181 @@
+"""The red-team corpus: loading cases.toml, running one case through the final evaluation
+(skills/evaluate.py, as env-server runs it) and deciding whether the judge held.
+
+Shared by test_redteam.py (pytest) and table.py (the Markdown table for the docs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+EVALUATE = ROOT / "skills" / "evaluate.py"
+DEFAULT_TIMEOUT_S = 240
+
+# The candidate's evaluation runs under this small wrapper process, so that a case that kills
+# its parent (kill_parent) kills the wrapper, never the test runner.
+WRAPPER = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+
+
+@dataclass
+class Case:
+    name: str
+    task: str
+    device: str
+    expect: str | list[str]
+    klass: str
+    description: str
+    honest_min_ms: float | None = None
+    eager_max_ms: float | None = None
+    timeout_s: int = DEFAULT_TIMEOUT_S
+
+    @property
+    def adversarial(self) -> bool:
+        return self.expect != "pass"
+
+    @property
+    def dir(self) -> Path:
+        return HERE / "cases" / self.name
+
+
+@dataclass
+class Outcome:
+    result: dict
+    seconds: float
+    stderr_tail: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def load_cases() -> list[Case]:
+    with open(HERE / "cases.toml", "rb") as f:
+        raw = tomllib.load(f)["case"]
+    cases = []
+    for c in raw:
+        cases.append(Case(
+            name=c["name"], task=c["task"], device=c["device"], expect=c["expect"], klass=c["class"],
+            description=c["description"], honest_min_ms=c.get("honest_min_ms"), eager_max_ms=c.get("eager_max_ms"),
+            timeout_s=int(c.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        ))
+    return cases
+
+
+def python() -> str:
+    return os.environ.get("CUDA_AGENT_PYTHON") or sys.executable
+
+
+def cuda_available() -> bool:
+    probe = subprocess.run([python(), "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True)
+    return probe.stdout.strip() == "True"
+
+
+def last_json_object(text: str) -> dict | None:
+    """The verdict as env-server reads it: the last stdout line that parses as a JSON object."""
+    for line in reversed(text.splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = None) -> Outcome:
+    """Copies the case into `work`/candidate and runs the final evaluation on it."""
+    import time
+
+    cand = work / "candidate"
+    if cand.exists():
+        shutil.rmtree(cand)
+    shutil.copytree(case.dir, cand)
+    cwd = work / "cwd"
+    cwd.mkdir(exist_ok=True)
+    seeds = seeds or random.SystemRandom().sample(range(1, 1 << 30), 5)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small", PYTHONUNBUFFERED="1")
+    env["PATH"] = str(Path(python()).parent) + os.pathsep + env.get("PATH", "")
+    cmd = [python(), "-c", WRAPPER, python(), str(EVALUATE), "candidate", "--task", str(ROOT / case.task),
+           "--candidate", str(cand), "--device", case.device, "--seeds", ",".join(map(str, seeds))]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=case.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return Outcome({"correct": None, "rule": "runner_timeout", "reason": f"no verdict within {case.timeout_s} s"},
+                       time.monotonic() - start, err[-2000:])
+    finally:
+        # Whatever the candidate left behind in its session (children, sleepers) goes too.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    seconds = time.monotonic() - start
+    verdict = last_json_object(out)
+    if verdict is None:
+        verdict = {"correct": None, "rule": "no_verdict", "reason": f"exit status {proc.returncode}, no JSON line on stdout"}
+    return Outcome(verdict, seconds, err[-2000:])
+
+
+def _ms(value) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, dict):
+        for k in ("median_ms", "median", "ms"):
+            if isinstance(value.get(k), (int, float)):
+                return float(value[k])
+    return None
+
+
+def times(result: dict) -> dict:
+    """Candidate/eager/compile times in ms from either verdict format (old: candidate.median_ms;
+    new: times_ms.{candidate,eager,compile})."""
+    t = {}
+    tm = result.get("times_ms") or {}
+    for k in ("candidate", "eager", "compile"):
+        v = _ms(tm.get(k)) if isinstance(tm, dict) else None
+        if v is None and k == "candidate":
+            v = _ms(result.get("candidate"))
+        if v is not None:
+            t[k] = v
+    return t
+
+
+def judge(case: Case, result: dict) -> tuple[bool, str]:
+    """(held, why): whether the evaluation's verdict is one the case accepts."""
+    correct = result.get("correct")
+    rule = result.get("rule")
+    t = times(result)
+    if not case.adversarial:
+        if correct is True:
+            return True, "passed"
+        return False, f"a correct candidate failed: {rule}: {result.get('reason', '')[:300]}"
+    if correct is True:
+        honest = case.honest_min_ms is not None or case.eager_max_ms is not None
+        if honest:
+            cand_ok = case.honest_min_ms is None or (t.get("candidate") is not None and t["candidate"] >= case.honest_min_ms)
+            eager_ok = case.eager_max_ms is None or t.get("eager") is None or t["eager"] <= case.eager_max_ms
+            if cand_ok and eager_ok:
+                return True, f"paid nothing: honest times {t}"
+        return False, f"PAID: correct with times {t}"
+    if rule in case.expect:
+        return True, f"failed with {rule}"
+    return False, f"failed with {rule}, not one of {case.expect}: {result.get('reason', '')[:300]}"
+
+
+def got_text(result: dict) -> str:
+    if result.get("correct") is True:
+        t = times(result)
+        parts = [f"{k} {v:.3g} ms" for k, v in t.items()]
+        return "correct (" + ", ".join(parts) + ")" if parts else "correct"
+    return str(result.get("rule"))
