@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -18,6 +18,8 @@ use utoipa::OpenApi;
 
 use crate::episode::{EpisodeError, EpisodeManager};
 use crate::evaluation::{EvalError, Evaluator};
+use crate::http::HttpCounters;
+use crate::Retention;
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -31,6 +33,12 @@ pub struct AppState {
     pub info: Value,
     /// Largest request body.
     pub max_body_bytes: usize,
+    /// Time a client has to send a request's body.
+    pub body_timeout: std::time::Duration,
+    /// Counters of the HTTP layer (filled by [`crate::http::serve`]).
+    pub http: Arc<HttpCounters>,
+    /// What the janitor prunes, and how often.
+    pub retention: Retention,
 }
 
 /// An error answer: status plus `{error: {code, message}}`.
@@ -77,6 +85,12 @@ impl From<EpisodeError> for ApiError {
     }
 }
 
+impl From<FieldTooLong> for ApiError {
+    fn from(e: FieldTooLong) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "field_too_long", e.to_string())
+    }
+}
+
 impl From<EvalError> for ApiError {
     fn from(e: EvalError) -> Self {
         let msg = e.to_string();
@@ -116,12 +130,36 @@ where
     }
 }
 
+/// `Path` whose rejections (a segment that is not UTF-8, say) are JSON errors too.
+pub struct ApiPath<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for ApiPath<T>
+where
+    Path<T>: FromRequestParts<S, Rejection = axum::extract::rejection::PathRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(v)) => Ok(Self(v)),
+            Err(rej) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_path", rej.body_text())),
+        }
+    }
+}
+
 type ApiResult<T> = Result<Json<T>, ApiError>;
 
 /// Builds the router; tests drive it without a socket.
+///
+/// Around every route, outermost first: the request runs in a task of its own (a client
+/// that hangs up cannot cancel a step halfway, and a panic is a 500 answer, not a lost
+/// connection); the bearer token is checked before any body is read; the body is read whole,
+/// bounded in size and in time, before a handler sees it.
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.max_body_bytes;
-    let protected = Router::new()
+    Router::new()
+        .route("/v1/health", get(health))
         .route("/v1/episodes", post(reset))
         .route("/v1/episodes/{id}", get(episode_state).delete(close))
         .route("/v1/episodes/{id}/step", post(step))
@@ -131,17 +169,57 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/info", get(info))
         .route("/metrics", get(metrics))
         .route("/v1/openapi.json", get(openapi))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
-    Router::new()
-        .route("/v1/health", get(health))
-        .merge(protected)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route; see /v1/openapi.json") })
         .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this route") })
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), read_body))
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(detach))
         .with_state(state)
 }
 
+/// Runs the rest of the request in its own task and waits for it.
+async fn detach(req: Request, next: Next) -> Response {
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    match tokio::spawn(next.run(req)).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            tracing::error!(%method, %path, error = %e, "request handler failed");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the request failed inside the server").into_response()
+        }
+    }
+}
+
+/// Reads the whole body within the size cap and the body timeout (a client that sends its
+/// body slowly, or never, is answered 408 and its connection closed).
+async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    use http_body_util::BodyExt as _;
+    let (parts, body) = req.into_parts();
+    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let too_large =
+        || ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("the request body is over {} bytes", state.max_body_bytes)).into_response();
+    if declared.is_some_and(|n| n > state.max_body_bytes as u64) {
+        return too_large();
+    }
+    let limited = http_body_util::Limited::new(body, state.max_body_bytes);
+    let bytes = match tokio::time::timeout(state.body_timeout, limited.collect()).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
+        Ok(Err(e)) => return ApiError::new(StatusCode::BAD_REQUEST, "bad_body", format!("reading the request body: {e}")).into_response(),
+        Err(_) => {
+            let msg = format!("the request body did not arrive within {} s", state.body_timeout.as_secs_f64());
+            let mut resp = ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_timeout", msg).into_response();
+            resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return resp;
+        }
+    };
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await
+}
+
 async fn auth(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if req.uri().path() == "/v1/health" {
+        return next.run(req).await;
+    }
     if let Some(key) = &state.api_key {
         let ok = req
             .headers()
@@ -172,39 +250,42 @@ async fn reset(State(s): State<Arc<AppState>>, body: axum::body::Bytes) -> ApiRe
             ApiError::new(StatusCode::BAD_REQUEST, code, format!("reset body: {e}"))
         })?
     };
+    req.check_caps()?;
     Ok(Json(s.episodes.reset(req).await?))
 }
 
 #[utoipa::path(post, path = "/v1/episodes/{id}/step", request_body = StepRequest,
     params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = StepResponse), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
-async fn step(State(s): State<Arc<AppState>>, Path(id): Path<String>, ApiJson(req): ApiJson<StepRequest>) -> ApiResult<StepResponse> {
+async fn step(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>, ApiJson(req): ApiJson<StepRequest>) -> ApiResult<StepResponse> {
+    req.check_caps()?;
     let (tool, args) = req.action.parts();
     Ok(Json(s.episodes.step(&id, tool, args, req.request_id.clone()).await?))
 }
 
 #[utoipa::path(get, path = "/v1/episodes/{id}", params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = EpisodeState), (status = 404, body = ErrorBody)))]
-async fn episode_state(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<EpisodeState> {
-    Ok(Json(s.episodes.state(&id)?))
+async fn episode_state(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> ApiResult<EpisodeState> {
+    Ok(Json(s.episodes.state(&id).await?))
 }
 
 #[utoipa::path(get, path = "/v1/episodes/{id}/trajectory", params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = Trajectory), (status = 404, body = ErrorBody)))]
-async fn trajectory(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<Trajectory> {
-    let records = s.episodes.trajectory(&id)?;
+async fn trajectory(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> ApiResult<Trajectory> {
+    let records = s.episodes.trajectory(&id).await?;
     Ok(Json(Trajectory { episode_id: id, records }))
 }
 
 #[utoipa::path(delete, path = "/v1/episodes/{id}", params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = EpisodeState), (status = 404, body = ErrorBody)))]
-async fn close(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<EpisodeState> {
+async fn close(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> ApiResult<EpisodeState> {
     Ok(Json(s.episodes.close(&id).await?))
 }
 
 #[utoipa::path(post, path = "/v1/evaluate", request_body = EvaluateRequest,
     responses((status = 200, body = EvaluationResult), (status = 400, body = ErrorBody), (status = 429, body = ErrorBody)))]
 async fn evaluate(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<EvaluateRequest>) -> ApiResult<EvaluationResult> {
+    req.check_caps()?;
     let task = match &req.task {
         TaskRef::Id(id) => s.episodes.tasks().get(id).map_err(EpisodeError::from)?.clone(),
         TaskRef::Source { source } => kernelbench::Task::inline(source).map_err(EpisodeError::from)?,
@@ -231,10 +312,7 @@ async fn evaluate(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<Evaluate
 #[utoipa::path(get, path = "/v1/tasks", responses((status = 200, body = TaskList)))]
 async fn tasks(State(s): State<Arc<AppState>>) -> Json<TaskList> {
     let t = s.episodes.tasks();
-    Json(TaskList {
-        tasks: t.iter().map(|t| TaskInfo { id: t.id.clone(), level: t.level, hash: t.hash.clone() }).collect(),
-        splits: t.splits(),
-    })
+    Json(TaskList { tasks: t.iter().map(|t| TaskInfo { id: t.id.clone(), level: t.level, hash: t.hash.clone() }).collect(), splits: t.splits() })
 }
 
 #[utoipa::path(get, path = "/v1/health", responses((status = 200, description = "alive")))]
@@ -275,6 +353,20 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         let _ = writeln!(out, "cuda_agent_final_rewards_total{{reward=\"{r}\"}} {n}");
     }
     let _ = writeln!(out, "# TYPE cuda_agent_open_episodes gauge\ncuda_agent_open_episodes {}", s.episodes.open_count());
+    let _ = writeln!(out, "# TYPE cuda_agent_episodes_in_memory gauge\ncuda_agent_episodes_in_memory {}", s.episodes.in_memory());
+    let _ = writeln!(out, "# TYPE cuda_agent_episodes_evicted_total counter\ncuda_agent_episodes_evicted_total {}", c.evicted.load(Ordering::Relaxed));
+    let h = &s.http;
+    let _ = writeln!(out, "# TYPE cuda_agent_http_connections gauge\ncuda_agent_http_connections {}", h.open.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_http_connections_accepted_total counter\ncuda_agent_http_connections_accepted_total {}",
+        h.accepted.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_http_connections_refused_total counter\ncuda_agent_http_connections_refused_total {}",
+        h.refused.load(Ordering::Relaxed)
+    );
     let _ = writeln!(out, "# TYPE cuda_agent_evaluations_in_flight gauge\ncuda_agent_evaluations_in_flight {}", s.evaluator.in_flight());
     let _ = writeln!(out, "# TYPE cuda_agent_evaluations_total counter\ncuda_agent_evaluations_total {}", s.evaluator.finished.load(Ordering::Relaxed));
     let _ = writeln!(out, "# TYPE cuda_agent_device_leases_total counter");
@@ -294,10 +386,34 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     info(title = "cuda-agent environment", description = "Gym-style episodes for writing fast CUDA kernels."),
     paths(reset, step, episode_state, trajectory, close, evaluate, tasks, health, info),
     components(schemas(
-        ResetRequest, ResetOptions, ResetResponse, ResetInfo, Observation, TaskInfo, EpisodeLimits, StepRequest, Action,
-        PlainAction, OpenAiToolCall, FunctionCall, StepResponse, StepInfo, EpisodeState, EpisodeStatus, Trajectory,
-        TrajectoryRecord, EvaluateRequest, EvaluateOptions, TaskRef, SolutionRef, EvaluationResult, Times, Speedups,
-        ErrorBody, ErrorDetail, TaskList
+        ResetRequest,
+        ResetOptions,
+        ResetResponse,
+        ResetInfo,
+        Observation,
+        TaskInfo,
+        EpisodeLimits,
+        StepRequest,
+        Action,
+        PlainAction,
+        OpenAiToolCall,
+        FunctionCall,
+        StepResponse,
+        StepInfo,
+        EpisodeState,
+        EpisodeStatus,
+        Trajectory,
+        TrajectoryRecord,
+        EvaluateRequest,
+        EvaluateOptions,
+        TaskRef,
+        SolutionRef,
+        EvaluationResult,
+        Times,
+        Speedups,
+        ErrorBody,
+        ErrorDetail,
+        TaskList
     ))
 )]
 pub struct ApiDoc;

@@ -8,16 +8,17 @@ use std::time::{Duration, Instant};
 
 use agent_tools::{create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace};
 use env_api::{
-    EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationResult, Observation, ResetInfo, ResetRequest, ResetResponse,
-    StepInfo, StepResponse, TaskInfo,
+    EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationResult, Observation, ResetInfo, ResetRequest, ResetResponse, StepInfo, StepResponse, TaskInfo,
+    TrajectoryRecord,
 };
 use kernelbench::{Task, TaskSet};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 
 use crate::evaluation::Evaluator;
-use crate::runtime::{PythonInfo, WORKSPACE_FILES};
-use crate::trajectory::{self, TrajectoryLog};
+use crate::retention;
+use crate::runtime::{Device, PythonInfo, WORKSPACE_FILES};
+use crate::trajectory::{self, is_episode_id, TrajectoryLog};
 
 /// Errors of episode calls (mapped to HTTP answers by the API layer).
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +61,15 @@ pub struct EpisodeConfig {
     pub disk_quota_bytes: u64,
     /// An episode idle this long is truncated and cleaned up.
     pub idle_timeout: Duration,
+    /// A finished episode stays in memory this long; after that its state and trajectory are
+    /// read back from its log when asked for.
+    pub finished_grace: Duration,
+    /// Time limit of blocking file work in a request (the log's fsync, the quota walk,
+    /// creating and removing a workspace); past it the request fails instead of waiting.
+    pub io_timeout: Duration,
+    /// An episode whose trajectory log has grown past this is truncated (`log_quota`); the
+    /// step that crosses it and the final record are still logged.
+    pub max_log_bytes: u64,
     /// Tool output limits.
     pub tool_limits: ToolLimits,
     /// Environment every tool process gets on top of the standard one.
@@ -83,6 +93,8 @@ struct Episode {
     /// back on the rare retry), so memory does not grow with the output of every turn.
     answered: HashSet<String>,
     log: Option<TrajectoryLog>,
+    /// Bytes of the trajectory log so far.
+    log_bytes: u64,
     last_active: Instant,
 }
 
@@ -90,15 +102,50 @@ struct Slot {
     episode: Mutex<Episode>,
     /// Readable while a step (or the final evaluation) holds the episode.
     snapshot: SyncMutex<EpisodeState>,
+    /// When the episode ended: it leaves memory `finished_grace` later.
+    ended_at: SyncMutex<Option<Instant>>,
+}
+
+impl Slot {
+    fn new(ep: Episode) -> Self {
+        let state = ep.state();
+        Self { episode: Mutex::new(ep), snapshot: SyncMutex::new(state), ended_at: SyncMutex::new(None) }
+    }
+
+    fn publish(&self, ep: &Episode) {
+        *self.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
+        if ep.is_done() {
+            self.ended_at.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Instant::now);
+        }
+    }
+}
+
+/// An episode that is no longer in memory, as its log tells it.
+struct Logged {
+    episode: Episode,
+    closed: bool,
+    records: Vec<TrajectoryRecord>,
+}
+
+/// Where an episode was found.
+enum Found {
+    Live(Arc<Slot>),
+    Logged(Box<Logged>),
+}
+
+/// What building a workspace needs, shared with the blocking threads that build them.
+struct Setup {
+    cfg: EpisodeConfig,
+    sandbox: Sandbox,
+    path_dirs: Vec<PathBuf>,
+    harness_dir: PathBuf,
+    device: Device,
 }
 
 /// All episodes.
 pub struct EpisodeManager {
-    cfg: EpisodeConfig,
+    setup: Arc<Setup>,
     tasks: Arc<TaskSet>,
-    sandbox: Sandbox,
-    python: PythonInfo,
-    harness_dir: PathBuf,
     evaluator: Arc<Evaluator>,
     episodes: RwLock<HashMap<String, Arc<Slot>>>,
     next_uid: AtomicU64,
@@ -121,6 +168,8 @@ pub struct Counters {
     pub ended: SyncMutex<BTreeMap<String, u64>>,
     /// Final rewards, by value.
     pub rewards: SyncMutex<BTreeMap<String, u64>>,
+    /// Finished episodes moved out of memory.
+    pub evicted: AtomicU64,
 }
 
 fn task_info(t: &Task) -> TaskInfo {
@@ -144,6 +193,102 @@ fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
     )
 }
 
+/// Runs blocking file work on a blocking thread, waiting at most `timeout` for it (the work
+/// itself cannot be cancelled and finishes in the background).
+async fn blocking<T: Send + 'static>(timeout: Duration, what: &str, f: impl FnOnce() -> T + Send + 'static) -> Result<T, EpisodeError> {
+    match tokio::time::timeout(timeout, tokio::task::spawn_blocking(f)).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(EpisodeError::Internal(format!("{what}: {e}"))),
+        Err(_) => Err(EpisodeError::Internal(format!("{what} took longer than {} s", timeout.as_secs_f64()))),
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> EpisodeError {
+    EpisodeError::Internal(e.to_string())
+}
+
+/// The answer first given to `request_id`, from an episode's records.
+fn answer_in(records: &[TrajectoryRecord], request_id: &str) -> Option<StepResponse> {
+    records
+        .iter()
+        .filter(|r| r.kind == "step" && r.body.get("request_id").and_then(Value::as_str) == Some(request_id))
+        .find_map(|r| serde_json::from_value(r.body["response"].clone()).ok())
+}
+
+/// Rebuilds an episode from its log; None when the log lacks a usable reset record.
+fn replay(id: &str, records: &[TrajectoryRecord], tasks: &TaskSet, data_dir: &Path) -> Option<(Episode, bool)> {
+    let reset = records.iter().find(|r| r.kind == "reset")?;
+    let task_id = reset.body.pointer("/response/info/task/id").and_then(Value::as_str).unwrap_or_default();
+    let hash = reset.body.pointer("/response/info/task/hash").and_then(Value::as_str).unwrap_or_default();
+    let known = tasks.get(task_id).ok().filter(|t| t.hash == hash).cloned();
+    let task = match (known, reset.body.get("task_source").and_then(Value::as_str)) {
+        (Some(t), _) => t,
+        (None, Some(src)) => {
+            Task { id: task_id.into(), level: 0, name: task_id.into(), source: src.into(), hash: hash.into(), kind: kernelbench::TaskKind::Kernel }
+        }
+        (None, None) => return None,
+    };
+    let limits: EpisodeLimits = serde_json::from_value(reset.body.pointer("/response/info/limits").cloned()?).ok()?;
+    let mut ep = Episode::new(id.to_string(), task, data_dir.join("episodes").join(id), limits, None, None);
+    let mut closed = false;
+    for r in records {
+        match r.kind.as_str() {
+            "step" => {
+                if let Ok(resp) = serde_json::from_value::<StepResponse>(r.body["response"].clone()) {
+                    ep.turn = resp.info.turn;
+                    ep.tool_time = Duration::from_secs_f64(resp.info.tool_time_s);
+                    if let Some(rid) = r.body.get("request_id").and_then(Value::as_str) {
+                        ep.answered.insert(rid.to_string());
+                    }
+                    if resp.done {
+                        ep.status = if resp.terminated { EpisodeStatus::Terminated } else { EpisodeStatus::Truncated };
+                        ep.truncation_reason = resp.info.truncation_reason.clone();
+                        ep.result = resp.info.evaluation.clone();
+                    }
+                }
+            }
+            "truncated" => {
+                ep.status = EpisodeStatus::Truncated;
+                ep.truncation_reason = r.body.get("reason").and_then(Value::as_str).map(str::to_string);
+            }
+            "closed" => {
+                closed = true;
+                if !ep.is_done() {
+                    ep.status = EpisodeStatus::Closed;
+                }
+            }
+            _ => {}
+        }
+    }
+    Some((ep, closed))
+}
+
+/// The candidate's files from a workspace: model_new.py and kernels/ (or a recall task's
+/// answer file).
+fn solution_files(root: &Path, kind: &kernelbench::TaskKind) -> BTreeMap<String, String> {
+    let mut files = BTreeMap::new();
+    if let kernelbench::TaskKind::Recall { file, .. } = kind {
+        if let Ok(text) = std::fs::read_to_string(root.join(file)) {
+            files.insert(file.clone(), text);
+        }
+        return files;
+    }
+    if let Ok(text) = std::fs::read_to_string(root.join("model_new.py")) {
+        files.insert("model_new.py".to_string(), text);
+    }
+    let kernels = root.join("kernels");
+    for e in walkdir::WalkDir::new(&kernels).follow_links(false).max_depth(4).into_iter().flatten() {
+        if !e.file_type().is_file() || e.metadata().map(|m| m.len() > 1 << 20).unwrap_or(true) {
+            continue;
+        }
+        let Ok(rel) = e.path().strip_prefix(root) else { continue };
+        if let Ok(text) = std::fs::read_to_string(e.path()) {
+            files.insert(rel.display().to_string(), text);
+        }
+    }
+    files
+}
+
 impl Episode {
     /// A running episode at turn 0 (`toolbox` and `log` are None for one rebuilt from its log).
     fn new(id: String, task: Task, dir: PathBuf, limits: EpisodeLimits, toolbox: Option<Toolbox>, log: Option<TrajectoryLog>) -> Self {
@@ -159,6 +304,7 @@ impl Episode {
             truncation_reason: None,
             result: None,
             answered: HashSet::new(),
+            log_bytes: log.as_ref().map_or(0, TrajectoryLog::len),
             log,
             last_active: Instant::now(),
         }
@@ -172,11 +318,7 @@ impl Episode {
             turn: self.turn,
             tool_time_s: self.tool_time.as_secs_f64(),
             limits: self.limits.clone(),
-            todos: self
-                .toolbox
-                .as_ref()
-                .map(|t| t.todos().iter().filter_map(|x| serde_json::to_value(x).ok()).collect())
-                .unwrap_or_default(),
+            todos: self.toolbox.as_ref().map(|t| t.todos().iter().filter_map(|x| serde_json::to_value(x).ok()).collect()).unwrap_or_default(),
             truncation_reason: self.truncation_reason.clone(),
             result: self.result.clone(),
         }
@@ -185,208 +327,41 @@ impl Episode {
     fn is_done(&self) -> bool {
         !matches!(self.status, EpisodeStatus::Running | EpisodeStatus::Evaluating)
     }
-
-    fn log(&mut self, kind: &str, body: Value) -> Result<(), EpisodeError> {
-        match self.log.as_mut() {
-            Some(l) => l.append(kind, body).map_err(|e| EpisodeError::Internal(e.to_string())),
-            None => Ok(()),
-        }
-    }
-
-    /// The candidate's files from the workspace: model_new.py and kernels/.
-    fn solution_files(&self) -> BTreeMap<String, String> {
-        let mut files = BTreeMap::new();
-        let root = self.dir.join("workspace");
-        if let kernelbench::TaskKind::Recall { file, .. } = &self.task.kind {
-            if let Ok(text) = std::fs::read_to_string(root.join(file)) {
-                files.insert(file.clone(), text);
-            }
-            return files;
-        }
-        if let Ok(text) = std::fs::read_to_string(root.join("model_new.py")) {
-            files.insert("model_new.py".to_string(), text);
-        }
-        let kernels = root.join("kernels");
-        for e in walkdir::WalkDir::new(&kernels).follow_links(false).max_depth(4).into_iter().flatten() {
-            if !e.file_type().is_file() || e.metadata().map(|m| m.len() > 1 << 20).unwrap_or(true) {
-                continue;
-            }
-            let Ok(rel) = e.path().strip_prefix(&root) else { continue };
-            if let Ok(text) = std::fs::read_to_string(e.path()) {
-                files.insert(rel.display().to_string(), text);
-            }
-        }
-        files
-    }
 }
 
-impl EpisodeManager {
-    /// A manager; call [`EpisodeManager::recover`] once before serving.
-    pub fn new(cfg: EpisodeConfig, tasks: Arc<TaskSet>, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf, evaluator: Arc<Evaluator>) -> Self {
-        Self {
-            cfg,
-            tasks,
-            sandbox,
-            python,
-            harness_dir,
-            evaluator,
-            episodes: RwLock::new(HashMap::new()),
-            next_uid: AtomicU64::new(0),
-            counters: Counters::default(),
-        }
-    }
-
+impl Setup {
     fn trajectories_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("trajectories")
     }
 
-    /// The tasks served.
-    pub fn tasks(&self) -> &TaskSet {
-        &self.tasks
-    }
-
-    /// Number of open (running) episodes.
-    pub fn open_count(&self) -> usize {
-        self.episodes
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|s| matches!(s.snapshot.lock().unwrap_or_else(|e| e.into_inner()).status, EpisodeStatus::Running | EpisodeStatus::Evaluating))
-            .count()
-    }
-
-    /// Reloads episodes from the trajectory logs after a restart. Finished ones come back as
-    /// they ended; one that was mid-flight is marked truncated (`server_restart`) in its log.
-    pub fn recover(&self) -> Result<usize, EpisodeError> {
-        let dir = self.trajectories_dir();
-        std::fs::create_dir_all(&dir).map_err(|e| EpisodeError::Internal(e.to_string()))?;
-        let mut n = 0;
-        let entries = std::fs::read_dir(&dir).map_err(|e| EpisodeError::Internal(e.to_string()))?;
-        for e in entries.flatten() {
-            let path = e.path();
-            let Some(id) = path.file_stem().and_then(|s| s.to_str()).map(str::to_string) else { continue };
-            if path.extension().is_none_or(|x| x != "jsonl") {
-                continue;
-            }
-            let Ok(records) = trajectory::read(&path) else { continue };
-            let Some(reset) = records.iter().find(|r| r.kind == "reset") else { continue };
-            let task_id = reset.body.pointer("/response/info/task/id").and_then(Value::as_str).unwrap_or_default();
-            let hash = reset.body.pointer("/response/info/task/hash").and_then(Value::as_str).unwrap_or_default();
-            let known = self.tasks.get(task_id).ok().filter(|t| t.hash == hash).cloned();
-            let task = match (known, reset.body.get("task_source").and_then(Value::as_str)) {
-                (Some(t), _) => t,
-                (None, Some(src)) => Task { id: task_id.into(), level: 0, name: task_id.into(), source: src.into(), hash: hash.into(), kind: kernelbench::TaskKind::Kernel },
-                (None, None) => continue,
+    /// Creates the workspace, opens the log and writes the reset record: everything a reset
+    /// does on disk, on a blocking thread.
+    fn start_episode(
+        &self,
+        id: &str,
+        task: &Task,
+        limits: &EpisodeLimits,
+        req: &ResetRequest,
+        owner: Option<(u32, u32)>,
+        n: u64,
+    ) -> Result<(Toolbox, TrajectoryLog, ResetResponse), String> {
+        let dir = self.cfg.data_dir.join("episodes").join(id);
+        let made = self.make_workspace(&dir, task, owner, n).and_then(|(toolbox, listing)| {
+            let device = self.device.as_str().to_string();
+            let observation = Observation { text: prompt(task, limits, &device), tool: None, is_error: false, data: json!({"files": listing}) };
+            let resp = ResetResponse {
+                episode_id: id.to_string(),
+                observation,
+                info: ResetInfo { task: task_info(task), tools: agent_tools::tool_schemas(), limits: limits.clone(), device },
             };
-            let limits: EpisodeLimits = match reset.body.pointer("/response/info/limits").cloned().map(serde_json::from_value) {
-                Some(Ok(l)) => l,
-                _ => continue,
-            };
-            let mut ep = Episode::new(id.clone(), task, self.cfg.data_dir.join("episodes").join(&id), limits, None, None);
-            for r in &records {
-                match r.kind.as_str() {
-                    "step" => {
-                        if let Ok(resp) = serde_json::from_value::<StepResponse>(r.body["response"].clone()) {
-                            ep.turn = resp.info.turn;
-                            ep.tool_time = Duration::from_secs_f64(resp.info.tool_time_s);
-                            if let Some(rid) = r.body.get("request_id").and_then(Value::as_str) {
-                                ep.answered.insert(rid.to_string());
-                            }
-                            if resp.done {
-                                ep.status = if resp.terminated { EpisodeStatus::Terminated } else { EpisodeStatus::Truncated };
-                                ep.truncation_reason = resp.info.truncation_reason.clone();
-                                ep.result = resp.info.evaluation.clone();
-                            }
-                        }
-                    }
-                    "truncated" => {
-                        ep.status = EpisodeStatus::Truncated;
-                        ep.truncation_reason = r.body.get("reason").and_then(Value::as_str).map(str::to_string);
-                    }
-                    "closed" => ep.status = EpisodeStatus::Closed,
-                    _ => {}
-                }
-            }
-            if !ep.is_done() {
-                ep.status = EpisodeStatus::Truncated;
-                ep.truncation_reason = Some("server_restart".into());
-                if let Ok(mut log) = TrajectoryLog::open(&dir, &id) {
-                    let _ = log.append("truncated", json!({"reason": "server_restart", "turn": ep.turn}));
-                }
-                let _ = std::fs::remove_dir_all(&ep.dir);
-            }
-            let state = ep.state();
-            self.episodes
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, Arc::new(Slot { episode: Mutex::new(ep), snapshot: SyncMutex::new(state) }));
-            n += 1;
-        }
-        Ok(n)
-    }
-
-    fn slot(&self, id: &str) -> Result<Arc<Slot>, EpisodeError> {
-        self.episodes
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned()
-            .ok_or_else(|| EpisodeError::Unknown(id.to_string()))
-    }
-
-    /// Starts an episode.
-    pub async fn reset(&self, req: ResetRequest) -> Result<ResetResponse, EpisodeError> {
-        let open = self.open_count();
-        if open >= self.cfg.max_episodes {
-            return Err(EpisodeError::AtCapacity(open));
-        }
-        let task = match &req.task {
-            Some(id) => self.tasks.get(id)?.clone(),
-            None => self.tasks.sample(req.split.as_deref().unwrap_or("all"), req.seed.unwrap_or_else(crate::evaluation::random_u64))?.clone(),
-        };
-        let opts = req.options.clone().unwrap_or_default();
-        let max_turns = opts.max_turns.unwrap_or(self.cfg.max_turns);
-        let budget = opts.time_budget_s.unwrap_or(self.cfg.time_budget.as_secs_f64());
-        if max_turns == 0 || !(budget.is_finite() && budget > 0.0 && budget <= 86_400.0) {
-            return Err(EpisodeError::BadRequest("options: max_turns must be > 0 and time_budget_s in (0, 86400]".into()));
-        }
-        let limits = EpisodeLimits {
-            max_turns,
-            time_budget_s: budget,
-            max_output_chars: self.cfg.tool_limits.max_output_chars,
-            disk_quota_bytes: self.cfg.disk_quota_bytes,
-        };
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let dir = self.cfg.data_dir.join("episodes").join(&id);
-        let n = self.next_uid.fetch_add(1, Ordering::Relaxed);
-        let owner = self.sandbox.can_switch_uid().then(|| {
-            let uid = 100_000 + (n % 50_000) as u32;
-            (uid, uid)
+            let log = TrajectoryLog::open(&self.trajectories_dir(), id).map_err(|e| e.to_string())?;
+            log.append("reset", json!({"request": req, "response": resp, "task_source": task.source})).map_err(|e| e.to_string())?;
+            Ok((toolbox, log, resp))
         });
-        let (toolbox, listing) = self.make_workspace(&dir, &task, owner, n).map_err(EpisodeError::Internal)?;
-        let device = self.evaluator.device().as_str().to_string();
-        let observation = Observation {
-            text: prompt(&task, &limits, &device),
-            tool: None,
-            is_error: false,
-            data: json!({"files": listing}),
-        };
-        let resp = ResetResponse {
-            episode_id: id.clone(),
-            observation,
-            info: ResetInfo { task: task_info(&task), tools: agent_tools::tool_schemas(), limits: limits.clone(), device },
-        };
-        let mut log = TrajectoryLog::open(&self.trajectories_dir(), &id).map_err(|e| EpisodeError::Internal(e.to_string()))?;
-        log.append("reset", json!({"request": req, "response": resp, "task_source": task.source}))
-            .map_err(|e| EpisodeError::Internal(e.to_string()))?;
-        let ep = Episode::new(id.clone(), task, dir, limits, Some(toolbox), Some(log));
-        let state = ep.state();
-        self.episodes
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, Arc::new(Slot { episode: Mutex::new(ep), snapshot: SyncMutex::new(state) }));
-        self.counters.resets.fetch_add(1, Ordering::Relaxed);
-        Ok(resp)
+        if made.is_err() {
+            let _ = retention::remove_entry(&dir);
+        }
+        made
     }
 
     fn make_workspace(&self, dir: &Path, task: &Task, owner: Option<(u32, u32)>, n: u64) -> Result<(Toolbox, Vec<String>), String> {
@@ -411,18 +386,183 @@ impl EpisodeManager {
         if self.cfg.gpus > 0 {
             env.push(("CUDA_VISIBLE_DEVICES".into(), (n % self.cfg.gpus as u64).to_string()));
         }
-        env.push(("CUDA_AGENT_DEVICE".into(), self.evaluator.device().as_str().into()));
-        let jail = Jail::standard(ws.root(), &tmp, &self.python.path_dirs(), &env, owner);
+        env.push(("CUDA_AGENT_DEVICE".into(), self.device.as_str().into()));
+        let jail = Jail::standard(ws.root(), &tmp, &self.path_dirs, &env, owner);
         listing.sort();
         Ok((Toolbox::new(self.sandbox.clone(), ws, jail, tmp, self.cfg.tool_limits.clone()), listing))
+    }
+}
+
+impl EpisodeManager {
+    /// A manager; call [`EpisodeManager::recover`] once before serving.
+    pub fn new(cfg: EpisodeConfig, tasks: Arc<TaskSet>, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf, evaluator: Arc<Evaluator>) -> Self {
+        let setup = Setup { path_dirs: python.path_dirs(), device: evaluator.device(), cfg, sandbox, harness_dir };
+        Self { setup: Arc::new(setup), tasks, evaluator, episodes: RwLock::new(HashMap::new()), next_uid: AtomicU64::new(0), counters: Counters::default() }
+    }
+
+    fn cfg(&self) -> &EpisodeConfig {
+        &self.setup.cfg
+    }
+
+    fn trajectories_dir(&self) -> PathBuf {
+        self.setup.trajectories_dir()
+    }
+
+    /// The tasks served.
+    pub fn tasks(&self) -> &TaskSet {
+        &self.tasks
+    }
+
+    /// Number of open (running) episodes.
+    pub fn open_count(&self) -> usize {
+        self.episodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|s| matches!(s.snapshot.lock().unwrap_or_else(|e| e.into_inner()).status, EpisodeStatus::Running | EpisodeStatus::Evaluating))
+            .count()
+    }
+
+    /// Number of episodes held in memory (open ones and those finished within the grace
+    /// period).
+    pub fn in_memory(&self) -> usize {
+        self.episodes.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Ids of the episodes in memory (their logs are never pruned).
+    pub fn live_ids(&self) -> HashSet<String> {
+        self.episodes.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+    }
+
+    /// After a restart: marks every episode that was mid-flight truncated (`server_restart`)
+    /// in its log, and returns how many were. Nothing is loaded into memory: an ended
+    /// episode's state and trajectory are read from its log when asked for, and a closed one
+    /// stays closed. Only the end of each log is read, unless that is not a record that ends
+    /// an episode.
+    pub fn recover(&self) -> Result<usize, EpisodeError> {
+        let dir = self.trajectories_dir();
+        std::fs::create_dir_all(&dir).map_err(internal)?;
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).map_err(internal)?.flatten() {
+            let path = e.path();
+            let Some(id) = path.file_stem().and_then(|s| s.to_str()).filter(|s| is_episode_id(s)).map(str::to_string) else { continue };
+            if path.extension().is_none_or(|x| x != "jsonl") {
+                continue;
+            }
+            if matches!(trajectory::last_kind(&path).ok().flatten().as_deref(), Some("final" | "truncated" | "closed")) {
+                continue;
+            }
+            let Ok(records) = trajectory::read(&path) else { continue };
+            let Some((ep, closed)) = replay(&id, &records, &self.tasks, &self.cfg().data_dir) else { continue };
+            if closed || ep.is_done() {
+                continue;
+            }
+            let log = TrajectoryLog::open(&dir, &id).map_err(internal)?;
+            log.append("truncated", json!({"reason": "server_restart", "turn": ep.turn})).map_err(internal)?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Finds an episode: in memory, or (ended, not closed) in its log.
+    async fn find(&self, id: &str) -> Result<Found, EpisodeError> {
+        if !is_episode_id(id) {
+            return Err(EpisodeError::Unknown(id.to_string()));
+        }
+        if let Some(slot) = self.episodes.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned() {
+            return Ok(Found::Live(slot));
+        }
+        let path = trajectory::path_of(&self.trajectories_dir(), id);
+        let (tasks, data_dir, owned_id) = (self.tasks.clone(), self.cfg().data_dir.clone(), id.to_string());
+        let logged = blocking(self.cfg().io_timeout, "reading a trajectory log", move || {
+            let records = trajectory::read(&path).ok()?;
+            let (episode, closed) = replay(&owned_id, &records, &tasks, &data_dir)?;
+            Some(Logged { episode, closed, records })
+        })
+        .await?;
+        match logged {
+            Some(l) if !l.closed => Ok(Found::Logged(Box::new(l))),
+            _ => Err(EpisodeError::Unknown(id.to_string())),
+        }
+    }
+
+    /// Appends a record to the episode's log on a blocking thread.
+    async fn log(&self, ep: &mut Episode, kind: &'static str, body: Value) -> Result<(), EpisodeError> {
+        let Some(log) = ep.log.clone() else { return Ok(()) };
+        let n = blocking(self.cfg().io_timeout, "writing the trajectory log", move || log.append(kind, body)).await?.map_err(internal)?;
+        ep.log_bytes += n;
+        Ok(())
+    }
+
+    /// Appends a record to a log that is not held open (an ended episode's).
+    async fn log_detached(&self, id: &str, kind: &'static str, body: Value) -> Result<(), EpisodeError> {
+        let (dir, id) = (self.trajectories_dir(), id.to_string());
+        blocking(self.cfg().io_timeout, "writing the trajectory log", move || TrajectoryLog::open(&dir, &id)?.append(kind, body)).await?.map_err(internal)?;
+        Ok(())
+    }
+
+    /// Starts an episode.
+    pub async fn reset(&self, req: ResetRequest) -> Result<ResetResponse, EpisodeError> {
+        let open = self.open_count();
+        if open >= self.cfg().max_episodes {
+            return Err(EpisodeError::AtCapacity(open));
+        }
+        let task = match &req.task {
+            Some(id) => self.tasks.get(id)?.clone(),
+            None => self.tasks.sample(req.split.as_deref().unwrap_or("all"), req.seed.unwrap_or_else(crate::evaluation::random_u64))?.clone(),
+        };
+        let opts = req.options.clone().unwrap_or_default();
+        let max_turns = opts.max_turns.unwrap_or(self.cfg().max_turns);
+        let budget = opts.time_budget_s.unwrap_or(self.cfg().time_budget.as_secs_f64());
+        if max_turns == 0 || max_turns > env_api::caps::MAX_TURNS || !(budget.is_finite() && budget > 0.0 && budget <= 86_400.0) {
+            return Err(EpisodeError::BadRequest(format!("options: max_turns must be in 1..={} and time_budget_s in (0, 86400]", env_api::caps::MAX_TURNS)));
+        }
+        let limits = EpisodeLimits {
+            max_turns,
+            time_budget_s: budget,
+            max_output_chars: self.cfg().tool_limits.max_output_chars,
+            disk_quota_bytes: self.cfg().disk_quota_bytes,
+        };
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let dir = self.cfg().data_dir.join("episodes").join(&id);
+        let n = self.next_uid.fetch_add(1, Ordering::Relaxed);
+        let owner = self.setup.sandbox.can_switch_uid().then(|| {
+            let uid = 100_000 + (n % 50_000) as u32;
+            (uid, uid)
+        });
+        let (setup, owned) = (self.setup.clone(), (id.clone(), task.clone(), limits.clone(), req));
+        let (toolbox, log, resp) = blocking(self.cfg().io_timeout, "creating the workspace", move || {
+            let (id, task, limits, req) = owned;
+            setup.start_episode(&id, &task, &limits, &req, owner, n)
+        })
+        .await?
+        .map_err(EpisodeError::Internal)?;
+        let ep = Episode::new(id.clone(), task, dir, limits, Some(toolbox), Some(log));
+        self.episodes.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(Slot::new(ep)));
+        self.counters.resets.fetch_add(1, Ordering::Relaxed);
+        Ok(resp)
     }
 
     /// Runs one step. Replays the first answer for a request_id seen before.
     pub async fn step(&self, id: &str, tool: &str, arguments: &Value, request_id: Option<String>) -> Result<StepResponse, EpisodeError> {
-        let slot = self.slot(id)?;
+        let slot = match self.find(id).await? {
+            Found::Live(slot) => slot,
+            Found::Logged(l) => {
+                // Ended and out of memory: only a retry of an answered step has an answer.
+                let prev = request_id.as_deref().and_then(|rid| answer_in(&l.records, rid));
+                return match prev {
+                    Some(mut prev) => {
+                        self.counters.replays.fetch_add(1, Ordering::Relaxed);
+                        prev.info.replayed = true;
+                        Ok(prev)
+                    }
+                    None => Err(EpisodeError::Ended(id.to_string())),
+                };
+            }
+        };
         let mut ep = slot.episode.lock().await;
         if let Some(rid) = request_id.as_deref().filter(|rid| ep.answered.contains(*rid)) {
-            let mut prev = self.logged_answer(id, rid)?;
+            let mut prev = self.logged_answer(id, rid).await?;
             self.counters.replays.fetch_add(1, Ordering::Relaxed);
             prev.info.replayed = true;
             return Ok(prev);
@@ -453,10 +593,22 @@ impl EpisodeManager {
         let terminated = matches!(call, ToolCall::Submit(_));
         let mut truncation_reason = None;
         if !terminated {
-            let usage = ep.toolbox.as_ref().map(|t| t.workspace().disk_usage()).unwrap_or(0);
-            if usage > ep.limits.disk_quota_bytes {
+            let quota = ep.limits.disk_quota_bytes;
+            // A walk of a hostile tree (millions of files) may not finish in time: that is
+            // over the quota too.
+            let usage = match ep.toolbox.as_ref().map(|t| t.workspace().root().to_path_buf()) {
+                Some(root) => {
+                    blocking(self.cfg().io_timeout, "measuring the workspace", move || retention::tree_bytes(&root, quota.saturating_add(1))).await.ok()
+                }
+                None => Some(0),
+            };
+            if usage.is_none_or(|u| u > quota) {
                 truncation_reason = Some("disk_quota".to_string());
-                observation.text.push_str(&format!("\n[workspace uses {usage} bytes, over its quota of {} bytes: episode ended]", ep.limits.disk_quota_bytes));
+                let used = usage.map_or_else(|| "more than can be measured in time".to_string(), |u| format!("{u} bytes"));
+                observation.text.push_str(&format!("\n[workspace uses {used}, over its quota of {quota} bytes: episode ended]"));
+            } else if ep.log_bytes >= self.cfg().max_log_bytes {
+                truncation_reason = Some("log_quota".to_string());
+                observation.text.push_str(&format!("\n[the episode's log is over {} bytes: episode ended]", self.cfg().max_log_bytes));
             } else if ep.turn >= ep.limits.max_turns {
                 truncation_reason = Some("max_turns".to_string());
             } else if ep.tool_time.as_secs_f64() >= ep.limits.time_budget_s {
@@ -470,7 +622,8 @@ impl EpisodeManager {
         if terminated || truncated {
             ep.status = EpisodeStatus::Evaluating;
             *slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
-            submitted = ep.solution_files();
+            let (root, kind) = (ep.dir.join("workspace"), ep.task.kind.clone());
+            submitted = blocking(self.cfg().io_timeout, "collecting the solution", move || solution_files(&root, &kind)).await.unwrap_or_default();
             let result = self.final_evaluation(&ep.task, &submitted).await;
             reward = result.reward;
             evaluation = Some(result.clone());
@@ -490,28 +643,25 @@ impl EpisodeManager {
             info: StepInfo { turn: ep.turn, tool_time_s: ep.tool_time.as_secs_f64(), truncation_reason, evaluation, replayed: false },
         };
         let action = json!({"tool": tool, "arguments": arguments});
-        ep.log("step", json!({"request_id": request_id, "action": action, "response": resp}))?;
+        self.log(&mut ep, "step", json!({"request_id": request_id, "action": action, "response": resp})).await?;
         if let Some(rid) = request_id {
             ep.answered.insert(rid);
         }
         if resp.done {
             // The files judged, so replay and fine-tuning can use the solution itself.
             let body = json!({"result": ep.result, "task": ep.task.id, "files": submitted});
-            ep.log("final", body)?;
-            self.cleanup(&mut ep);
+            self.log(&mut ep, "final", body).await?;
+            self.cleanup(&mut ep).await;
         }
-        *slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
+        slot.publish(&ep);
         Ok(resp)
     }
 
     /// The answer first given to `request_id`, from the trajectory log.
-    fn logged_answer(&self, id: &str, request_id: &str) -> Result<StepResponse, EpisodeError> {
-        let records = trajectory::read(&self.trajectories_dir().join(format!("{id}.jsonl"))).map_err(|e| EpisodeError::Internal(e.to_string()))?;
-        records
-            .iter()
-            .filter(|r| r.kind == "step" && r.body.get("request_id").and_then(Value::as_str) == Some(request_id))
-            .find_map(|r| serde_json::from_value(r.body["response"].clone()).ok())
-            .ok_or_else(|| EpisodeError::Internal(format!("request {request_id} is answered but not in the log")))
+    async fn logged_answer(&self, id: &str, request_id: &str) -> Result<StepResponse, EpisodeError> {
+        let path = trajectory::path_of(&self.trajectories_dir(), id);
+        let records = blocking(self.cfg().io_timeout, "reading the trajectory log", move || trajectory::read(&path)).await?.map_err(internal)?;
+        answer_in(&records, request_id).ok_or_else(|| EpisodeError::Internal(format!("request {request_id} is answered but not in the log")))
     }
 
     async fn final_evaluation(&self, task: &Task, files: &BTreeMap<String, String>) -> EvaluationResult {
@@ -539,35 +689,62 @@ impl EpisodeManager {
         }
     }
 
-    fn cleanup(&self, ep: &mut Episode) {
+    /// Drops the toolbox and the log and removes the episode's directory (on a blocking
+    /// thread; a removal slower than the I/O limit goes on in the background).
+    async fn cleanup(&self, ep: &mut Episode) {
         ep.toolbox = None;
         ep.log = None;
-        let _ = std::fs::remove_dir_all(&ep.dir);
+        let dir = ep.dir.clone();
+        match blocking(self.cfg().io_timeout, "removing the workspace", move || retention::remove_entry(&dir)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Ok(Err(e)) => tracing::warn!(episode = %ep.id, error = %e, "removing the workspace"),
+            Err(e) => tracing::warn!(episode = %ep.id, error = %e, "removing the workspace"),
+        }
     }
 
     /// The state of an episode (answers even while a step runs).
-    pub fn state(&self, id: &str) -> Result<EpisodeState, EpisodeError> {
-        let slot = self.slot(id)?;
-        let s = slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        Ok(s)
+    pub async fn state(&self, id: &str) -> Result<EpisodeState, EpisodeError> {
+        match self.find(id).await? {
+            Found::Live(slot) => Ok(slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+            Found::Logged(l) => Ok(l.episode.state()),
+        }
     }
 
     /// The trajectory log of an episode.
-    pub fn trajectory(&self, id: &str) -> Result<Vec<env_api::TrajectoryRecord>, EpisodeError> {
-        self.slot(id)?;
-        trajectory::read(&self.trajectories_dir().join(format!("{id}.jsonl"))).map_err(|e| EpisodeError::Internal(e.to_string()))
+    pub async fn trajectory(&self, id: &str) -> Result<Vec<TrajectoryRecord>, EpisodeError> {
+        match self.find(id).await? {
+            Found::Live(_) => {
+                let path = trajectory::path_of(&self.trajectories_dir(), id);
+                blocking(self.cfg().io_timeout, "reading the trajectory log", move || trajectory::read(&path)).await?.map_err(internal)
+            }
+            Found::Logged(l) => Ok(l.records),
+        }
     }
 
-    /// Closes an episode: a running one is marked closed and its workspace removed.
+    /// Closes an episode: a running one is marked closed and its workspace removed. The
+    /// `closed` record makes it final: the episode is unknown to the API from then on, across
+    /// restarts too (its log stays on disk for training, under the retention policy).
     pub async fn close(&self, id: &str) -> Result<EpisodeState, EpisodeError> {
-        let slot = self.slot(id)?;
+        let slot = match self.find(id).await? {
+            Found::Live(slot) => slot,
+            Found::Logged(l) => {
+                self.log_detached(id, "closed", json!({"turn": l.episode.turn})).await?;
+                return Ok(l.episode.state());
+            }
+        };
         let mut ep = slot.episode.lock().await;
         if !ep.is_done() {
             ep.status = EpisodeStatus::Closed;
-            let body = json!({"turn": ep.turn});
-            ep.log("closed", body)?;
+            *self.counters.ended.lock().unwrap_or_else(|e| e.into_inner()).entry("closed".into()).or_default() += 1;
         }
-        self.cleanup(&mut ep);
+        let body = json!({"turn": ep.turn});
+        if ep.log.is_some() {
+            self.log(&mut ep, "closed", body).await?;
+        } else {
+            self.log_detached(id, "closed", body).await?;
+        }
+        self.cleanup(&mut ep).await;
         let state = ep.state();
         drop(ep);
         self.episodes.write().unwrap_or_else(|e| e.into_inner()).remove(id);
@@ -580,17 +757,36 @@ impl EpisodeManager {
         let mut n = 0;
         for slot in slots {
             let Ok(mut ep) = slot.episode.try_lock() else { continue };
-            if ep.is_done() || ep.last_active.elapsed() < self.cfg.idle_timeout {
+            if ep.is_done() || ep.last_active.elapsed() < self.cfg().idle_timeout {
                 continue;
             }
             ep.status = EpisodeStatus::Truncated;
             ep.truncation_reason = Some("idle_timeout".into());
             let body = json!({"reason": "idle_timeout", "turn": ep.turn});
-            let _ = ep.log("truncated", body);
-            self.cleanup(&mut ep);
-            *slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
+            if let Err(e) = self.log(&mut ep, "truncated", body).await {
+                tracing::warn!(episode = %ep.id, error = %e, "logging an idle timeout");
+            }
+            *self.counters.ended.lock().unwrap_or_else(|e| e.into_inner()).entry("truncated_idle_timeout".into()).or_default() += 1;
+            self.cleanup(&mut ep).await;
+            slot.publish(&ep);
             n += 1;
         }
+        n
+    }
+
+    /// Moves episodes that ended more than the grace period ago out of memory; returns how
+    /// many. Their state and trajectory are read from their logs from then on.
+    pub fn evict_finished(&self) -> usize {
+        let grace = self.cfg().finished_grace;
+        let mut map = self.episodes.write().unwrap_or_else(|e| e.into_inner());
+        let before = map.len();
+        map.retain(|_, s| s.ended_at.lock().unwrap_or_else(|e| e.into_inner()).is_none_or(|t| t.elapsed() < grace));
+        // A map that held thousands of episodes keeps its table otherwise.
+        if map.capacity() > 2 * map.len() + 64 {
+            map.shrink_to_fit();
+        }
+        let n = before - map.len();
+        self.counters.evicted.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
 }

@@ -100,13 +100,9 @@ fn io_err(p: &Path, e: std::io::Error) -> EvalError {
 impl Evaluator {
     /// An evaluator over an installed harness.
     pub fn new(cfg: EvaluatorConfig, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf) -> Self {
-        let slots = (0..cfg.devices.max(1))
-            .map(|index| DeviceSlot { index, lock: Semaphore::new(1), leases: AtomicU64::new(0), busy_ms: AtomicU64::new(0) })
-            .collect();
-        let baselines = std::fs::read_to_string(cfg.data_dir.join("cache/baselines.json"))
-            .ok()
-            .and_then(|s| serde_json::from_str(&s).ok())
-            .unwrap_or_default();
+        let slots =
+            (0..cfg.devices.max(1)).map(|index| DeviceSlot { index, lock: Semaphore::new(1), leases: AtomicU64::new(0), busy_ms: AtomicU64::new(0) }).collect();
+        let baselines = std::fs::read_to_string(cfg.data_dir.join("cache/baselines.json")).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
         Self {
             builds: Semaphore::new(cfg.max_builds.max(1)),
             cfg,
@@ -181,117 +177,210 @@ impl Evaluator {
 
     async fn evaluate_in(&self, dir: &Path, task: &Task, files: &BTreeMap<String, String>, tolerance: Option<f64>) -> Result<EvaluationResult, EvalError> {
         let started = Instant::now();
-        let owner = self.sandbox.can_switch_uid().then(|| {
-            let uid = 150_000 + (self.next_uid.fetch_add(1, Ordering::Relaxed) % 50_000) as u32;
-            (uid, uid)
-        });
-        // The evaluation dir and the reference task.py belong to the server (readable, not
-        // writable, by the evaluation uid): a candidate runs as that uid and must not be able
-        // to replace the reference it is judged against. Only candidate/ and tmp/ are its own.
-        let tmp = dir.join("tmp");
-        let cand = dir.join("candidate");
-        std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
-        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).map_err(|e| io_err(dir, e))?;
-        for d in [&tmp, &cand] {
-            create_private_dir(d, owner).map_err(|e| io_err(d, e))?;
-        }
-        let task_path = dir.join("task.py");
-        std::fs::write(&task_path, &task.source).map_err(|e| io_err(&task_path, e))?;
-        std::fs::set_permissions(&task_path, std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(|e| io_err(&task_path, e))?;
-        for (name, text) in files {
-            let p = cand.join(name);
-            if let Some(parent) = p.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
-                chown(parent, owner);
-            }
-            std::fs::write(&p, text).map_err(|e| io_err(&p, e))?;
-            chown(&p, owner);
-        }
-        let jail = {
-            let mut j = Jail::standard(&cand, &tmp, &self.python.path_dirs(), &self.cfg.extra_env, owner);
-            j.writable = vec![cand.clone(), tmp.clone()];
-            j.read_only.extend([dir.to_path_buf(), self.harness_dir.clone()]);
-            j
+        // Two uids: the judge's and the candidate worker's. Neither can read or signal the
+        // other's processes, and only the judge's can read the reference's outputs.
+        let leases = self.sandbox.lease_uid_pair().map_err(|e| EvalError::Harness(format!("no uids for the evaluation: {e}")))?;
+        let (judge_owner, worker_owner) = match &leases {
+            Some((j, w)) => (Some(j.owner()), Some(w.owner())),
+            None => (None, None),
         };
+        let layout = EvalDirs::create(dir, task, files, judge_owner, worker_owner).map_err(|e| io_err(dir, e))?;
 
-        let baseline = self.baseline(task, &jail, dir).await?;
-        let eager = baseline.pointer("/eager/median_ms").and_then(Value::as_f64);
-        let compile = baseline.pointer("/compile/median_ms").and_then(Value::as_f64);
-
-        // Build: off the device, bounded. Extensions build into a directory keyed by the
-        // solution's hash, the same path every time, so a rebuild of the same sources is a
-        // no-op for ninja; builds of one hash are serialised (torch's own lock file would
-        // otherwise be left stale by a build killed at its time limit).
+        // Build: off the device, bounded, as the worker's uid. Extensions build into a
+        // directory keyed by the solution's hash, the same path every time, so a rebuild of
+        // the same sources is a no-op for ninja; builds of one hash are serialised (torch's own
+        // lock file would otherwise be left stale by a build killed at its time limit).
         let digest = self.build_digest(files);
         let ext = self.cfg.data_dir.join("build-cache").join(&digest);
         let cache_hit = ext.is_dir();
-        let jail = {
-            let mut j = jail;
-            j.writable.push(ext.clone());
-            j.env.push(("TORCH_EXTENSIONS_DIR".into(), ext.clone().into()));
-            j
-        };
+        let worker_jail = self.worker_jail(&layout, &ext, worker_owner);
         let build = {
             let digest_lock = self.build_lock(&digest);
             let _same_sources = digest_lock.lock().await;
             let _permit = self.builds.acquire().await.map_err(|e| EvalError::Harness(e.to_string()))?;
-            prepare_build_dir(&ext, owner).map_err(|e| io_err(&ext, e))?;
-            self.run_harness(&jail, dir, &["candidate", "--phase", "build"], None).await?
+            prepare_build_dir(&ext, worker_owner).map_err(|e| io_err(&ext, e))?;
+            touch(&ext);
+            self.build(&worker_jail, &layout).await?
         };
-        let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "baseline": baseline, "build_cache_hit": cache_hit});
-        let fail = |reason: String, mut details: Value, extra: &Value| {
-            if let Some(o) = extra.as_object() {
-                for (k, v) in o {
-                    details[k] = v.clone();
-                }
-            }
-            EvaluationResult {
-                reward: -1.0,
-                correct: false,
-                reason: Some(reason),
-                times_ms: Times { eager, compile, candidate: None },
-                speedup: Speedups::default(),
-                details,
-            }
+        let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "build_cache_hit": cache_hit, "build": build});
+        let fail = |reason: String, details: Value| EvaluationResult {
+            reward: -1.0,
+            correct: false,
+            reason: Some(reason),
+            times_ms: Times::default(),
+            speedup: Speedups::default(),
+            details,
         };
-        if build.get("built").and_then(Value::as_bool) != Some(true) {
-            let reason = build.get("reason").and_then(Value::as_str).unwrap_or("build failed").to_string();
-            return Ok(fail(reason, details, &json!({})));
+        if !build.built {
+            let reason = build.reason.clone().unwrap_or_else(|| "compile: the build failed".into());
+            return Ok(fail(reason, details));
         }
 
-        // Check and time: on a leased device, with seeds the agent never saw.
+        // Check and time: on a leased device, with seeds the agent never saw; the judge and
+        // the candidate's worker in two sandboxes under two uids, talking over two FIFOs.
         let seeds: Vec<String> = (0..5).map(|_| (random_u64() % 1_000_000_007).to_string()).collect();
         let seeds = seeds.join(",");
-        let mut args: Vec<String> = vec!["candidate".into(), "--phase".into(), "run".into(), "--seeds".into(), seeds];
-        if let Some(t) = tolerance {
-            args.extend(["--atol".into(), t.to_string(), "--rtol".into(), t.to_string()]);
-        }
-        if !self.cfg.allow_ops.is_empty() {
-            args.extend(["--allow-ops".into(), self.cfg.allow_ops.join(",")]);
-        }
-        let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
-        let run = self.with_lease(|slot| self.run_harness(&jail, dir, &args_ref, Some(slot))).await?;
+        let (verdict, worker_log) =
+            self.with_lease(|slot| self.judge_run(&layout, &worker_jail, judge_owner, worker_owner, &seeds, tolerance, slot)).await?;
+        drop(leases);
         details["elapsed_s"] = json!(started.elapsed().as_secs_f64());
         details["confined"] = json!(self.sandbox.is_confined());
-        if run.get("correct").and_then(Value::as_bool) != Some(true) {
-            let reason = run.get("reason").and_then(Value::as_str).unwrap_or("evaluation failed").to_string();
-            return Ok(fail(reason, details, &json!({"rule": run.get("rule")})));
+        if !worker_log.is_empty() {
+            details["worker_log"] = json!(worker_log);
         }
-        let t = run.pointer("/candidate/median_ms").and_then(Value::as_f64);
-        details["candidate"] = run.get("candidate").cloned().unwrap_or(Value::Null);
-        details["check"] = run.get("details").cloned().unwrap_or(Value::Null);
-        let ratio = |b: Option<f64>| match (b, t) {
+        if verdict.rule.as_deref() == Some("harness_error") {
+            return Err(EvalError::Harness(verdict.reason.unwrap_or_default()));
+        }
+        details["check"] = verdict.details.clone().unwrap_or(Value::Null);
+        details["timing"] = verdict.timing.clone().unwrap_or(Value::Null);
+        details["noise_band"] = json!(verdict.noise_band);
+        details["env"] = verdict.env.clone().unwrap_or(Value::Null);
+        if !verdict.correct {
+            details["rule"] = json!(verdict.rule);
+            let reason = verdict.reason.unwrap_or_else(|| "evaluation failed".into());
+            return Ok(fail(reason, details));
+        }
+        let times = verdict.times_ms.unwrap_or_default();
+        let ratio = |b: Option<f64>| match (b, times.candidate) {
             (Some(b), Some(t)) if t > 0.0 => Some(b / t),
             _ => None,
         };
         Ok(EvaluationResult {
-            reward: milestone(true, t, eager, compile),
+            reward: milestone(true, times.candidate, times.eager, times.compile),
             correct: true,
             reason: None,
-            times_ms: Times { eager, compile, candidate: t },
-            speedup: Speedups { eager: ratio(eager), compile: ratio(compile) },
+            times_ms: Times { eager: times.eager, compile: times.compile, candidate: times.candidate },
+            speedup: Speedups { eager: ratio(times.eager), compile: ratio(times.compile) },
             details,
         })
+    }
+
+    /// The candidate worker's jail: its sources, its temp dir, the build cache entry, its
+    /// output directory and the reply FIFO; the task and the harness read-only.
+    fn worker_jail(&self, d: &EvalDirs, ext: &Path, owner: Option<(u32, u32)>) -> Jail {
+        let mut j = Jail::standard(&d.candidate, &d.tmp, &self.python.path_dirs(), &self.cfg.extra_env, owner);
+        j.writable = vec![d.candidate.clone(), d.tmp.clone(), ext.to_path_buf(), d.out.clone(), d.rep.clone()];
+        j.read_only.extend([d.root.clone(), self.harness_dir.clone()]);
+        // The judge finds the worker's processes by uid in the host's process table; the
+        // worker sees only its own.
+        j.process_view = ProcessView::OwnUid;
+        j.env.push(("TORCH_EXTENSIONS_DIR".into(), ext.into()));
+        j.env.push(("OMP_WAIT_POLICY".into(), "PASSIVE".into()));
+        j
+    }
+
+    async fn build(&self, jail: &Jail, d: &EvalDirs) -> Result<BuildReport, EvalError> {
+        let argv: Vec<OsString> = vec![
+            self.harness_dir.join("cuda_agent_worker.py").into(),
+            "build".into(),
+            "--task".into(),
+            d.task.clone().into(),
+            "--candidate".into(),
+            d.candidate.clone().into(),
+            "--device".into(),
+            self.cfg.device.as_str().into(),
+        ];
+        let mut jail = jail.clone();
+        if self.cfg.device == Device::Cuda {
+            // nvcc needs no GPU; none is visible to a build.
+            jail.env.push(("CUDA_VISIBLE_DEVICES".into(), "".into()));
+        }
+        let (out, err, outcome) = self.run_sandboxed(&jail, &argv, &d.candidate).await?;
+        if outcome.timed_out {
+            return Ok(BuildReport::failed(format!("time_limit: the build ran past {} s", self.cfg.phase_timeout.as_secs())));
+        }
+        // The build's own report can only claim a failure (which counts against it) or a
+        // success that the run phase checks again: it decides nothing else.
+        let text = String::from_utf8_lossy(&out);
+        Ok(text.lines().rev().find_map(|l| serde_json::from_str::<BuildReport>(l).ok()).unwrap_or_else(|| {
+            BuildReport::failed(format!("compile: the build process died ({}): {}", describe_exit(&outcome), tail(&err, 2000)))
+        }))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn judge_run(
+        &self,
+        d: &EvalDirs,
+        worker_jail: &Jail,
+        judge_owner: Option<(u32, u32)>,
+        worker_owner: Option<(u32, u32)>,
+        seeds: &str,
+        tolerance: Option<f64>,
+        slot: usize,
+    ) -> Result<(Verdict, String), EvalError> {
+        let visible = slot.to_string();
+        let mut worker_jail = worker_jail.clone();
+        let mut judge_jail = Jail::standard(&d.judge, &d.judge, &self.python.path_dirs(), &self.cfg.extra_env, judge_owner);
+        judge_jail.writable = vec![d.judge.clone(), d.inputs.clone(), d.req.clone()];
+        judge_jail.read_only.extend([d.root.clone(), self.harness_dir.clone()]);
+        judge_jail.process_view = ProcessView::Host;
+        judge_jail.env.push(("OMP_WAIT_POLICY".into(), "PASSIVE".into()));
+        if self.cfg.device == Device::Cuda {
+            worker_jail.env.push(("CUDA_VISIBLE_DEVICES".into(), visible.clone().into()));
+            judge_jail.env.push(("CUDA_VISIBLE_DEVICES".into(), visible.into()));
+        }
+        let device = self.cfg.device.as_str();
+        let mut wargv: Vec<OsString> = vec![self.harness_dir.join("cuda_agent_worker.py").into()];
+        wargv.extend(["serve", "--role", "candidate", "--device", device].map(OsString::from));
+        wargv.extend(["--task".into(), d.task.clone().into(), "--candidate".into(), d.candidate.clone().into()]);
+        wargv.extend(["--req".into(), d.req.clone().into(), "--rep".into(), d.rep.clone().into(), "--out-dir".into(), d.out.clone().into()]);
+        if !self.cfg.allow_ops.is_empty() {
+            wargv.extend(["--allow-ops".into(), self.cfg.allow_ops.join(",").into()]);
+        }
+        let wcmd = self.sandbox.command(&worker_jail, &self.python.executable, &wargv, &d.candidate).map_err(|e| EvalError::Harness(e.to_string()))?;
+        let mut worker = wcmd.spawn().map_err(|e| EvalError::Harness(format!("spawn the worker: {e}")))?;
+        let worker_pid = worker.id().unwrap_or(0);
+        // The worker's prints go nowhere the verdict is read from: drained (so it never blocks
+        // on a full pipe) and kept as a capped tail for the diagnostics.
+        let wout = drain(worker.stdout.take(), 64 << 10);
+        let werr = drain(worker.stderr.take(), 64 << 10);
+
+        let mut jargv: Vec<OsString> = vec![self.harness_dir.join("evaluate.py").into(), "candidate".into()];
+        jargv.extend(["--task".into(), d.task.clone().into(), "--candidate".into(), d.source.clone().into(), "--device".into(), device.into()]);
+        jargv.extend(["--seeds".into(), seeds.into(), "--workdir".into(), d.judge.clone().into(), "--inputs-dir".into(), d.inputs.clone().into()]);
+        jargv.extend(["--worker-req".into(), d.req.clone().into(), "--worker-rep".into(), d.rep.clone().into(), "--worker-out".into(), d.out.clone().into()]);
+        jargv.extend(["--worker-pid".into(), worker_pid.to_string().into()]);
+        if let Some((uid, _)) = worker_owner {
+            jargv.extend(["--worker-uid".into(), uid.to_string().into()]);
+        }
+        let secs = self.cfg.phase_timeout.as_secs_f64();
+        jargv.extend(["--setup-timeout".into(), format!("{secs}").into(), "--call-timeout".into(), format!("{}", secs.min(120.0)).into()]);
+        if let Some(t) = tolerance {
+            jargv.extend(["--atol".into(), t.to_string().into(), "--rtol".into(), t.to_string().into()]);
+        }
+        if self.cfg.skip_compile {
+            jargv.push("--no-compile".into());
+        }
+        let judged = self.run_sandboxed(&judge_jail, &jargv, &d.judge).await;
+        // Whatever the judge decided, the worker and everything it started end here.
+        let _ = worker.kill_all().await;
+        let log = {
+            let mut log = wout.await.unwrap_or_default();
+            log.extend(werr.await.unwrap_or_default());
+            tail(&log, 2000)
+        };
+        let (out, err, outcome) = judged?;
+        if outcome.timed_out {
+            let v = Verdict::failed("time_limit", format!("time_limit: the evaluation ran past {secs} s"));
+            return Ok((v, log));
+        }
+        // The judge is trusted code in its own sandbox; the worker cannot reach its stdout.
+        let text = String::from_utf8_lossy(&out);
+        match text.lines().rev().find_map(|l| serde_json::from_str::<Verdict>(l).ok()) {
+            Some(v) => Ok((v, log)),
+            None => Err(EvalError::Harness(format!("the judge gave no verdict ({}): {}", describe_exit(&outcome), tail(&err, 2000)))),
+        }
+    }
+
+    /// Runs one sandboxed process to its end or the phase time limit; returns its stdout,
+    /// stderr (both capped) and how it ended.
+    async fn run_sandboxed(&self, jail: &Jail, argv: &[OsString], cwd: &Path) -> Result<(Vec<u8>, Vec<u8>, Outcome), EvalError> {
+        let sc = self.sandbox.command(jail, &self.python.executable, argv, cwd).map_err(|e| EvalError::Harness(e.to_string()))?;
+        let mut child = sc.spawn().map_err(|e| EvalError::Harness(format!("spawn python: {e}")))?;
+        let out = drain(child.stdout.take(), 8 << 20);
+        let err = drain(child.stderr.take(), 1 << 20);
+        let outcome = child.wait_within(self.cfg.phase_timeout).await;
+        Ok((out.await.unwrap_or_default(), err.await.unwrap_or_default(), outcome))
     }
 
     fn build_lock(&self, digest: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {
@@ -314,35 +403,11 @@ impl Evaluator {
         hex::encode(h.finalize())[..32].to_string()
     }
 
-    async fn baseline(&self, task: &Task, jail: &Jail, dir: &Path) -> Result<Value, EvalError> {
-        let key = format!("{}|{}|{}|{}", task.hash, self.cfg.device.as_str(), self.python.torch, self.cfg.skip_compile);
-        if let Some(v) = self.baselines.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-            return Ok(v.clone());
-        }
-        let mut args = vec!["baseline"];
-        if self.cfg.skip_compile {
-            args.push("--no-compile");
-        }
-        let v = self.with_lease(|slot| self.run_harness(jail, dir, &args, Some(slot))).await?;
-        if v.get("eager").is_none() {
-            let reason = v.get("reason").and_then(Value::as_str).unwrap_or("no eager time");
-            return Err(EvalError::Harness(format!("baseline of {}: {reason}", task.id)));
-        }
-        let mut cache = self.baselines.lock().unwrap_or_else(|e| e.into_inner());
-        cache.insert(key, v.clone());
-        let path = self.cfg.data_dir.join("cache/baselines.json");
-        if let Some(parent) = path.parent() {
-            let _ = std::fs::create_dir_all(parent);
-        }
-        let _ = std::fs::write(&path, serde_json::to_vec_pretty(&*cache).unwrap_or_default());
-        Ok(v)
-    }
-
     /// Runs `f` holding the least-recently-picked free device slot exclusively.
-    async fn with_lease<F, Fut>(&self, f: F) -> Result<Value, EvalError>
+    async fn with_lease<F, Fut, T>(&self, f: F) -> Result<T, EvalError>
     where
         F: FnOnce(usize) -> Fut,
-        Fut: std::future::Future<Output = Result<Value, EvalError>>,
+        Fut: std::future::Future<Output = Result<T, EvalError>>,
     {
         let n = self.slots.len();
         let start = self.next_slot.fetch_add(1, Ordering::Relaxed) % n;
@@ -371,58 +436,183 @@ impl Evaluator {
         out
     }
 
-    async fn run_harness(&self, jail: &Jail, dir: &Path, args: &[&str], slot: Option<usize>) -> Result<Value, EvalError> {
-        let mut jail = jail.clone();
-        if self.cfg.device == Device::Cuda {
-            let visible = slot.map(|s| s.to_string()).unwrap_or_else(|| "0".into());
-            jail.env.push(("CUDA_VISIBLE_DEVICES".into(), visible.into()));
-        }
-        let mut argv: Vec<OsString> = vec![self.harness_dir.join("evaluate.py").into()];
-        argv.extend(args.iter().take(1).map(OsString::from));
-        argv.extend(["--task".into(), dir.join("task.py").into(), "--device".into(), self.cfg.device.as_str().into()]);
-        if args.first() == Some(&"candidate") {
-            argv.extend(["--candidate".into(), dir.join("candidate").into()]);
-        }
-        argv.extend(args.iter().skip(1).map(OsString::from));
-        let sc = self.sandbox.command(&jail, &self.python.executable, &argv, dir).map_err(|e| EvalError::Harness(e.to_string()))?;
-        let mut child = sc.spawn().map_err(|e| EvalError::Harness(format!("spawn python: {e}")))?;
-        let pid = child.id().map(|p| p as i32);
-        let mut stdout = child.stdout.take();
-        let mut stderr = child.stderr.take();
-        let read_out = async {
-            let mut buf = Vec::new();
-            if let Some(s) = stdout.as_mut() {
-                let _ = s.take(8 << 20).read_to_end(&mut buf).await;
-            }
-            buf
-        };
-        let read_err = async {
-            let mut buf = Vec::new();
-            if let Some(s) = stderr.as_mut() {
-                let _ = s.take(1 << 20).read_to_end(&mut buf).await;
-            }
-            buf
-        };
-        let work = async { tokio::join!(read_out, read_err, child.wait()) };
-        let outcome = tokio::time::timeout(self.cfg.phase_timeout, work).await;
-        if let Some(sid) = pid {
-            let unreaped = outcome.is_err();
-            let _ = tokio::task::spawn_blocking(move || agent_tools::sandbox::kill_session(sid, unreaped)).await;
-        }
-        let Ok((out, err, _status)) = outcome else {
-            let _ = child.wait().await;
-            return Ok(json!({"correct": false, "rule": "time_limit", "reason": format!("time_limit: {} ran past {} s", args[0], self.cfg.phase_timeout.as_secs())}));
-        };
-        let text = String::from_utf8_lossy(&out);
-        match text.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok()) {
-            Some(v) => Ok(v),
-            None => {
-                let err = String::from_utf8_lossy(&err);
-                let tail: String = err.chars().rev().take(2000).collect::<Vec<_>>().into_iter().rev().collect();
-                Ok(json!({"correct": false, "rule": "runtime_error", "reason": format!("runtime_error: the evaluation process died: {tail}")}))
-            }
-        }
+}
+
+/// What the build step reports.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+struct BuildReport {
+    built: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    build_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    extensions: Vec<String>,
+}
+
+impl BuildReport {
+    fn failed(reason: String) -> Self {
+        Self { built: false, reason: Some(reason), ..Self::default() }
     }
+}
+
+/// The judge's verdict (evaluate.py's one JSON line).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+struct Verdict {
+    correct: bool,
+    #[serde(default)]
+    rule: Option<String>,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    times_ms: Option<VerdictTimes>,
+    #[serde(default)]
+    noise_band: BTreeMap<String, [f64; 2]>,
+    #[serde(default)]
+    timing: Option<Value>,
+    #[serde(default)]
+    details: Option<Value>,
+    #[serde(default)]
+    env: Option<Value>,
+}
+
+impl Verdict {
+    fn failed(rule: &str, reason: String) -> Self {
+        Self { correct: false, rule: Some(rule.into()), reason: Some(reason), ..Self::default() }
+    }
+}
+
+/// Median times in the verdict.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+struct VerdictTimes {
+    #[serde(default)]
+    eager: Option<f64>,
+    #[serde(default)]
+    compile: Option<f64>,
+    #[serde(default)]
+    candidate: Option<f64>,
+}
+
+/// One evaluation's directory. The root, `task.py`, `source/` (the judge's copy of the
+/// solution, for its static check) and `xfer/` belong to the server; `candidate/`, `tmp/` and
+/// `xfer/out/` to the worker's uid; `judge/` and `xfer/in/` to the judge's. The two FIFOs are
+/// each writable by one side and readable by the other.
+struct EvalDirs {
+    root: PathBuf,
+    task: PathBuf,
+    candidate: PathBuf,
+    source: PathBuf,
+    tmp: PathBuf,
+    judge: PathBuf,
+    inputs: PathBuf,
+    out: PathBuf,
+    req: PathBuf,
+    rep: PathBuf,
+}
+
+impl EvalDirs {
+    fn create(dir: &Path, task: &Task, files: &BTreeMap<String, String>, judge: Option<(u32, u32)>, worker: Option<(u32, u32)>) -> std::io::Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
+        let d = Self {
+            root: dir.to_path_buf(),
+            task: dir.join("task.py"),
+            candidate: dir.join("candidate"),
+            source: dir.join("source"),
+            tmp: dir.join("tmp"),
+            judge: dir.join("judge"),
+            inputs: dir.join("xfer/in"),
+            out: dir.join("xfer/out"),
+            req: dir.join("xfer/req"),
+            rep: dir.join("xfer/rep"),
+        };
+        let mode = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m));
+        std::fs::create_dir_all(dir)?;
+        mode(dir, 0o755)?;
+        std::fs::create_dir_all(dir.join("xfer"))?;
+        mode(&dir.join("xfer"), 0o755)?;
+        for p in [&d.tmp, &d.candidate] {
+            create_private_dir(p, worker)?;
+        }
+        create_private_dir(&d.judge, judge)?;
+        // Readable by the other side: the judge reads the worker's outputs, the worker the
+        // judge's inputs (each file inside says who may read it).
+        create_private_dir(&d.inputs, judge)?;
+        mode(&d.inputs, 0o755)?;
+        create_private_dir(&d.out, worker)?;
+        mode(&d.out, 0o755)?;
+        std::fs::write(&d.task, &task.source)?;
+        mode(&d.task, 0o444)?;
+        std::fs::create_dir_all(&d.source)?;
+        for (name, text) in files {
+            for (base, owner) in [(&d.candidate, worker), (&d.source, None)] {
+                let p = base.join(name);
+                if let Some(parent) = p.parent() {
+                    std::fs::create_dir_all(parent)?;
+                    chown(parent, owner);
+                }
+                std::fs::write(&p, text)?;
+                chown(&p, owner);
+            }
+        }
+        make_fifo(&d.req, judge, worker)?;
+        make_fifo(&d.rep, worker, judge)?;
+        Ok(d)
+    }
+}
+
+/// A FIFO its `writer` may write and its `reader` read (group permission: each uid's group
+/// is its own), or the server's own when uids cannot be switched.
+fn make_fifo(path: &Path, writer: Option<(u32, u32)>, reader: Option<(u32, u32)>) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: c is a valid NUL-terminated path.
+    if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if let (Some((wu, _)), Some((_, rg))) = (writer, reader) {
+        std::os::unix::fs::lchown(path, Some(wu), Some(rg))?;
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o640))?;
+    }
+    Ok(())
+}
+
+/// Reads a pipe to its end on a task of its own, keeping at most `cap` bytes.
+fn drain<R>(pipe: Option<R>, cap: u64) -> tokio::task::JoinHandle<Vec<u8>>
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut buf = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = (&mut p).take(cap).read_to_end(&mut buf).await;
+            // Past the cap, keep reading (and dropping) so the writer never blocks.
+            let _ = tokio::io::copy(&mut p, &mut tokio::io::sink()).await;
+        }
+        buf
+    })
+}
+
+fn tail(bytes: &[u8], n: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let chars: Vec<char> = text.chars().collect();
+    chars[chars.len().saturating_sub(n)..].iter().collect()
+}
+
+fn describe_exit(o: &Outcome) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match o.status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(c), _) => format!("exit status {c}"),
+            (None, Some(sig)) => format!("killed by signal {sig}"),
+            _ => "ended".into(),
+        },
+        None => "did not end".into(),
+    }
+}
+
+/// Marks a build-cache entry as used now (the cache is pruned least recently used first).
+fn touch(p: &Path) {
+    let _ = std::fs::File::open(p).and_then(|f| f.set_modified(std::time::SystemTime::now()));
 }
 
 struct Decrement<'a>(&'a AtomicUsize);

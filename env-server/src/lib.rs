@@ -3,7 +3,9 @@
 //! milestone reward.
 //!
 //! - [`api`]: routes, errors, auth, metrics, OpenAPI ([`api::router`] builds the app).
+//! - [`http`]: serving the app over TCP with connection, header, idle and write limits.
 //! - [`episode`]: the episode manager (workspaces, limits, idle expiry, recovery).
+//! - [`retention`]: what stays on disk (trajectory logs, the build cache, crash leftovers).
 //! - [`evaluation`]: the evaluation queue, device leases, the harness runs.
 //! - [`trajectory`]: the durable JSON Lines log.
 //! - [`reward`]: the milestone reward.
@@ -12,6 +14,8 @@
 pub mod api;
 pub mod episode;
 pub mod evaluation;
+pub mod http;
+pub mod retention;
 pub mod reward;
 pub mod runtime;
 pub mod trajectory;
@@ -67,6 +71,20 @@ pub struct ServerConfig {
     pub allow_ops: Vec<String>,
     /// Largest request body.
     pub max_body_bytes: usize,
+    /// Limits of the HTTP layer (connections, header, body, idle and write timeouts).
+    pub http: http::HttpLimits,
+    /// A finished episode stays in memory this long (then its log answers for it).
+    pub finished_grace: Duration,
+    /// Time limit of blocking file work in a request before it fails.
+    pub io_timeout: Duration,
+    /// An episode whose trajectory log grows past this is truncated (`log_quota`).
+    pub max_log_bytes: u64,
+    /// How many trajectory logs are kept.
+    pub trajectory_retention: retention::TrajectoryRetention,
+    /// Most bytes of compiled extensions kept in the build cache.
+    pub build_cache_max_bytes: u64,
+    /// How often retention runs (it also runs at start).
+    pub retention_interval: Duration,
 }
 
 impl Default for ServerConfig {
@@ -91,6 +109,13 @@ impl Default for ServerConfig {
             skip_compile: false,
             allow_ops: Vec::new(),
             max_body_bytes: 8 << 20,
+            http: http::HttpLimits::default(),
+            finished_grace: Duration::from_secs(60),
+            io_timeout: Duration::from_secs(30),
+            max_log_bytes: 64 << 20,
+            trajectory_retention: retention::TrajectoryRetention { keep: None, max_age: None, max_bytes: Some(16 << 30) },
+            build_cache_max_bytes: 8 << 30,
+            retention_interval: Duration::from_secs(300),
         }
     }
 }
@@ -153,11 +178,13 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     }
     let harness_dir = data_dir.join("harness");
     runtime::install_harness(&harness_dir)?;
-    let tasks = Arc::new(match &cfg.tasks_dir {
-        Some(d) => TaskSet::load_dir(d)?,
-        None => TaskSet::bundled(),
-    }
-    .with_tiny_family());
+    let tasks = Arc::new(
+        match &cfg.tasks_dir {
+            Some(d) => TaskSet::load_dir(d)?,
+            None => TaskSet::bundled(),
+        }
+        .with_tiny_family(),
+    );
     let task_size = cfg.task_size.clone().unwrap_or_else(|| if device == runtime::Device::Cpu { "small".into() } else { "full".into() });
     let extra_env = vec![("CUDA_AGENT_TASK_SIZE".to_string(), task_size.clone())];
     let gpus = if device == runtime::Device::Cuda { python.gpus } else { 0 };
@@ -186,6 +213,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             max_episodes: cfg.max_episodes,
             disk_quota_bytes: cfg.disk_quota_bytes,
             idle_timeout: cfg.idle_timeout,
+            finished_grace: cfg.finished_grace,
+            io_timeout: cfg.io_timeout,
+            max_log_bytes: cfg.max_log_bytes,
             tool_limits,
             extra_env,
             gpus,
@@ -196,8 +226,18 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         harness_dir,
         evaluator.clone(),
     );
-    let recovered = episodes.recover()?;
-    tracing::info!(recovered, tasks = tasks.len(), device = device.as_str(), "server state ready");
+    let interrupted = episodes.recover()?;
+    // Nothing is live before the first request: what is under episodes/ and evals/ was left
+    // by a crash.
+    let swept = retention::sweep_leftovers(&data_dir);
+    let retention = Retention {
+        data_dir: data_dir.clone(),
+        trajectories: cfg.trajectory_retention.clone(),
+        build_cache: retention::BuildCacheRetention { max_bytes: cfg.build_cache_max_bytes, in_use_window: cfg.eval_timeout * 2 },
+        interval: cfg.retention_interval,
+    };
+    retention.run(&episodes.live_ids());
+    tracing::info!(interrupted, swept = swept.entries, swept_bytes = swept.bytes, tasks = tasks.len(), device = device.as_str(), "server state ready");
     let info = json!({
         "name": "cuda-agent env-server",
         "version": env!("CARGO_PKG_VERSION"),
@@ -209,24 +249,97 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "task_size": task_size,
         "tasks": tasks.len(),
         "capacity": {"max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1)},
+        "http": {
+            "max_connections": cfg.http.max_connections,
+            "header_timeout_s": cfg.http.header_timeout.as_secs_f64(),
+            "body_timeout_s": cfg.http.body_timeout.as_secs_f64(),
+            "write_timeout_s": cfg.http.write_timeout.as_secs_f64(),
+            "max_body_bytes": cfg.max_body_bytes,
+        },
+        "retention": {
+            "finished_grace_s": cfg.finished_grace.as_secs_f64(),
+            "keep_trajectories": cfg.trajectory_retention.keep,
+            "trajectory_max_age_s": cfg.trajectory_retention.max_age.map(|d| d.as_secs_f64()),
+            "trajectory_max_bytes": cfg.trajectory_retention.max_bytes,
+            "build_cache_max_bytes": cfg.build_cache_max_bytes,
+            "max_log_bytes": cfg.max_log_bytes,
+        },
         "sandbox": status,
         "auth": cfg.api_key.is_some(),
     });
-    Ok(Arc::new(AppState { episodes, evaluator, api_key: cfg.api_key, info, max_body_bytes: cfg.max_body_bytes }))
+    Ok(Arc::new(AppState {
+        episodes,
+        evaluator,
+        api_key: cfg.api_key,
+        info,
+        max_body_bytes: cfg.max_body_bytes,
+        body_timeout: cfg.http.body_timeout,
+        http: Arc::new(http::HttpCounters::default()),
+        retention,
+    }))
 }
 
-/// Expires idle episodes every 30 s, for as long as the state lives.
+/// The retention policy and where it applies.
+#[derive(Debug, Clone)]
+pub struct Retention {
+    /// The data directory.
+    pub data_dir: PathBuf,
+    /// Trajectory logs kept.
+    pub trajectories: retention::TrajectoryRetention,
+    /// The build cache's bound.
+    pub build_cache: retention::BuildCacheRetention,
+    /// How often it runs.
+    pub interval: Duration,
+}
+
+impl Retention {
+    /// One pass over trajectory logs (sparing `live` episodes) and the build cache. Blocking.
+    pub fn run(&self, live: &std::collections::HashSet<String>) {
+        let logs = retention::prune_trajectories(&self.data_dir.join("trajectories"), &self.trajectories, live);
+        let builds = retention::prune_build_cache(&self.data_dir.join("build-cache"), &self.build_cache);
+        if logs.entries + builds.entries > 0 {
+            tracing::info!(logs = logs.entries, log_bytes = logs.bytes, builds = builds.entries, build_bytes = builds.bytes, "retention removed");
+        }
+    }
+}
+
+/// Every 30 s, for as long as the state lives: truncates idle episodes, moves finished ones
+/// out of memory; every retention interval, prunes logs and the build cache (on a blocking
+/// thread, one pass at a time).
 pub fn spawn_janitor(state: Arc<AppState>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(30));
+        let mut last_retention = tokio::time::Instant::now();
         loop {
             tick.tick().await;
             let n = state.episodes.expire_idle().await;
             if n > 0 {
                 tracing::info!(expired = n, "idle episodes truncated");
             }
+            let evicted = state.episodes.evict_finished();
+            if evicted > 0 {
+                tracing::debug!(evicted, "finished episodes left memory");
+                release_free_memory();
+            }
+            if last_retention.elapsed() >= state.retention.interval {
+                last_retention = tokio::time::Instant::now();
+                let (retention, live) = (state.retention.clone(), state.episodes.live_ids());
+                if let Err(e) = tokio::task::spawn_blocking(move || retention.run(&live)).await {
+                    tracing::warn!(error = %e, "retention pass failed");
+                }
+            }
         }
     });
+}
+
+/// Hands freed heap pages back to the system, so that the server's resident memory falls
+/// after many episodes end (glibc keeps them otherwise).
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Each open episode keeps its trajectory log open: lift the soft descriptor limit to the hard one.

@@ -1,11 +1,22 @@
 //! `env-server`: serve the environment over HTTP.
+//!
+//! The API key is read from `--api-key-file` or the `CUDA_AGENT_API_KEY` variable. `--api-key`
+//! still works but puts the key in the process's arguments, which every local process can read
+//! (`/proc/<pid>/cmdline`); the server warns when it is used.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory as _, FromArgMatches as _, Parser};
+use env_server::http::HttpLimits;
+use env_server::retention::TrajectoryRetention;
 use env_server::{build_state, router, spawn_janitor, ServerConfig};
+
+/// The variable the API key may come from.
+const API_KEY_VAR: &str = "CUDA_AGENT_API_KEY";
 
 /// The cuda-agent environment server.
 #[derive(Debug, Parser)]
@@ -23,9 +34,14 @@ struct Args {
     /// Tasks: a KernelBench checkout or a directory of task files (default: the bundled suite).
     #[arg(long)]
     tasks: Option<PathBuf>,
-    /// Require `Authorization: Bearer KEY` on every call but /v1/health.
-    #[arg(long, env = "CUDA_AGENT_API_KEY", hide_env_values = true)]
+    /// Require `Authorization: Bearer KEY` on every call but /v1/health. Prefer the
+    /// CUDA_AGENT_API_KEY variable or --api-key-file: a key given here is visible to every
+    /// local process in /proc/<pid>/cmdline.
+    #[arg(long, env = API_KEY_VAR, hide_env_values = true, conflicts_with = "api_key_file")]
     api_key: Option<String>,
+    /// Read the API key from this file (its first line; keep it mode 0600).
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
     /// Python interpreter with torch, used for the harness and inside workspaces.
     #[arg(long, env = "CUDA_AGENT_PYTHON", default_value = "python3")]
     python: PathBuf,
@@ -60,43 +76,179 @@ struct Args {
     /// copies (comma separated, such as `mm,addmm` to allow PyTorch's matmul).
     #[arg(long, value_delimiter = ',')]
     allow_ops: Vec<String>,
+    /// Most HTTP connections open at once; more are answered 503 and closed.
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's headers, counted from the connection's start
+    /// or the end of the previous answer (so also the idle keep-alive limit).
+    #[arg(long, default_value_t = 20.0)]
+    header_timeout_s: f64,
+    /// Seconds a client has to send a request's body.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout_s: f64,
+    /// Seconds an answer may wait for a client that stopped reading.
+    #[arg(long, default_value_t = 30.0)]
+    write_timeout_s: f64,
+    /// Largest request body, bytes.
+    #[arg(long, default_value_t = 8 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a finished episode stays in memory; its log answers for it after that.
+    #[arg(long, default_value_t = 60)]
+    finished_grace_s: u64,
+    /// An episode whose trajectory log grows past this many bytes is truncated (`log_quota`).
+    #[arg(long, default_value_t = 64 << 20)]
+    max_log_bytes: u64,
+    /// Keep at most this many trajectory logs (newest first; live episodes' always kept).
+    #[arg(long)]
+    keep_trajectories: Option<usize>,
+    /// Remove trajectory logs last written more than this many seconds ago.
+    #[arg(long)]
+    trajectory_max_age_s: Option<u64>,
+    /// Keep at most this many bytes of trajectory logs (0: no bound).
+    #[arg(long, default_value_t = 16 << 30)]
+    trajectory_max_bytes: u64,
+    /// Keep at most this many bytes of compiled extensions in the build cache, removing the
+    /// least recently used first.
+    #[arg(long, default_value_t = 8 << 30)]
+    build_cache_max_bytes: u64,
+    /// Seconds between retention passes (logs, build cache); one also runs at start.
+    #[arg(long, default_value_t = 300)]
+    retention_interval_s: u64,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .init();
-    let args = Args::parse();
+/// The API key, from wherever it was given. A key on the command line is visible to every
+/// local process, so that way is warned about.
+fn api_key(args: &Args, source: Option<ValueSource>) -> anyhow::Result<Option<String>> {
+    if let Some(path) = &args.api_key_file {
+        return read_key_file(path).map(Some);
+    }
+    if args.api_key.is_some() && source == Some(ValueSource::CommandLine) {
+        tracing::warn!("--api-key puts the key in the process's arguments, readable by every local process; use {API_KEY_VAR} or --api-key-file");
+    }
+    Ok(args.api_key.clone().filter(|k| !k.is_empty()))
+}
+
+fn read_key_file(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).with_context(|| format!("--api-key-file {}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        tracing::warn!(path = %path.display(), "the API key file is readable by others; chmod 600 it");
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("--api-key-file {}", path.display()))?;
+    let key = text.lines().next().unwrap_or("").trim().to_string();
+    anyhow::ensure!(!key.is_empty(), "--api-key-file {} holds no key", path.display());
+    Ok(key)
+}
+
+/// Removes the key's variable from the environment, overwriting its value in place first:
+/// the original environment block stays readable in /proc/<pid>/environ otherwise. Runs
+/// before any other thread exists.
+fn scrub_env(name: &str) {
+    extern "C" {
+        static mut environ: *mut *mut libc::c_char;
+    }
+    let prefix = format!("{name}=");
+    // SAFETY: single-threaded at this point; every entry of `environ` is a NUL-terminated
+    // string owned by the process, overwritten within its own length.
+    unsafe {
+        let mut p = environ;
+        while !p.is_null() && !(*p).is_null() {
+            let entry = *p;
+            let len = libc::strlen(entry);
+            let bytes = std::slice::from_raw_parts_mut(entry.cast::<u8>(), len);
+            if bytes.starts_with(prefix.as_bytes()) {
+                bytes[prefix.len()..].fill(b'x');
+            }
+            p = p.add(1);
+        }
+        std::env::remove_var(name);
+    }
+}
+
+/// The server's memory and /proc files become unreadable to processes of its own uid (the
+/// sandboxed tools run under other uids when the server is root; this covers the case where
+/// they cannot).
+fn deny_inspection() {
+    // SAFETY: prctl with integer arguments only.
+    let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    if rc != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "PR_SET_DUMPABLE");
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    let matches = Args::command().get_matches();
+    let args = Args::from_arg_matches(&matches)?;
+    let key = api_key(&args, matches.value_source("api_key"))?;
+    scrub_env(API_KEY_VAR);
+    deny_inspection();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(args, key))
+}
+
+async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
+    let secs = |s: f64, name: &str| Duration::try_from_secs_f64(s).with_context(|| format!("--{name}"));
+    let http = HttpLimits {
+        max_connections: args.max_connections.max(1),
+        header_timeout: secs(args.header_timeout_s, "header-timeout-s")?,
+        body_timeout: secs(args.body_timeout_s, "body-timeout-s")?,
+        write_timeout: secs(args.write_timeout_s, "write-timeout-s")?,
+        ..HttpLimits::default()
+    };
     let mut cfg = ServerConfig {
         data_dir: args.data_dir,
         device: args.device,
         tasks_dir: args.tasks,
-        api_key: args.api_key,
+        api_key,
         python: args.python,
         allow_unconfined: args.allow_unconfined,
         max_episodes: args.max_episodes,
         max_turns: args.max_turns,
-        time_budget: Duration::from_secs_f64(args.time_budget_s),
+        time_budget: secs(args.time_budget_s, "time-budget-s")?,
         idle_timeout: Duration::from_secs(args.idle_timeout_s),
         eval_timeout: Duration::from_secs(args.eval_timeout_s),
         task_size: args.task_size,
         skip_compile: args.skip_compile,
         allow_ops: args.allow_ops,
+        max_body_bytes: args.max_body_bytes,
+        http: http.clone(),
+        finished_grace: Duration::from_secs(args.finished_grace_s),
+        max_log_bytes: args.max_log_bytes,
+        trajectory_retention: TrajectoryRetention {
+            keep: args.keep_trajectories,
+            max_age: args.trajectory_max_age_s.map(Duration::from_secs),
+            max_bytes: Some(args.trajectory_max_bytes).filter(|&b| b > 0),
+        },
+        build_cache_max_bytes: args.build_cache_max_bytes,
+        retention_interval: Duration::from_secs(args.retention_interval_s.max(1)),
         ..ServerConfig::default()
     };
     if let Some(n) = args.max_builds {
         cfg.max_builds = n;
     }
-    let state = build_state(cfg).context("starting the server")?;
+    let state = tokio::task::spawn_blocking(move || build_state(cfg)).await?.context("starting the server")?;
     tracing::info!(info = %state.info, "configuration");
     spawn_janitor(state.clone());
     let listener = tokio::net::TcpListener::bind(&args.bind).await.with_context(|| format!("binding {}", args.bind))?;
     tracing::info!(addr = %listener.local_addr()?, "listening");
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await?;
+    let counters = Arc::clone(&state.http);
+    env_server::http::serve(listener, router(state), http, counters, shutdown_signal()).await?;
+    tracing::info!("stopped");
     Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
 }

@@ -62,10 +62,7 @@ impl PythonInfo {
     pub fn probe(python: &Path) -> Result<Self, RuntimeError> {
         let script = "import json,os,sys\nimport torch\nn=torch.cuda.device_count() if torch.cuda.is_available() else 0\nprint(json.dumps({'executable':sys.executable,'real_executable':os.path.realpath(sys.executable),'prefix':sys.prefix,'base_prefix':sys.base_prefix,'torch':torch.__version__,'torch_cuda':torch.version.cuda,'gpus':n,'gpu_names':[torch.cuda.get_device_name(i) for i in range(n)]}))";
         let err = |message: String| RuntimeError::Python { python: python.display().to_string(), message };
-        let out = std::process::Command::new(python)
-            .args(["-c", script])
-            .output()
-            .map_err(|e| err(e.to_string()))?;
+        let out = std::process::Command::new(python).args(["-c", script]).output().map_err(|e| err(e.to_string()))?;
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             return Err(err(format!("cannot import torch: {}", stderr.lines().last().unwrap_or(""))));

@@ -1,8 +1,13 @@
 //! The durable trajectory log: one JSON Lines file per episode, each record fsynced before
 //! the answer that it records is sent.
+//!
+//! Record kinds: `reset`, `step`, `final` (the result and the files judged), `truncated`
+//! (idle timeout, server restart) and `closed` (a DELETE: the episode is gone for the API, and
+//! stays gone across restarts; the log itself is kept for training until retention removes it).
 
-use std::io::Write as _;
+use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use env_api::TrajectoryRecord;
 use serde_json::Value;
@@ -26,34 +31,51 @@ pub fn now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
-/// An episode's log file, opened for appending.
-#[derive(Debug)]
+/// Whether `id` has the form of an episode id (32 lowercase hex digits, as the server makes
+/// them). Anything else is refused before it can name a file.
+pub fn is_episode_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// The log file of an episode under `dir`.
+pub fn path_of(dir: &Path, episode_id: &str) -> PathBuf {
+    dir.join(format!("{episode_id}.jsonl"))
+}
+
+/// An episode's log file, opened for appending. Clones share the file, so a clone can be
+/// moved to a blocking thread for the write and fsync.
+#[derive(Debug, Clone)]
 pub struct TrajectoryLog {
-    path: PathBuf,
-    file: std::fs::File,
+    path: Arc<PathBuf>,
+    file: Arc<std::fs::File>,
 }
 
 impl TrajectoryLog {
     /// Opens (creating) the log of an episode.
     pub fn open(dir: &Path, episode_id: &str) -> Result<Self, LogError> {
-        let path = dir.join(format!("{episode_id}.jsonl"));
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|source| LogError::Io { path: path.clone(), source })?;
-        Ok(Self { path, file })
+        let path = path_of(dir, episode_id);
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|source| LogError::Io { path: path.clone(), source })?;
+        Ok(Self { path: Arc::new(path), file: Arc::new(file) })
     }
 
-    /// Appends one record and fsyncs it.
-    pub fn append(&mut self, kind: &str, body: Value) -> Result<(), LogError> {
+    /// Appends one record and fsyncs it; returns the bytes written. Blocking: call it off the
+    /// async workers.
+    pub fn append(&self, kind: &str, body: Value) -> Result<u64, LogError> {
         let rec = TrajectoryRecord { kind: kind.into(), time: now(), body };
         let mut line = serde_json::to_vec(&rec).unwrap_or_default();
         line.push(b'\n');
-        self.file
-            .write_all(&line)
-            .and_then(|_| self.file.sync_data())
-            .map_err(|source| LogError::Io { path: self.path.clone(), source })
+        (&*self.file).write_all(&line).and_then(|_| self.file.sync_data()).map_err(|source| LogError::Io { path: self.path.to_path_buf(), source })?;
+        Ok(line.len() as u64)
+    }
+
+    /// The file's size now.
+    pub fn len(&self) -> u64 {
+        self.file.metadata().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// Whether the file is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// The file's path.
@@ -66,4 +88,43 @@ impl TrajectoryLog {
 pub fn read(path: &Path) -> Result<Vec<TrajectoryRecord>, LogError> {
     let text = std::fs::read_to_string(path).map_err(|source| LogError::Io { path: path.to_path_buf(), source })?;
     Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+}
+
+/// The kind of the last record of a log, read from its end without reading the whole file
+/// (so that a restart does not read every log it keeps). None when the last line is torn or
+/// not a record: read the whole log then.
+pub fn last_kind(path: &Path) -> Result<Option<String>, LogError> {
+    let io = |source| LogError::Io { path: path.to_path_buf(), source };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    if len < 2 {
+        return Ok(None);
+    }
+    // The last byte must end a line; then look back for the newline before the last line.
+    let mut last = [0u8; 1];
+    f.seek(SeekFrom::Start(len - 1)).and_then(|_| f.read_exact(&mut last)).map_err(io)?;
+    if last[0] != b'\n' {
+        return Ok(None);
+    }
+    const CHUNK: u64 = 64 * 1024;
+    let mut end = len - 1;
+    let mut start = 0;
+    let mut buf = Vec::new();
+    'search: while end > 0 {
+        let from = end.saturating_sub(CHUNK);
+        buf.resize((end - from) as usize, 0);
+        f.seek(SeekFrom::Start(from)).and_then(|_| f.read_exact(&mut buf)).map_err(io)?;
+        if let Some(i) = buf.iter().rposition(|&b| b == b'\n') {
+            start = from + i as u64 + 1;
+            break 'search;
+        }
+        end = from;
+    }
+    let mut head = [0u8; 64];
+    f.seek(SeekFrom::Start(start)).map_err(io)?;
+    let n = f.read(&mut head).map_err(io)?;
+    // Records are written by serde in field order: `{"kind":"<kind>",...`.
+    let Some(rest) = head[..n].strip_prefix(b"{\"kind\":\"") else { return Ok(None) };
+    let Some(q) = rest.iter().position(|&b| b == b'"') else { return Ok(None) };
+    Ok(std::str::from_utf8(&rest[..q]).ok().map(str::to_string))
 }
