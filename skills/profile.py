@@ -1,11 +1,15 @@
-"""Times the reference (eager and torch.compile) and your ModelNew.
+"""Times your ModelNew against the reference, eager and torch.compile, with the final
+evaluation's judge.
 
     python profile.py --compare eager compile      # a table: eager, compile, candidate, speedups
+    python profile.py --compare eager              # skip torch.compile (faster)
     python profile.py --json                       # the same as JSON
     python profile.py --only eager --torch-profile # top operators of the reference (where time goes)
 
-Median of many trials after warm-up; on CUDA, events with a full device synchronize around each
-trial and L2 flushed between trials; precision flags pinned (TF32 off).
+ModelNew runs in its own worker process; the three contestants are called in random order in
+each round, every round on fresh inputs, and every timed call's output is checked against
+eager's. A time is the judge's clock from request to reply (the worker synchronizes the device
+before replying). Medians, spread and a 90% noise band on each speedup.
 """
 
 from __future__ import annotations
@@ -21,68 +25,60 @@ from pathlib import Path
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != _HERE] + [_HERE]
 import cuda_agent_harness as h  # noqa: E402
+import cuda_agent_judge as judge  # noqa: E402
 import torch  # noqa: E402
+
+
+def torch_profile(here: Path, device) -> None:
+    task = h.load_task(here / "model.py")
+    torch.manual_seed(0)
+    model = task.Model(*task.get_init_inputs()).to(device).eval()
+    inputs = h.seeded_inputs(task.get_inputs, 0, device)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.no_grad():
+        model(*inputs)
+        with torch.profiler.profile(activities=acts) as prof:
+            model(*inputs)
+            h.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print("--- eager: top operators ---\n" + prof.key_averages().table(sort_by=key, row_limit=12))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compare", nargs="*", default=["eager", "compile"], choices=["eager", "compile"], help="baselines to time beside the candidate")
-    p.add_argument("--only", choices=["eager", "compile", "candidate"], help="time just one")
+    p.add_argument("--compare", nargs="*", default=["eager", "compile"], choices=["eager", "compile"], help="baselines to time beside the candidate (eager is always timed)")
+    p.add_argument("--only", choices=["eager"], help="with --torch-profile: profile the reference alone")
     p.add_argument("--device", default=os.environ.get("CUDA_AGENT_DEVICE", "auto"))
+    p.add_argument("--budget-s", type=float, default=2.0, help="timing budget per contestant")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--torch-profile", action="store_true", help="print the top operators by self time")
+    p.add_argument("--torch-profile", action="store_true", help="print the reference's top operators by self time")
     p.add_argument("--dir", default=".")
     args = p.parse_args()
-    here = Path(args.dir)
+    here = Path(args.dir).resolve()
     device = h.pick_device(args.device)
-    h.pin_precision()
-    task = h.load_task(here / "model.py")
-    ref, inputs = h.reference_and_inputs(task, device)
-    which = [args.only] if args.only else list(args.compare) + ["candidate"]
-    results: dict = {"env": h.environment(device)}
-    for name in which:
-        if name == "eager":
-            fn = ref
-        elif name == "compile":
-            fn = torch.compile(ref)
-            with torch.no_grad():
-                fn(*inputs)
-        else:
-            counter = h.ExtensionCalls()
-            try:
-                cand = h.load_candidate(here, device, counter)
-                _, fn = h.make_models(task, cand, device, 0)
-            except Exception as e:  # noqa: BLE001
-                results["candidate"] = {"error": f"{type(e).__name__}: {e}"}
-                continue
-        results[name] = h.time_callable(fn, inputs, device)
-        if args.torch_profile:
-            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with torch.profiler.profile(activities=acts) as prof, torch.no_grad():
-                fn(*inputs)
-                h.synchronize(device)
-            key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-            print(f"--- {name}: top operators ---\n" + prof.key_averages().table(sort_by=key, row_limit=12), file=sys.stderr)
-    cand = results.get("candidate", {})
-    if "median_ms" in cand:
-        for base in ("eager", "compile"):
-            if base in results:
-                results[f"speedup_vs_{base}"] = results[base]["median_ms"] / cand["median_ms"]
+    if args.torch_profile:
+        torch_profile(here, device)
+        if args.only:
+            return 0
+    opts = judge.Options(device=args.device, compile="compile" in (args.compare or []), budget_s=args.budget_s, seeds=[int.from_bytes(os.urandom(4), "little")])
+    result = judge.evaluate(here / "model.py", here, opts)
     if args.json:
-        print(json.dumps(results, indent=2))
-        return 0
-    print(f"device: {results['env']['device']}  torch {results['env']['torch']}")
-    print(f"{'':<10}{'median ms':>12}{'min ms':>10}{'cv':>8}{'trials':>8}")
+        print(json.dumps(result, indent=2))
+        return 0 if result["correct"] else 1
+    if not result["correct"]:
+        print(f"candidate: {result['reason']}")
+        return 1
+    env = result["env"]
+    print(f"device: {env['device']}  torch {env['torch']}")
+    print(f"{'':<10}{'median ms':>12}{'p25 ms':>10}{'p75 ms':>10}{'cv':>8}{'trials':>8}")
     for name in ("eager", "compile", "candidate"):
-        r = results.get(name)
-        if r and "median_ms" in r:
-            print(f"{name:<10}{r['median_ms']:>12.4f}{r['min_ms']:>10.4f}{r['cv']:>8.3f}{r['trials']:>8}")
-        elif r:
-            print(f"{name:<10}  {r['error']}")
-    for base in ("eager", "compile"):
-        if f"speedup_vs_{base}" in results:
-            s = results[f"speedup_vs_{base}"]
-            print(f"speedup vs {base}: {s:.3f}x {'(>5% faster: milestone reached)' if s > 1 / 0.95 else ''}")
+        s = result["timing"].get(name)
+        if s:
+            print(f"{name:<10}{s['median_ms']:>12.4f}{s['p25_ms']:>10.4f}{s['p75_ms']:>10.4f}{s['cv']:>8.3f}{s['trials']:>8}")
+    for base, s in result["speedup"].items():
+        lo, hi = result["noise_band"][base]
+        mark = "(>5% faster: milestone reached)" if s > 1 / 0.95 else ""
+        print(f"speedup vs {base}: {s:.3f}x (90% band {lo:.3f}-{hi:.3f}) {mark}")
     return 0
 
 

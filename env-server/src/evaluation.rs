@@ -3,7 +3,10 @@
 //! Each evaluation gets a fresh directory and a fresh sandbox with the server's pristine
 //! harness. Builds run in parallel up to a bound and hold no device; timing runs hold an
 //! exclusive lease on one device (one per GPU, one for the CPU), so no two timings share a
-//! device. Eager/compile baselines are cached per (task hash, device, torch version).
+//! device. The check-and-time run is two sandboxed processes under two uids: the judge
+//! (`evaluate.py`, trusted, never imports candidate code) and the candidate's worker
+//! (`cuda_agent_worker.py`), talking over two FIFOs; eager and torch.compile are timed next to
+//! the candidate in the same run, never cached (docs/EVALUATION.md).
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
@@ -12,6 +15,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use agent_tools::sandbox::{Outcome, ProcessView};
 use agent_tools::{create_private_dir, Jail, Sandbox};
 use env_api::{EvaluationResult, Speedups, Times};
 use kernelbench::Task;
@@ -86,8 +90,6 @@ pub struct Evaluator {
     slots: Vec<DeviceSlot>,
     next_slot: AtomicUsize,
     waiting: AtomicUsize,
-    baselines: Mutex<HashMap<String, Value>>,
-    next_uid: AtomicU64,
     build_locks: Mutex<HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
     /// Evaluations finished.
     pub finished: AtomicU64,
@@ -102,7 +104,6 @@ impl Evaluator {
     pub fn new(cfg: EvaluatorConfig, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf) -> Self {
         let slots =
             (0..cfg.devices.max(1)).map(|index| DeviceSlot { index, lock: Semaphore::new(1), leases: AtomicU64::new(0), busy_ms: AtomicU64::new(0) }).collect();
-        let baselines = std::fs::read_to_string(cfg.data_dir.join("cache/baselines.json")).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
         Self {
             builds: Semaphore::new(cfg.max_builds.max(1)),
             cfg,
@@ -112,8 +113,6 @@ impl Evaluator {
             slots,
             next_slot: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
-            baselines: Mutex::new(baselines),
-            next_uid: AtomicU64::new(0),
             build_locks: Mutex::new(HashMap::new()),
             finished: AtomicU64::new(0),
         }

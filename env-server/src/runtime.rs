@@ -11,11 +11,14 @@ pub const HARNESS_FILES: &[(&str, &str)] = &[
     ("verify.py", include_str!("../../skills/verify.py")),
     ("profile.py", include_str!("../../skills/profile.py")),
     ("cuda_agent_harness.py", include_str!("../../skills/cuda_agent_harness.py")),
+    ("cuda_agent_judge.py", include_str!("../../skills/cuda_agent_judge.py")),
+    ("cuda_agent_worker.py", include_str!("../../skills/cuda_agent_worker.py")),
     ("evaluate.py", include_str!("../../skills/evaluate.py")),
 ];
 
 /// The files laid read-only into every workspace (evaluate.py is the server's alone).
-pub const WORKSPACE_FILES: &[&str] = &["SKILL.md", "verify.py", "profile.py", "cuda_agent_harness.py"];
+pub const WORKSPACE_FILES: &[&str] =
+    &["SKILL.md", "verify.py", "profile.py", "cuda_agent_harness.py", "cuda_agent_judge.py", "cuda_agent_worker.py"];
 
 /// Errors found at start.
 #[derive(Debug, thiserror::Error)]

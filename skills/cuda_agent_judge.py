@@ -1,0 +1,693 @@
+"""The judge: checks and times a candidate without ever running its code.
+
+The judge makes every input, keeps the expected outputs, compares and keeps the clock. The
+candidate runs in a worker process (cuda_agent_worker.py); the reference runs, eagerly and under
+torch.compile, in a second worker that the judge starts itself. Inputs reach each worker through
+a region only that worker and the judge share; outputs come back through the worker's own
+region (a file on CPU, the output's memory by CUDA IPC handle on GPU). The judge times each call
+with its own clock from the request to the reply, and checks the output of every timed call.
+
+Used by evaluate.py (the server's final evaluation, candidate worker started by the server under
+its own uid) and by verify.py and profile.py (the agent's tools, which start the candidate
+worker themselves). docs/EVALUATION.md has the threat model and the protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cuda_agent_harness as h
+import torch
+
+WORKER = Path(__file__).resolve().parent / "cuda_agent_worker.py"
+
+# Source patterns no honest candidate needs: each reaches into the evaluation machinery or
+# hands the work to PyTorch's own compiler. Matched on the candidate's sources by the judge.
+FORBIDDEN_SOURCE = [
+    (r"\btorch\s*\.\s*compile\b|\btorch\s*\.\s*_dynamo\b|\btorch\s*\.\s*_inductor\b", "hands the forward to torch.compile"),
+    (r"TorchDispatchMode|__torch_dispatch__|__torch_function__|_python_dispatch", "hooks PyTorch's dispatcher"),
+    (r"\bsys\s*\.\s*_getframe\b|\binspect\s*\.\s*(stack|currentframe|getouterframes)\b|\bf_back\b|\bf_locals\b|\bf_globals\b", "inspects the caller's stack frames"),
+    (r"\bgc\s*\.\s*(get_objects|get_referrers|get_referents)\b", "walks the garbage collector's objects"),
+    (r"/proc/[^\"']*/(mem|environ)\b|process_vm_(readv|writev)|\bptrace\b", "reads or writes another process's memory"),
+    (r"cuda_agent_(harness|judge|worker)", "refers to the evaluation harness"),
+    (r"allow_tf32\s*=\s*True|set_float32_matmul_precision|allow_(fp16|bf16)_reduced_precision_reduction\s*=\s*True", "changes PyTorch's precision settings"),
+]
+
+
+def static_check(candidate_dir: Path) -> None:
+    """Rejects sources that reach into the evaluation (read by the judge; never executed)."""
+    files = [candidate_dir / "model_new.py"] + sorted((candidate_dir / "kernels").rglob("*")) if (candidate_dir / "kernels").is_dir() else [candidate_dir / "model_new.py"]
+    for f in files:
+        if not f.is_file() or f.is_symlink():
+            continue
+        text = f.read_text(errors="replace")
+        for pattern, what in FORBIDDEN_SOURCE:
+            m = re.search(pattern, text)
+            if m:
+                line = text.count("\n", 0, m.start()) + 1
+                raise h.RuleBreak("forbidden_source", f"{f.relative_to(candidate_dir)}:{line}: `{m.group(0)}` {what}")
+
+
+class ProcessCpu:
+    """CPU time used by a worker and everything it started, read from /proc (nanoseconds).
+    Finds the worker's descendants by parent links, and every process of `uid` when given."""
+
+    def __init__(self, pid: int, uid: int | None = None):
+        self.pid, self.uid = pid, uid
+        self.available = Path(f"/proc/{pid}/stat").exists()
+
+    def _members(self) -> list[int]:
+        parents, uids = {}, {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+                parents[int(entry.name)] = int(stat[stat.rfind(")") + 2:].split()[1])
+                if self.uid is not None:
+                    uids[int(entry.name)] = entry.stat().st_uid
+            except (OSError, ValueError, IndexError):
+                continue
+        members = {self.pid}
+        changed = True
+        while changed:
+            changed = False
+            for p, pp in parents.items():
+                if pp in members and p not in members:
+                    members.add(p)
+                    changed = True
+        if self.uid is not None:
+            members |= {p for p, u in uids.items() if u == self.uid}
+        return sorted(members)
+
+    def total_ns(self) -> int:
+        if not self.available:
+            return 0
+        total = 0
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in self._members():
+            try:
+                threads = 0
+                for t in os.scandir(f"/proc/{pid}/task"):
+                    threads += int(Path(f"/proc/{pid}/task/{t.name}/schedstat").read_text().split()[0])
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                fields = stat[stat.rfind(")") + 2:].split()
+                # Threads that already exited are gone from task/ but not from utime+stime.
+                ticks = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // tick
+                total += max(threads, ticks)
+            except (OSError, ValueError, IndexError):
+                continue
+        return total
+
+
+@dataclass
+class WorkerLink:
+    """The judge's side of one worker: its channel, its process, where its outputs appear."""
+
+    name: str
+    channel: h.Channel
+    pid: int
+    out_dir: Path
+    uid: int | None
+    popen: subprocess.Popen | None = None
+    log: Path | None = None
+    pidfd: int | None = None
+    seq: int = 0
+    cpu: ProcessCpu | None = None
+    last_reply_cpu: int | None = None
+    gap_cpu_ns: int = 0
+    track_cpu: bool = False
+    sent_at: float = 0.0
+    replied_at: float = 0.0
+    opened: list = field(default_factory=list)
+
+    def __post_init__(self):
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except (OSError, AttributeError):
+            self.pidfd = None
+        self.cpu = ProcessCpu(self.pid, self.uid)
+
+    def died(self) -> str | None:
+        if self.popen is not None:
+            rc = self.popen.poll()
+            if rc is not None:
+                return f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
+            return None
+        if not Path(f"/proc/{self.pid}").exists():
+            return "the process is gone"
+        return None
+
+    def tail(self) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        data = self.log.read_bytes()[-2000:].decode(errors="replace").strip()
+        return f"\n--- worker output (last lines) ---\n{data}" if data else ""
+
+    def request(self, msg: dict, timeout: float) -> dict:
+        """One request and its reply; every way a worker can misbehave becomes a RuleBreak."""
+        if self.channel.pending():
+            raise h.RuleBreak("protocol", f"the {self.name} worker wrote to its channel out of turn")
+        if self.track_cpu:
+            now = self.cpu.total_ns()
+            if self.last_reply_cpu is not None:
+                self.gap_cpu_ns += max(0, now - self.last_reply_cpu)
+        self.seq += 1
+        msg = dict(msg, seq=self.seq)
+        try:
+            self.sent_at = time.perf_counter()
+            self.channel.send(msg)
+        except (BrokenPipeError, OSError) as e:
+            raise h.RuleBreak("worker_died", f"the {self.name} worker is gone ({self.died() or e}){self.tail()}") from e
+        deadline = time.monotonic() + timeout
+        import select
+
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise h.RuleBreak("time_limit", f"the {self.name} worker did not answer {msg['op']} within {timeout:.0f} s")
+            watch = [self.channel.rfd] + ([self.pidfd] if self.pidfd is not None else [])
+            ready = select.select(watch, [], [], min(left, 0.5))[0]
+            if self.channel.rfd in ready:
+                break
+            if ready or self.died():
+                # A reply may still be in the pipe: read it before calling the worker dead.
+                if select.select([self.channel.rfd], [], [], 0)[0]:
+                    break
+                raise h.RuleBreak("worker_died", f"the {self.name} worker died during {msg['op']} ({self.died() or 'exited'}){self.tail()}")
+        try:
+            reply = self.channel.recv(timeout=max(1.0, deadline - time.monotonic()))
+            self.replied_at = time.perf_counter()
+        except h.ChannelClosed as e:
+            raise h.RuleBreak("worker_died", f"the {self.name} worker closed its channel during {msg['op']} ({self.died() or 'exited'}){self.tail()}") from e
+        except TimeoutError as e:
+            raise h.RuleBreak("protocol", f"the {self.name} worker sent half a message") from e
+        except ValueError as e:
+            raise h.RuleBreak("protocol", f"the {self.name} worker sent garbage: {e}") from e
+        if self.track_cpu:
+            self.last_reply_cpu = self.cpu.total_ns()
+        if reply.get("seq") != self.seq:
+            raise h.RuleBreak("protocol", f"the {self.name} worker answered a request it was not asked (seq {reply.get('seq')!r}, expected {self.seq})")
+        if not reply.get("ok"):
+            rule = reply.get("rule")
+            if rule not in WORKER_RULES:
+                raise h.RuleBreak("protocol", f"the {self.name} worker reported an unknown failure {rule!r}")
+            text = str(reply.get("message", ""))[:4000]
+            if reply.get("traceback"):
+                text += "\n" + str(reply["traceback"])[-2000:]
+            raise h.RuleBreak(rule, text)
+        return reply
+
+    def close(self) -> None:
+        for r in self.opened:
+            r.close()
+        self.opened.clear()
+        try:
+            self.channel.send({"op": "exit"})
+        except OSError:
+            pass
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for fd in (self.channel.rfd, self.channel.wfd, self.pidfd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+WORKER_RULES = {"compile", "missing_solution", "runtime_error", "wrong_output", "precision", "pytorch_compute", "no_custom_kernel", "input_mutation"}
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    # Idle OpenMP threads sleep instead of spinning: CPU used between calls is then work.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # expandable segments cannot be shared by IPC
+    return env
+
+
+def spawn_worker(role: str, task: Path, device: str, out_dir: Path, log: Path, candidate: Path | None = None, allow_ops: str | None = None) -> WorkerLink:
+    """Starts a worker as a child of the judge (the reference worker always; the candidate
+    worker when the judge runs as an agent's local tool)."""
+    j_read, w_write = os.pipe()
+    w_read, j_write = os.pipe()
+    argv = [sys.executable, str(WORKER), "serve", "--role", role, "--task", str(task), "--device", device, "--fds", f"{w_read},{w_write}", "--out-dir", str(out_dir)]
+    if candidate is not None:
+        argv += ["--candidate", str(candidate)]
+    if allow_ops:
+        argv += ["--allow-ops", allow_ops]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as logf:
+        popen = subprocess.Popen(argv, pass_fds=(w_read, w_write), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=worker_env(), start_new_session=True)
+    os.close(w_read)
+    os.close(w_write)
+    os.set_inheritable(j_read, False)
+    os.set_inheritable(j_write, False)
+    return WorkerLink(role, h.Channel(j_read, j_write), popen.pid, out_dir, None, popen=popen, log=log)
+
+
+def attach_worker(req: str, rep: str, pid: int, uid: int | None, out_dir: Path, timeout: float) -> WorkerLink:
+    """Connects to a candidate worker the server started under its own uid, through two FIFOs
+    the server made. The reply FIFO is opened read-write so that the judge never blocks on it
+    and never sees a false end of file; the worker's death shows through its pidfd instead."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            w = os.open(req, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            break
+        except OSError as e:
+            import errno
+
+            if e.errno != errno.ENXIO or time.monotonic() > deadline or not Path(f"/proc/{pid}").exists():
+                raise h.RuleBreak("worker_died", f"the candidate worker never opened its channel ({e})") from e
+            time.sleep(0.01)
+    os.set_blocking(w, True)
+    r = os.open(rep, os.O_RDWR | os.O_CLOEXEC)
+    return WorkerLink("candidate", h.Channel(r, w), pid, out_dir, uid)
+
+
+class L2Flusher:
+    """Writes a buffer larger than the L2 cache before every timed call, so no call runs warm
+    on data an earlier one left (the judge's own input writes included)."""
+
+    def __init__(self, device):
+        self.buf = None
+        if device.type == "cuda":
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+            self.buf = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.float32, device=device)
+            try:  # lines a worker marked persisting go back to normal, then are evicted
+                import ctypes
+
+                ctypes.CDLL("libcudart.so").cudaCtxResetPersistingL2Cache()
+            except (OSError, AttributeError):
+                pass
+
+    def __call__(self):
+        if self.buf is not None:
+            self.buf.zero_()
+
+
+class Judge:
+    def __init__(self, task_path: Path, device: torch.device, workdir: Path, atol=None, rtol=None, call_timeout: float = 120.0):
+        self.task_path = task_path
+        self.task = h.load_task(task_path)
+        self.device = device
+        self.workdir = workdir
+        self.atol, self.rtol = atol, rtol
+        self.call_timeout = call_timeout
+        self.rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+        self.regions: dict = {}
+        self.ref: WorkerLink | None = None
+        self.cand: WorkerLink | None = None
+        self.layouts: dict = {}
+        self._last_cand_outs: list | None = None
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def start_reference(self, setup_timeout: float) -> None:
+        d = self.workdir / "reference"
+        d.mkdir(mode=0o700, exist_ok=True)
+        self.ref = spawn_worker("reference", self.task_path, self.device.type, d / "out", d / "worker.log")
+        self.ref.request({"op": "hello"}, setup_timeout)
+
+    def hello_candidate(self, setup_timeout: float) -> dict:
+        return self.cand.request({"op": "hello"}, setup_timeout)
+
+    def region(self, link: WorkerLink, key: str, nbytes: int, where: Path) -> "h.FileRegion | h.CudaRegion":
+        """The input region of `link` for inputs of `nbytes`, made (or remade larger) and
+        announced to the worker."""
+        name = f"{link.name}:{key}"
+        r = self.regions.get(name)
+        if r is not None and r.nbytes >= nbytes:
+            return r
+        if r is not None:
+            r.close()
+        if self.device.type == "cuda":
+            r = h.CudaRegion.create(nbytes, self.device)
+        else:
+            path = where / f"in-{link.name}-{key}-{os.urandom(6).hex()}.bin"
+            r = h.FileRegion.create(path, nbytes, mode=0o644 if link is self.cand else 0o600)
+        self.regions[name] = r
+        link.request({"op": "slot", "id": key, "region": r.describe()}, self.call_timeout)
+        return r
+
+    def give_inputs(self, inputs: list, key: str, cand_dir: Path, ref_dir: Path) -> dict:
+        """Packs one input set into both workers' regions and has both load it."""
+        layout, nbytes = h.input_layout(inputs)
+        for link, where in ((self.ref, ref_dir), (self.cand, cand_dir)):
+            r = self.region(link, key, nbytes, where)
+            h.pack_inputs(inputs, layout, r.tensor)
+        h.synchronize(self.device)
+        fresh = self.rng.random() < 0.5
+        self.ref.request({"op": "load", "slot": key, "layout": layout, "fresh": False}, self.call_timeout)
+        self.cand.request({"op": "load", "slot": key, "layout": layout, "fresh": fresh}, self.call_timeout)
+        return {"layout": layout, "fresh": fresh}
+
+    # -- outputs ------------------------------------------------------------------------
+
+    def outputs(self, link: WorkerLink, model: str, reply: dict) -> list:
+        """The outputs a reply announces, as tensors over the worker's memory (read-only on
+        CPU). Nothing in the reply is trusted beyond where to look: sizes are checked against
+        the region, and the file is found by the judge's own path, not the reply's."""
+        items = reply.get("outputs")
+        if not isinstance(items, list) or len(items) > 64:
+            raise h.RuleBreak("protocol", f"the {link.name} worker announced no output list")
+        out = []
+        file_region = None
+        for i, it in enumerate(items):
+            if not isinstance(it, dict) or it.get("kind") not in ("tensor", "value"):
+                raise h.RuleBreak("protocol", f"output {i}: a malformed announcement")
+            if it["kind"] == "value":
+                out.append(it.get("value"))
+                continue
+            if it.get("device") != self.device.type:
+                raise h.RuleBreak("wrong_output", f"output {i} is on {it.get('device')}, expected {self.device.type}")
+            dtype = h.dtype_of(str(it["dtype"]))
+            shape = [int(s) for s in it["shape"]]
+            numel = 1
+            for s in shape:
+                numel *= s
+            esize = torch.empty(0, dtype=dtype).element_size()
+            if self.device.type == "cpu":
+                if file_region is None:
+                    file_region = h.PeerFile(link.out_dir / f"out-{model}.bin", owner=link.uid)
+                    link.opened.append(file_region)
+                off, nbytes = int(it["offset"]), int(it["nbytes"])
+                if nbytes != numel * esize or off < 0 or off % esize:
+                    raise h.RuleBreak("protocol", f"output {i}: announced bytes do not fit its region")
+                out.append(file_region.read(off, nbytes).view(dtype).view(shape))
+            else:
+                stride = [int(s) for s in it["stride"]]
+                if numel == 0:
+                    out.append(torch.empty(shape, dtype=dtype, device=self.device))
+                    continue
+                ipc = it["ipc"]
+                alloc_bytes, off = int(ipc["alloc_bytes"]), int(ipc["offset"])
+                extent = (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * esize
+                if off < 0 or off % esize or off + extent > alloc_bytes or min(stride, default=0) < 0:
+                    raise h.RuleBreak("protocol", f"output {i}: announced memory does not fit its allocation")
+                region = h.CudaRegion.open_peer(ipc["handle"], alloc_bytes, self.device)
+                link.opened.append(region)
+                out.append(region.tensor[off: off + extent].view(dtype).as_strided(shape, stride))
+        return out
+
+    def fingerprint(self, link: WorkerLink, model: str, reply: dict, outs: list | None) -> list:
+        """Fingerprints of the candidate's output memory as it is now (read again from the
+        worker's file on CPU; over the mapped memory on GPU)."""
+        if self.device.type == "cpu":
+            f = h.PeerFile(link.out_dir / f"out-{model}.bin", owner=link.uid)
+            try:
+                return [h.checksum(f.read(0, f.size()))]
+            finally:
+                f.close()
+        if outs is None:
+            outs = self._last_cand_outs
+        self._last_cand_outs = outs
+        return [h.checksum(t.reshape(-1).view(torch.uint8)) if isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() else None for t in outs]
+
+    def compare(self, want: list, got: list, label: str, rule: str = "wrong_output") -> dict:
+        if len(want) != len(got):
+            raise h.RuleBreak(rule, f"{label}: expected {len(want)} outputs, got {len(got)}")
+        err = {"max_abs_error": 0.0, "max_rel_error": 0.0}
+        for i, (r, n) in enumerate(zip(want, got)):
+            if not isinstance(r, torch.Tensor):
+                if r != n:
+                    raise h.RuleBreak(rule, f"{label}: output {i}: expected {r!r}, got {n!r}")
+                continue
+            if not isinstance(n, torch.Tensor):
+                raise h.RuleBreak(rule, f"{label}: output {i}: expected a tensor, got {n!r}")
+            try:
+                e = h.compare_tensor(i, r, n, self.atol, self.rtol)
+            except h.RuleBreak as b:
+                raise h.RuleBreak(rule if b.rule == "wrong_output" else b.rule, f"{label}: {b}") from b
+            err = {k: max(err[k], e[k]) for k in err}
+        return err
+
+    # -- the evaluation -----------------------------------------------------------------
+
+    def check(self, seeds: list[int], cand_dir: Path, ref_dir: Path, trace: bool = True) -> dict:
+        """Correctness on fresh models and input sets, one per seed; the candidate's forward is
+        traced for PyTorch compute operators and extension calls."""
+        errors = []
+        for i, seed in enumerate(seeds):
+            label = f"input set {i + 1} of {len(seeds)}"
+            for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
+                link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
+            inputs = h.seeded_inputs(self.task.get_inputs, self.rng.getrandbits(62), self.device)
+            self.give_inputs(inputs, "main", cand_dir, ref_dir)
+            del inputs
+            want = self.outputs(self.ref, "check", self.ref.request({"op": "run", "model": "check"}, self.call_timeout))
+            try:
+                reply = self.cand.request({"op": "run", "model": "check", "trace": trace}, self.call_timeout)
+            except h.RuleBreak as e:
+                raise h.RuleBreak(e.rule, f"{label}: {e}") from e
+            if trace:
+                t = reply.get("trace") or {}
+                if t.get("forbidden"):
+                    raise h.RuleBreak("pytorch_compute", f"{label}: the forward dispatched PyTorch compute operators: {', '.join(map(str, t['forbidden']))}")
+                if not t.get("extension_calls"):
+                    raise h.RuleBreak("no_custom_kernel", f"{label}: no compiled extension function was called in the forward")
+            got = self.outputs(self.cand, "check", reply)
+            errors.append(self.compare(want, got, label))
+            self.release()
+        return {"max_abs_error": max(e["max_abs_error"] for e in errors), "max_rel_error": max(e["max_rel_error"] for e in errors), "checks": len(seeds)}
+
+    def check_alt(self, seed: int, cand_dir: Path, ref_dir: Path) -> bool:
+        """The task's second input shape, where it defines one."""
+        if not hasattr(self.task, "get_inputs_alt"):
+            return False
+        for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
+            link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
+        inputs = h.seeded_inputs(self.task.get_inputs_alt, self.rng.getrandbits(62), self.device)
+        self.give_inputs(inputs, "alt", cand_dir, ref_dir)
+        del inputs
+        want = self.outputs(self.ref, "check", self.ref.request({"op": "run", "model": "check"}, self.call_timeout))
+        try:
+            got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
+            self.compare(want, got, "second input shape")
+        except h.RuleBreak as e:
+            if e.rule in ("wrong_output", "runtime_error", "precision"):
+                raise h.RuleBreak("hard_coded_shape", f"wrong on the task's second input shape: {e}") from e
+            raise
+        self.release()
+        return True
+
+    def release(self) -> None:
+        for link in (self.ref, self.cand):
+            if link is not None:
+                for r in link.opened:
+                    r.close()
+                link.opened.clear()
+
+    def time_all(self, seed: int, cand_dir: Path, ref_dir: Path, compile_too: bool, budget_s: float, min_rounds: int, max_rounds: int, warmup_rounds: int) -> dict:
+        """Eager, torch.compile and the candidate, interleaved in random order in each round,
+        each round on fresh input contents; every timed candidate call is checked against the
+        eager output of the same round, and its output fingerprint is re-read at the end of
+        the round (a change means work after the reply)."""
+        names = ["eager"] + (["compile"] if compile_too else []) + ["candidate"]
+        self.ref.request({"op": "model", "name": "eager", "kind": "eager", "seed": seed}, self.call_timeout)
+        if compile_too:
+            self.ref.request({"op": "model", "name": "compile", "kind": "compile", "seed": seed}, self.call_timeout)
+        self.cand.request({"op": "model", "name": "timed", "kind": "candidate", "seed": seed}, self.call_timeout)
+        who = {"eager": (self.ref, "eager"), "compile": (self.ref, "compile"), "candidate": (self.cand, "timed")}
+        flush = L2Flusher(self.device)
+        times: dict = {n: [] for n in names}
+        checked = 0
+        self.cand.track_cpu = True
+        gap_start = self.cand.gap_cpu_ns
+        start = time.perf_counter()
+        rounds = 0
+        while True:
+            timed = rounds >= warmup_rounds
+            n_timed = rounds - warmup_rounds
+            if timed and n_timed >= min_rounds and (n_timed >= max_rounds or time.perf_counter() - start > budget_s):
+                break
+            inputs = h.seeded_inputs(self.task.get_inputs, self.rng.getrandbits(62), self.device)
+            self.give_inputs(inputs, "main", cand_dir, ref_dir)
+            del inputs
+            order = names[:]
+            self.rng.shuffle(order)
+            outs: dict = {}
+            fingerprint = None
+            for name in order:
+                link, model = who[name]
+                flush()
+                h.synchronize(self.device)
+                reply = link.request({"op": "run", "model": model}, self.call_timeout)
+                t0, t1 = link.sent_at, link.replied_at
+                outs[name] = self.outputs(link, model, reply)
+                if name == "candidate":
+                    reply_cand = reply
+                if name == "candidate":
+                    fingerprint = self.fingerprint(link, model, reply, outs[name])
+                if timed:
+                    times[name].append((t1 - t0) * 1e3)
+            try:
+                self.compare(outs["eager"], outs["candidate"], f"timed call {rounds + 1}", rule="timed_output")
+            except h.RuleBreak as e:
+                if e.rule == "timed_output":
+                    raise h.RuleBreak("timed_output", f"a timed call's output was wrong (the checked calls were right): {e}") from e
+                raise
+            checked += 1
+            h.synchronize(self.device)
+            again = self.fingerprint(self.cand, "timed", reply_cand, None)
+            if again != fingerprint:
+                raise h.RuleBreak("late_work", f"timed call {rounds + 1}: the output changed after the worker had replied")
+            del outs
+            self.release()
+            rounds += 1
+        # Work left running after the last reply shows in its output or its CPU time.
+        time.sleep(0.05)
+        if self.cand.last_reply_cpu is not None:
+            self.cand.gap_cpu_ns += max(0, self.cand.cpu.total_ns() - self.cand.last_reply_cpu)
+            self.cand.last_reply_cpu = None
+        gap_cpu_ns = self.cand.gap_cpu_ns - gap_start
+        in_calls_ms = sum(times["candidate"])
+        allowed_ms = 2.0 + 0.02 * in_calls_ms
+        if self.cand.cpu.available and gap_cpu_ns / 1e6 > allowed_ms:
+            raise h.RuleBreak(
+                "late_work",
+                f"the candidate's processes used {gap_cpu_ns / 1e6:.1f} ms of CPU between calls (allowed {allowed_ms:.1f} ms): work outside the timed window",
+            )
+        return {
+            "stats": {n: stats(v) for n, v in times.items()},
+            "rounds": len(times["candidate"]),
+            "timed_calls_checked": checked,
+            "cpu_between_calls_ms": gap_cpu_ns / 1e6 if self.cand.cpu.available else None,
+            "samples_ms": times,
+        }
+
+    def close(self) -> None:
+        self.release()
+        for link in (self.ref, self.cand):
+            if link is not None:
+                link.close()
+        for r in self.regions.values():
+            r.close()
+        self.regions.clear()
+
+
+def stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    med = statistics.median(xs)
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    mean = statistics.fmean(xs)
+    return {
+        "median_ms": med,
+        "mean_ms": mean,
+        "min_ms": xs[0],
+        "max_ms": xs[-1],
+        "p25_ms": q[0],
+        "p75_ms": q[2],
+        "cv": statistics.stdev(xs) / mean if len(xs) > 1 and mean > 0 else 0.0,
+        "trials": len(xs),
+    }
+
+
+def speedup_band(base: list[float], cand: list[float], rng: random.Random, resamples: int = 400) -> dict:
+    """The speedup (ratio of medians) and a 90% band from resampling the paired rounds."""
+    ratio = statistics.median(base) / statistics.median(cand)
+    n = len(base)
+    draws = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        draws.append(statistics.median([base[i] for i in idx]) / statistics.median([cand[i] for i in idx]))
+    draws.sort()
+    return {"speedup": ratio, "low": draws[int(0.05 * resamples)], "high": draws[int(0.95 * resamples) - 1]}
+
+
+@dataclass
+class Options:
+    """What one evaluation does."""
+
+    device: str = "auto"
+    seeds: list[int] = field(default_factory=lambda: [int.from_bytes(os.urandom(4), "little") for _ in range(5)])
+    atol: float | None = None
+    rtol: float | None = None
+    compile: bool = True
+    time: bool = True
+    budget_s: float = 2.0
+    min_rounds: int = 10
+    max_rounds: int = 100
+    warmup_rounds: int = 3
+    setup_timeout: float = 600.0
+    call_timeout: float = 120.0
+    allow_ops: str | None = None
+    max_cv: float = 0.5
+    static: bool = True
+
+
+def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, workdir: Path | None = None) -> dict:
+    """The whole evaluation. `attach` connects to a candidate worker started by someone else
+    (the server); without it the judge starts one itself."""
+    device = h.pick_device(opts.device)
+    h.pin_precision()
+    own_tmp = None
+    if workdir is None:
+        own_tmp = tempfile.TemporaryDirectory(prefix="cuda-agent-judge-")
+        workdir = Path(own_tmp.name)
+    judge = Judge(task_path, device, workdir, opts.atol, opts.rtol, opts.call_timeout)
+    result: dict
+    try:
+        if opts.static:
+            static_check(candidate_dir)
+        ref_dir = workdir / "reference"
+        judge.start_reference(opts.setup_timeout)
+        if attach is None:
+            cdir = workdir / "candidate"
+            cdir.mkdir(mode=0o700, exist_ok=True)
+            judge.cand = spawn_worker("candidate", task_path, device.type, cdir / "out", cdir / "worker.log", candidate=candidate_dir, allow_ops=opts.allow_ops)
+            cand_in = cdir
+        else:
+            judge.cand, cand_in = attach()
+        hello = judge.hello_candidate(opts.setup_timeout)
+        details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions")}
+        details.update(judge.check(opts.seeds, cand_in, ref_dir))
+        details["second_shape"] = judge.check_alt(opts.seeds[0], cand_in, ref_dir)
+        result = {"correct": True, "details": details, "env": h.environment(device)}
+        if opts.time:
+            timing = None
+            for attempt in range(2):
+                timing = judge.time_all(opts.seeds[0], cand_in, ref_dir, opts.compile, opts.budget_s, opts.min_rounds, opts.max_rounds, opts.warmup_rounds)
+                noisy = [n for n, s in timing["stats"].items() if s["cv"] > opts.max_cv]
+                if not noisy:
+                    break
+                details["disturbed"] = noisy  # measured again: a disturbed baseline is never kept
+            samples = timing.pop("samples_ms")
+            st = timing.pop("stats")
+            result["timing"] = st
+            result["times_ms"] = {n: st[n]["median_ms"] if n in st else None for n in ("eager", "compile", "candidate")}
+            result["speedup"] = {}
+            result["noise_band"] = {}
+            for base in ("eager", "compile"):
+                if base in samples:
+                    b = speedup_band(samples[base], samples["candidate"], judge.rng)
+                    result["speedup"][base] = b["speedup"]
+                    result["noise_band"][base] = [b["low"], b["high"]]
+            details.update(timing)
+            details["still_disturbed"] = [n for n, s in st.items() if s["cv"] > opts.max_cv]
+            in_bytes = sum(x.numel() * x.element_size() for x in h.seeded_inputs(judge.task.get_inputs, 0, "meta") if isinstance(x, torch.Tensor)) if device.type == "cuda" else 0
+            floor = h.physical_floor_ms(in_bytes, device)
+            if floor is not None and st["candidate"]["median_ms"] < 0.9 * floor:
+                raise h.RuleBreak("impossible_time", f"median {st['candidate']['median_ms']:.4f} ms is below the {floor:.4f} ms it takes to read the inputs at peak bandwidth")
+    except h.RuleBreak as e:
+        result = {"correct": False, "rule": e.rule, "reason": f"{e.rule}: {e}"}
+    finally:
+        judge.close()
+        if own_tmp is not None:
+            own_tmp.cleanup()
+    return result
