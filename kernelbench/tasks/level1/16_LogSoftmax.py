@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-BATCH, DIM = (32, 512) if SMALL else (16384, 32768)
+BATCH, DIM = (1531, 4001) if SMALL else (16384, 32768)
 
 
 class Model(nn.Module):

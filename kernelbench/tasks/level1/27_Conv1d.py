@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-N, C, L, K = (2, 8, 64, 16) if SMALL else (64, 128, 8192, 128)
+N, C, L, K = (6, 48, 2003, 56) if SMALL else (64, 128, 8192, 128)
 
 
 class Model(nn.Module):

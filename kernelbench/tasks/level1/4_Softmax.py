@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-BATCH, DIM = (32, 512) if SMALL else (16384, 32768)
+BATCH, DIM = (1531, 5003) if SMALL else (16384, 32768)
 
 
 class Model(nn.Module):

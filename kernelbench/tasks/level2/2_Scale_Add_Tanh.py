@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-BATCH, DIM = (16, 2048) if SMALL else (8192, 16384)
+BATCH, DIM = (509, 3851) if SMALL else (8192, 16384)
 
 
 class Model(nn.Module):

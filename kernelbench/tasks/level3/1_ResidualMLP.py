@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-BATCH, DIM, HIDDEN = (16, 64, 128) if SMALL else (2048, 2048, 8192)
+BATCH, DIM, HIDDEN = (253, 381, 1279) if SMALL else (2048, 2048, 8192)
 
 
 class Model(nn.Module):

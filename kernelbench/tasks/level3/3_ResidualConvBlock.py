@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-N, C, H, W = (2, 8, 16, 16) if SMALL else (32, 64, 128, 128)
+N, C, H, W = (4, 24, 57, 61) if SMALL else (32, 64, 128, 128)
 
 
 class Model(nn.Module):

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-TOKENS, DIM, HIDDEN = (16, 64, 128) if SMALL else (4096, 2048, 5632)
+TOKENS, DIM, HIDDEN = (253, 381, 851) if SMALL else (4096, 2048, 5632)
 
 
 class Model(nn.Module):

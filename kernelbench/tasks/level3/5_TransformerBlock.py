@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-BATCH, SEQ, DIM, HEADS = (2, 16, 32, 4) if SMALL else (8, 1024, 1024, 16)
+BATCH, SEQ, DIM, HEADS = (2, 131, 232, 8) if SMALL else (8, 1024, 1024, 16)
 
 
 class Model(nn.Module):

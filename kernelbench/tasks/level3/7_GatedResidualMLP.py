@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-TOKENS, DIM, HIDDEN = (16, 64, 128) if SMALL else (8192, 1024, 4096)
+TOKENS, DIM, HIDDEN = (253, 381, 597) if SMALL else (8192, 1024, 4096)
 
 
 class Model(nn.Module):

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SMALL = os.environ.get("CUDA_AGENT_TASK_SIZE") == "small"
-N, C, H, W = (2, 3, 32, 32) if SMALL else (64, 3, 224, 224)
+N, C, H, W = (2, 3, 131, 129) if SMALL else (64, 3, 224, 224)
 
 
 class Model(nn.Module):
