@@ -19,7 +19,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-EVALUATE = ROOT / "skills" / "evaluate.py"
+# REDTEAM_EVALUATE points the corpus at another copy of the judge (an older one, say).
+EVALUATE = Path(os.environ.get("REDTEAM_EVALUATE") or ROOT / "skills" / "evaluate.py")
 DEFAULT_TIMEOUT_S = 240
 
 # The candidate's evaluation runs under this small wrapper process, so that a case that kills
@@ -125,6 +126,33 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
     if verdict is None:
         verdict = {"correct": None, "rule": "no_verdict", "reason": f"exit status {proc.returncode}, no JSON line on stdout"}
     return Outcome(verdict, seconds, err[-2000:])
+
+
+def run_case_server(case: Case, url: str) -> Outcome:
+    """Runs the case through a running env-server's POST /v1/evaluate: the production path
+    (sandbox, separate uids for judge and worker, FIFOs), task and files sent inline."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    files = {}
+    for p in sorted(case.dir.rglob("*")):
+        if p.is_file():
+            files[str(p.relative_to(case.dir))] = p.read_text()
+    body = {"task": {"source": (ROOT / case.task).read_text()}, "solution": {"files": files}, "options": {"device": case.device}}
+    req = urllib.request.Request(url.rstrip("/") + "/v1/evaluate", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=case.timeout_s + 900) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return Outcome({"correct": None, "rule": "server_error", "reason": f"HTTP {e.code}: {e.read()[:2000]!r}"}, time.monotonic() - start)
+    except (OSError, ValueError) as e:
+        return Outcome({"correct": None, "rule": "server_error", "reason": f"{type(e).__name__}: {e}"}, time.monotonic() - start)
+    result = dict(answer)
+    if not answer.get("correct"):
+        result["rule"] = str(answer.get("reason") or "").split(":", 1)[0] or None
+    return Outcome(result, time.monotonic() - start)
 
 
 def _ms(value) -> float | None:

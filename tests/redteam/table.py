@@ -3,6 +3,7 @@
     python tests/redteam/table.py                 # every case this machine can run
     python tests/redteam/table.py -k cache_ late  # cases whose names contain any of the words
     python tests/redteam/table.py --json out.json # also keep the raw verdicts
+    python tests/redteam/table.py --server http://127.0.0.1:8099   # through a running env-server
 
 Uses $CUDA_AGENT_PYTHON (else this interpreter) to run skills/evaluate.py, one case at a
 time, with one TORCH_EXTENSIONS_DIR for the whole run.
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import cuda_available, got_text, judge, load_cases, run_case  # noqa: E402
+from corpus import cuda_available, got_text, judge, load_cases, run_case, run_case_server  # noqa: E402
 
 
 def main() -> int:
@@ -25,7 +26,12 @@ def main() -> int:
     p.add_argument("-k", nargs="*", default=[], help="run only cases whose names contain one of these")
     p.add_argument("--json", help="write the raw verdicts here")
     p.add_argument("--ext-dir", help="TORCH_EXTENSIONS_DIR to use (default: a fresh temporary one)")
+    p.add_argument("--server", help="evaluate through this env-server's POST /v1/evaluate instead of the CLI")
+    p.add_argument("--evaluate", help="the evaluate.py to run (default: this checkout's skills/evaluate.py)")
     args = p.parse_args()
+    if args.evaluate:
+        import corpus
+        corpus.EVALUATE = Path(args.evaluate).resolve()
     cases = [c for c in load_cases() if not args.k or any(k in c.name for k in args.k)]
     gpu = cuda_available()
     rows, raw = [], {}
@@ -39,7 +45,7 @@ def main() -> int:
                 continue
             work = Path(tmp) / case.name
             work.mkdir()
-            outcome = run_case(case, work, ext_dir)
+            outcome = run_case_server(case, args.server) if args.server else run_case(case, work, ext_dir)
             held, why = judge(case, outcome.result)
             raw[case.name] = {"result": outcome.result, "seconds": outcome.seconds, "held": held, "why": why}
             verdict = "held" if held else ("**PAID**" if outcome.result.get("correct") is True and case.adversarial else "**wrong**")

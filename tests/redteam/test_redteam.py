@@ -7,16 +7,18 @@ shared extension is built once.
 
     python -m pytest tests/redteam            # the whole corpus (about 10-20 minutes on 2 cores)
     python -m pytest tests/redteam -k legit   # only the legitimate candidates
+    REDTEAM_SERVER=http://127.0.0.1:8099 python -m pytest tests/redteam   # through env-server
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from corpus import HERE, cuda_available, judge, load_cases, run_case
+from corpus import HERE, cuda_available, judge, load_cases, run_case, run_case_server
 
 pytestmark = pytest.mark.redteam
 
@@ -59,6 +61,7 @@ def test_every_case_embeds_the_shared_extension_verbatim():
 def test_case(case, tmp_path, ext_dir, has_cuda):
     if case.device == "cuda" and not has_cuda:
         pytest.skip("no GPU")
-    outcome = run_case(case, tmp_path, ext_dir)
+    server = os.environ.get("REDTEAM_SERVER")
+    outcome = run_case_server(case, server) if server else run_case(case, tmp_path, ext_dir)
     held, why = judge(case, outcome.result)
     assert held, f"{case.name} ({case.klass}): {why}\nverdict: {outcome.result}\nstderr: {outcome.stderr_tail}"
