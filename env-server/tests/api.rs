@@ -205,8 +205,8 @@ async fn a_runaway_candidate_hits_the_time_limit() {
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["reward"], -1.0);
     assert!(v["reason"].as_str().unwrap().starts_with("time_limit:"), "{v}");
-    // Nothing of it is left running.
-    let leftovers = std::process::Command::new("pgrep").args(["-f", "evaluate.py candidate"]).output().unwrap();
+    // Nothing of it is left running (other evaluations on the machine are not this test's).
+    let leftovers = std::process::Command::new("pgrep").arg("-f").arg(dir.path()).output().unwrap();
     assert!(String::from_utf8_lossy(&leftovers.stdout).trim().is_empty());
 }
 

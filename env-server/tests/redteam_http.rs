@@ -1,0 +1,601 @@
+//! Red team: a hostile HTTP client against the real connection loop and router. Each test
+//! is an attack; it passes when the defence holds. Time limits here are short so the
+//! attacks are quick; the bounds the tests wait for are long, so that a slow machine never
+//! fails them (a defence that is missing makes them wait out the bound and fail).
+
+mod common;
+
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use common::*;
+use env_server::ServerConfig;
+use serde_json::{json, Value};
+
+/// How long a test waits for the server to do what a defence promises.
+const BOUND: Duration = Duration::from_secs(30);
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(BOUND)).expect("timeout");
+    s
+}
+
+/// Reads until the server closes the connection (or the bound passes: then panics).
+fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
+    let started = Instant::now();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return out,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return out,
+            Err(e) => panic!("the server kept the connection open for {:?} ({e})", started.elapsed()),
+        }
+    }
+}
+
+/// Reads one answer with a Content-Length; returns (status, body).
+fn read_answer(s: &mut TcpStream) -> (u16, Vec<u8>) {
+    let mut data = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = data.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&data[..end]).to_string();
+            let status: u16 = head.split(' ').nth(1).and_then(|c| c.parse().ok()).expect("status line");
+            let len: usize =
+                head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0))).unwrap_or(0);
+            while data.len() < end + 4 + len {
+                let n = s.read(&mut buf).expect("body");
+                assert!(n > 0, "closed mid-body");
+                data.extend_from_slice(&buf[..n]);
+            }
+            return (status, data[end + 4..end + 4 + len].to_vec());
+        }
+        let n = s.read(&mut buf).expect("head");
+        assert!(n > 0, "closed before an answer: {:?}", String::from_utf8_lossy(&data));
+        data.extend_from_slice(&buf[..n]);
+    }
+}
+
+fn get(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
+    let mut s = connect(addr);
+    write!(s, "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").expect("send");
+    read_answer(&mut s)
+}
+
+async fn server(
+    limits: env_server::http::HttpLimits,
+    cfg: impl FnOnce(ServerConfig) -> ServerConfig,
+) -> (tempfile::TempDir, std::sync::Arc<env_server::AppState>, SocketAddr) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state_from(cfg(ServerConfig { http: limits.clone(), ..test_config(dir.path()) }));
+    let addr = serve(state.clone(), limits).await;
+    (dir, state, addr)
+}
+
+fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> tokio::task::JoinHandle<T> {
+    tokio::task::spawn_blocking(f)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_sent_slowly_are_cut_off() {
+    let (_dir, _state, addr) = server(short_limits(), |c| c).await;
+    blocking(move || {
+        let mut s = connect(addr);
+        s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n").expect("send");
+        // Never the blank line that ends the head.
+        let answer = read_to_close(&mut s);
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.is_empty() || text.starts_with("HTTP/1.1 408"), "{text}");
+    })
+    .await
+    .expect("attack");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_connections_are_closed() {
+    let (_dir, _state, addr) = server(short_limits(), |c| c).await;
+    blocking(move || {
+        let mut s = connect(addr);
+        s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n").expect("send");
+        assert_eq!(read_answer(&mut s).0, 200);
+        // Kept alive, then left idle: the server closes it.
+        assert!(read_to_close(&mut s).is_empty());
+    })
+    .await
+    .expect("attack");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_sent_slowly_gets_408() {
+    let (_dir, _state, addr) = server(short_limits(), |c| c).await;
+    blocking(move || {
+        let mut s = connect(addr);
+        s.write_all(b"POST /v1/episodes HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"task\":").expect("send");
+        let (status, body) = read_answer(&mut s);
+        assert_eq!(status, 408, "{}", String::from_utf8_lossy(&body));
+        let v: Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["error"]["code"], "body_timeout");
+    })
+    .await
+    .expect("attack");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_body_over_the_cap_is_refused_before_it_is_read() {
+    let (_dir, _state, addr) = server(short_limits(), |c| c).await;
+    blocking(move || {
+        let mut s = connect(addr);
+        s.write_all(b"POST /v1/episodes HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 999999999\r\n\r\n").expect("send");
+        let (status, body) = read_answer(&mut s);
+        assert_eq!(status, 413, "{}", String::from_utf8_lossy(&body));
+    })
+    .await
+    .expect("attack");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_headers_are_refused() {
+    let (_dir, _state, addr) = server(short_limits(), |c| c).await;
+    blocking(move || {
+        let mut s = connect(addr);
+        let big = "a".repeat(64 * 1024);
+        let _ = write!(s, "GET /v1/health HTTP/1.1\r\nhost: x\r\nx-big: {big}\r\n\r\n");
+        let answer = read_to_close(&mut s);
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.is_empty() || text.starts_with("HTTP/1.1 431"), "{text}");
+    })
+    .await
+    .expect("attack");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_are_refused_and_the_server_recovers() {
+    let limits = env_server::http::HttpLimits { max_connections: 8, ..short_limits() };
+    let (_dir, state, addr) = server(limits, |c| c).await;
+    blocking(move || {
+        // Slowloris: every slot held by a head that never ends.
+        let holders: Vec<TcpStream> = (0..8)
+            .map(|_| {
+                let mut s = connect(addr);
+                s.write_all(b"GET /v1/health HTTP/1.1\r\n").expect("send");
+                s
+            })
+            .collect();
+        // Wait until the server has taken all of them.
+        let started = Instant::now();
+        while state.http.open.load(Ordering::Relaxed) < 8 {
+            assert!(started.elapsed() < BOUND, "the server did not take the connections");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // More connections: each is answered 503 (or closed) at once, not left hanging.
+        for _ in 0..50 {
+            let mut s = connect(addr);
+            let _ = s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n");
+            let answer = read_to_close(&mut s);
+            let text = String::from_utf8_lossy(&answer);
+            assert!(text.is_empty() || text.starts_with("HTTP/1.1 503"), "{text}");
+        }
+        assert!(state.http.refused.load(Ordering::Relaxed) >= 50);
+        // The held slots are freed by the header timeout; then others are answered again.
+        let started = Instant::now();
+        loop {
+            let mut s = connect(addr);
+            let _ = s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+            let answer = read_to_close(&mut s);
+            if answer.starts_with(b"HTTP/1.1 200") {
+                break;
+            }
+            assert!(started.elapsed() < BOUND, "the server never recovered");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(holders);
+    })
+    .await
+    .expect("attack");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_loses_its_connection() {
+    // A trajectory of many megabytes, asked for and never read.
+    let (_dir, state, addr) = server(short_limits(), |c| ServerConfig { max_body_bytes: 2 << 20, ..c }).await;
+    let id = tiny_episode(&state).await;
+    let content = "z".repeat(900 * 1024);
+    for i in 0..16 {
+        let body = json!({"action": {"tool": "Write", "arguments": {"file_path": format!("f{i}.txt"), "content": content}}});
+        let (st, v) = call(&state, "POST", &format!("/v1/episodes/{id}/step"), Some(body)).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+    blocking(move || {
+        let mut s = connect(addr);
+        write!(s, "GET /v1/episodes/{id}/trajectory HTTP/1.1\r\nhost: x\r\n\r\n").expect("send");
+        let started = Instant::now();
+        // The answer is larger than the socket buffers hold: the server's write stalls, and
+        // the connection is dropped once it has stalled for the write timeout.
+        while state.http.open.load(Ordering::Relaxed) > 0 {
+            assert!(started.elapsed() < BOUND, "a stalled answer held its connection");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(s);
+    })
+    .await
+    .expect("attack");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hanging_up_mid_step_does_not_cancel_the_step() {
+    let (_dir, state, addr) = server(short_limits(), |c| c).await;
+    let id = tiny_episode(&state).await;
+    let id2 = id.clone();
+    blocking(move || {
+        let mut s = connect(addr);
+        let body = json!({"action": {"tool": "Bash", "arguments": {"command": "sleep 1; echo done > marker.txt"}}, "request_id": "hang-up"}).to_string();
+        write!(s, "POST /v1/episodes/{id2}/step HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len())
+            .expect("send");
+        std::thread::sleep(Duration::from_millis(200));
+        drop(s);
+    })
+    .await
+    .expect("hang up");
+    // The step runs to its end and is logged: a retry gets its answer.
+    let started = Instant::now();
+    loop {
+        let (_, v) = call(&state, "GET", &format!("/v1/episodes/{id}"), None).await;
+        if v["turn"] == 1 {
+            break;
+        }
+        assert!(started.elapsed() < BOUND, "the step was cancelled: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let retry = json!({"action": {"tool": "Bash", "arguments": {"command": "sleep 1; echo done > marker.txt"}}, "request_id": "hang-up"});
+    let (st, v) = call(&state, "POST", &format!("/v1/episodes/{id}/step"), Some(retry)).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["info"]["replayed"], true, "{v}");
+    let (_, v) =
+        call(&state, "POST", &format!("/v1/episodes/{id}/step"), Some(json!({"action": {"tool": "Read", "arguments": {"file_path": "marker.txt"}}}))).await;
+    assert!(v["observation"]["text"].as_str().unwrap_or("").contains("done"), "{v}");
+}
+
+#[tokio::test]
+async fn every_string_field_has_a_cap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state_from(ServerConfig { max_body_bytes: 8 << 20, ..test_config(dir.path()) });
+    let id = tiny_episode(&state).await;
+    let step = format!("/v1/episodes/{id}/step");
+    let long = "x".repeat(10_000);
+    let many_files: serde_json::Map<String, Value> = (0..100).map(|i| (format!("kernels/{i}.cu"), json!(""))).collect();
+    let cases: Vec<(&str, String, Value)> = vec![
+        ("POST", step.clone(), json!({"action": {"tool": "Glob", "arguments": {"pattern": "*"}}, "request_id": long})),
+        ("POST", step.clone(), json!({"action": {"tool": long, "arguments": {}}})),
+        ("POST", step.clone(), json!({"action": {"id": long, "type": "function", "function": {"name": "Glob", "arguments": "{}"}}})),
+        ("POST", step.clone(), json!({"action": {"tool": "Write", "arguments": {"file_path": "a", "content": "y".repeat(2 << 20)}}})),
+        (
+            "POST",
+            step.clone(),
+            json!({"action": {"tool": "Write", "arguments": format!("{{\"file_path\": \"a\", \"content\": \"{}\"}}", "y".repeat(2 << 20))}}),
+        ),
+        ("POST", "/v1/episodes".into(), json!({"task": long})),
+        ("POST", "/v1/episodes".into(), json!({"split": long})),
+        ("POST", "/v1/episodes".into(), json!({"options": {"max_turns": 4_000_000_000u64}})),
+        ("POST", "/v1/evaluate".into(), json!({"task": long, "solution": "x"})),
+        ("POST", "/v1/evaluate".into(), json!({"task": {"source": "y".repeat(2 << 20)}, "solution": "x"})),
+        ("POST", "/v1/evaluate".into(), json!({"task": "tiny/0_red", "solution": {"files": many_files}})),
+        ("POST", "/v1/evaluate".into(), json!({"task": "tiny/0_red", "solution": {"files": {long.clone(): "x"}}})),
+        ("POST", "/v1/evaluate".into(), json!({"task": "tiny/0_red", "solution": "x", "options": {"device": long}})),
+    ];
+    for (method, uri, body) in cases {
+        let (st, v) = call(&state, method, &uri, Some(body)).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{method} {uri}: {v}");
+        assert_eq!(v["error"]["code"], "field_too_long", "{v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("the most accepted")), "{v}");
+    }
+    // Ids in paths are checked by form before they name anything.
+    for bad in [long.as_str(), "..%2F..%2Fetc%2Fpasswd", "%2e%2e", "0123456789abcdef0123456789ABCDEF"] {
+        let (st, v) = call(&state, "GET", &format!("/v1/episodes/{bad}"), None).await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "{bad}: {v}");
+        assert_eq!(v["error"]["code"], "unknown_episode", "{v}");
+    }
+    let (st, v) = raw(&state, "GET", "/v1/episodes/%FF%FE", None).await;
+    assert!(st.is_client_error(), "{v}");
+    assert!(v["error"]["code"].is_string(), "a JSON error: {v}");
+    // Nothing above took a turn.
+    let (_, v) = call(&state, "GET", &format!("/v1/episodes/{id}"), None).await;
+    assert_eq!(v["turn"], 0, "{v}");
+}
+
+/// A small deterministic generator (xorshift64*), so the fuzz cases are the same every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
+        &v[self.below(v.len())]
+    }
+}
+
+fn random_string(r: &mut Rng) -> String {
+    let alphabets: [&[&str]; 3] = [
+        &["a", "Z", "0", "/", ".", "..", "*", "\\", "\"", "%", "\u{0}", "\u{202e}", "é", "😀", " ", "\n", "$(", "`", ";"],
+        &["Bash", "Glob", "Read", "Write", "MultiEdit", "TodoWrite", "Submit", "model_new.py", "answer.txt", "../", "/etc/passwd"],
+        &["red", "tiny/0_red", "L9/none", "all", "level1", "cpu", "function", "-1", "1e999", "null"],
+    ];
+    let alphabet = r.pick(&alphabets);
+    let n = match r.below(10) {
+        0 => 300 + r.below(3000),
+        _ => r.below(8),
+    };
+    (0..n).map(|_| *r.pick(alphabet)).collect()
+}
+
+fn random_json(r: &mut Rng, depth: u32) -> Value {
+    match r.below(if depth > 4 { 5 } else { 8 }) {
+        0 => Value::Null,
+        1 => json!(r.below(2) == 0),
+        2 => json!(r.next() as i64),
+        3 => {
+            let f = f64::from_bits(r.next());
+            json!(if f.is_finite() { f } else { 0.5 })
+        }
+        4 => json!(random_string(r)),
+        5 => Value::Array((0..r.below(4)).map(|_| random_json(r, depth + 1)).collect()),
+        _ => {
+            let keys = [
+                "task",
+                "split",
+                "seed",
+                "options",
+                "max_turns",
+                "time_budget_s",
+                "action",
+                "tool",
+                "arguments",
+                "request_id",
+                "function",
+                "name",
+                "id",
+                "type",
+                "solution",
+                "files",
+                "source",
+                "device",
+                "tolerance",
+                "command",
+                "pattern",
+                "file_path",
+                "content",
+                "edits",
+                "todos",
+                "x",
+            ];
+            let mut m = serde_json::Map::new();
+            for _ in 0..r.below(5) {
+                let k = if r.below(6) == 0 { random_string(r) } else { r.pick(&keys).to_string() };
+                m.insert(k, random_json(r, depth + 1));
+            }
+            Value::Object(m)
+        }
+    }
+}
+
+/// Bodies that are nearly valid: the shapes a real client sends, for the fuzz to mutate.
+fn seeds() -> Vec<Value> {
+    vec![
+        json!({"task": "tiny/1_blue"}),
+        json!({"split": "tiny", "seed": 3, "options": {"max_turns": 5, "time_budget_s": 30.0}}),
+        json!({"action": {"tool": "Glob", "arguments": {"pattern": "**/*"}}, "request_id": "r1"}),
+        json!({"action": {"tool": "Read", "arguments": {"file_path": "answer.txt", "offset": 1, "limit": 2}}}),
+        json!({"action": {"tool": "Write", "arguments": {"file_path": "answer.txt", "content": "red"}}}),
+        json!({"action": {"tool": "MultiEdit", "arguments": {"file_path": "answer.txt", "edits": [{"old_string": "r", "new_string": "b", "replace_all": true}]}}}),
+        json!({"action": {"tool": "TodoWrite", "arguments": {"todos": [{"content": "c", "status": "pending", "activeForm": "a"}]}}}),
+        json!({"action": {"tool": "Bash", "arguments": {"command": "true", "timeout": 1000}}}),
+        json!({"action": {"id": "c1", "type": "function", "function": {"name": "Glob", "arguments": "{\"pattern\": \"*\"}"}}}),
+        json!({"action": {"tool": "Submit", "arguments": {}}}),
+        json!({"task": "tiny/0_red", "solution": "red"}),
+        json!({"task": "tiny/0_red", "solution": {"files": {"answer.txt": "red"}}, "options": {"tolerance": 0.1}}),
+    ]
+}
+
+/// Mutates a JSON value: replaces, drops or adds a node somewhere in it.
+fn mutate(r: &mut Rng, v: &mut Value) {
+    match v {
+        Value::Object(m) if !m.is_empty() && r.below(3) > 0 => {
+            let keys: Vec<String> = m.keys().cloned().collect();
+            let k = r.pick(&keys).clone();
+            match r.below(4) {
+                0 => {
+                    m.remove(&k);
+                }
+                1 => {
+                    m.insert(k, random_json(r, 2));
+                }
+                _ => {
+                    if let Some(child) = m.get_mut(&k) {
+                        mutate(r, child);
+                    }
+                }
+            }
+        }
+        Value::Array(a) if !a.is_empty() && r.below(2) == 0 => {
+            let i = r.below(a.len());
+            mutate(r, &mut a[i]);
+        }
+        _ => *v = random_json(r, 2),
+    }
+}
+
+/// Byte-level damage to a serialized body.
+fn damage(r: &mut Rng, bytes: &mut Vec<u8>) {
+    for _ in 0..=r.below(4) {
+        if bytes.is_empty() {
+            bytes.push(b'{');
+        }
+        let i = r.below(bytes.len());
+        match r.below(5) {
+            0 => bytes.truncate(i),
+            1 => bytes[i] = (r.next() & 0xff) as u8,
+            2 => bytes.insert(i, *r.pick(b"{}[]\",:\\\0\xff")),
+            3 => {
+                let chunk: Vec<u8> = bytes[i..].iter().take(64).copied().collect();
+                bytes.splice(i..i, chunk);
+            }
+            _ => {
+                bytes.remove(i);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzzed_requests_never_fail_the_server() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state_from(ServerConfig { max_body_bytes: 256 * 1024, max_episodes: 10_000, ..test_config(dir.path()) });
+    let mut r = Rng(0x5eed_c0de_1234_5678);
+    let seeds = seeds();
+    let mut id = tiny_episode(&state).await;
+    let methods = ["GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD"];
+    let mut statuses = std::collections::BTreeMap::new();
+    for case in 0..3000 {
+        if case % 250 == 0 {
+            id = tiny_episode(&state).await;
+        }
+        let path = match r.below(10) {
+            0..=3 => format!("/v1/episodes/{id}/step"),
+            4 => "/v1/episodes".to_string(),
+            5 => "/v1/evaluate".to_string(),
+            6 => format!("/v1/episodes/{id}{}", r.pick(&["", "/trajectory", "/step/x", "/"])),
+            7 => format!("/v1/episodes/{}/step", random_string(&mut r).bytes().map(|b| format!("%{b:02X}")).collect::<String>()),
+            8 => r.pick(&["/v1/health", "/v1/info", "/v1/tasks", "/metrics", "/v1/openapi.json", "/", "//v1//episodes", "/v1/episodes/%00", "/v2"]).to_string(),
+            _ => format!("/{}", random_string(&mut r).bytes().map(|b| format!("%{b:02X}")).collect::<String>()),
+        };
+        let method = if r.below(4) == 0 {
+            *r.pick(&methods)
+        } else if path.ends_with("/step") || path.ends_with("/episodes") || path.ends_with("/evaluate") {
+            "POST"
+        } else {
+            "GET"
+        };
+        let body = match r.below(6) {
+            0 => None,
+            1 => Some(serde_json::to_vec(&random_json(&mut r, 0)).expect("json")),
+            2 | 3 => {
+                let mut v = r.pick(&seeds).clone();
+                mutate(&mut r, &mut v);
+                Some(serde_json::to_vec(&v).expect("json"))
+            }
+            4 => {
+                let mut b = serde_json::to_vec(r.pick(&seeds)).expect("json");
+                damage(&mut r, &mut b);
+                Some(b)
+            }
+            _ => Some(serde_json::to_vec(r.pick(&seeds)).expect("json")),
+        };
+        let shown = body.as_ref().map(|b| String::from_utf8_lossy(&b[..b.len().min(300)]).to_string());
+        let (st, v) = raw(&state, method, &path, body).await;
+        assert!(st.is_success() || st.is_client_error() || st == StatusCode::SERVICE_UNAVAILABLE, "case {case}: {method} {path} {shown:?} -> {st} {v}");
+        if st.is_client_error() && method != "HEAD" {
+            assert!(v["error"]["code"].is_string(), "case {case}: {method} {path} {shown:?} -> {st}: not a JSON error: {v}");
+        }
+        *statuses.entry(st.as_u16()).or_insert(0u32) += 1;
+    }
+    let (st, _) = call(&state, "GET", "/v1/health", None).await;
+    assert_eq!(st, StatusCode::OK);
+    // The cases reached the handlers, not only the parsers.
+    assert!(statuses.get(&200).copied().unwrap_or(0) > 300, "{statuses:?}");
+    eprintln!("fuzz statuses: {statuses:?}");
+}
+
+/// Starts the real binary with extra arguments and environment on a free port; waits until it answers.
+fn start_binary(dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, SocketAddr) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    let log = std::fs::File::create(dir.join("server.log")).expect("log");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_env-server"));
+    cmd.args(["--bind", &addr.to_string(), "--device", "cpu", "--data-dir"]).arg(dir.join("data")).arg("--python").arg(python()).args(args);
+    cmd.env_remove("CUDA_AGENT_API_KEY");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.stdout(log.try_clone().expect("log")).stderr(log).spawn().expect("start env-server");
+    let started = Instant::now();
+    while TcpStream::connect(addr).is_err() {
+        assert!(started.elapsed() < Duration::from_secs(120), "env-server did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child, addr)
+}
+
+fn authorized(addr: SocketAddr, key: &str) -> u16 {
+    let mut s = connect(addr);
+    write!(s, "GET /v1/tasks HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\nconnection: close\r\n\r\n").expect("send");
+    read_answer(&mut s).0
+}
+
+#[test]
+fn the_api_key_is_not_readable_from_the_servers_proc_files() {
+    let key = "k3y-that-must-not-leak-7f9c2e";
+    for way in ["env", "file"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key_file = dir.path().join("key");
+        std::fs::write(&key_file, format!("{key}\n")).expect("key file");
+        let file_arg = key_file.display().to_string();
+        let (mut child, addr) = match way {
+            "env" => start_binary(dir.path(), &[], &[("CUDA_AGENT_API_KEY", key)]),
+            _ => start_binary(dir.path(), &["--api-key-file", &file_arg], &[]),
+        };
+        let pid = child.id();
+        assert_eq!(authorized(addr, key), 200, "{way}");
+        assert_eq!(authorized(addr, "wrong"), 401, "{way}");
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let _ = child.kill();
+        let _ = child.wait();
+        let leaks = |b: &[u8]| b.windows(key.len()).any(|w| w == key.as_bytes());
+        assert!(!leaks(&cmdline), "{way}: key in cmdline");
+        assert!(!leaks(&environ), "{way}: key in environ");
+        assert!(!status.is_empty());
+    }
+}
+
+#[test]
+fn a_key_on_the_command_line_still_works_and_is_warned_about() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut child, addr) = start_binary(dir.path(), &["--api-key", "argv-key"], &[]);
+    let status = authorized(addr, "argv-key");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(status, 200);
+    let log = std::fs::read_to_string(dir.path().join("server.log")).expect("log");
+    assert!(log.contains("readable by every local process"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_still_answers_after_the_attacks() {
+    let (_dir, _state, addr) = server(short_limits(), |c| c).await;
+    blocking(move || {
+        // Garbage in place of HTTP, a request line that never ends, a bad method.
+        for junk in
+            [&b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"[..], b"GET /", b"BREW /v1/health HTTP/1.1\r\nhost: x\r\n\r\n", b"GET /v1/health HTTP/9.9\r\n\r\n"]
+        {
+            let mut s = connect(addr);
+            let _ = s.write_all(junk);
+            let _ = read_to_close(&mut s);
+        }
+        assert_eq!(get(addr, "/v1/health").0, 200);
+    })
+    .await
+    .expect("attack");
+}
