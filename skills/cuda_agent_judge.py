@@ -38,7 +38,9 @@ FORBIDDEN_SOURCE = [
     (r"\bsys\s*\.\s*_getframe\b|\binspect\s*\.\s*(stack|currentframe|getouterframes)\b|\bf_back\b|\bf_locals\b|\bf_globals\b", "inspects the caller's stack frames"),
     (r"\bgc\s*\.\s*(get_objects|get_referrers|get_referents)\b", "walks the garbage collector's objects"),
     (r"/proc/[^\"']*/(mem|environ)\b|process_vm_(readv|writev)|\bptrace\b", "reads or writes another process's memory"),
-    (r"cuda_agent_(harness|judge|worker)", "refers to the evaluation harness"),
+    (r"cuda_agent_(harness|judge|worker)|\b__main__\b|\bsys\s*\.\s*modules\b", "reaches into the evaluation's modules"),
+    (r"(?m)^\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random|gc|threading|subprocess)(?:\s*\.\s*(?!backends\b)\w+)+\s*=(?!=)", "rebinds a library function"),
+    (r"\bsetattr\s*\(\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random)\b|\b__code__\b|\b__globals__\b|\b__closure__\b", "patches library code"),
     (r"allow_tf32\s*=\s*True|set_float32_matmul_precision|allow_(fp16|bf16)_reduced_precision_reduction\s*=\s*True", "changes PyTorch's precision settings"),
 ]
 
@@ -252,7 +254,7 @@ def spawn_worker(role: str, task: Path, device: str, out_dir: Path, log: Path, c
         argv += ["--allow-ops", allow_ops]
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as logf:
-        popen = subprocess.Popen(argv, pass_fds=(w_read, w_write), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=worker_env(), start_new_session=True)
+        popen = subprocess.Popen(argv, pass_fds=(w_read, w_write), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=worker_env())
     os.close(w_read)
     os.close(w_write)
     os.set_inheritable(j_read, False)
@@ -262,8 +264,9 @@ def spawn_worker(role: str, task: Path, device: str, out_dir: Path, log: Path, c
 
 def attach_worker(req: str, rep: str, pid: int, uid: int | None, out_dir: Path, timeout: float) -> WorkerLink:
     """Connects to a candidate worker the server started under its own uid, through two FIFOs
-    the server made. The reply FIFO is opened read-write so that the judge never blocks on it
-    and never sees a false end of file; the worker's death shows through its pidfd instead."""
+    the server made. The reply FIFO is opened without blocking (Linux reports no hang-up on a
+    FIFO whose writer has not come yet), and every read waits in select with a deadline; the
+    worker's death shows as end of file or through its pidfd."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -276,7 +279,7 @@ def attach_worker(req: str, rep: str, pid: int, uid: int | None, out_dir: Path, 
                 raise h.RuleBreak("worker_died", f"the candidate worker never opened its channel ({e})") from e
             time.sleep(0.01)
     os.set_blocking(w, True)
-    r = os.open(rep, os.O_RDWR | os.O_CLOEXEC)
+    r = os.open(rep, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     return WorkerLink("candidate", h.Channel(r, w), pid, out_dir, uid)
 
 
@@ -368,6 +371,7 @@ class Judge:
             raise h.RuleBreak("protocol", f"the {link.name} worker announced no output list")
         out = []
         file_region = None
+        opened: dict = {}
         for i, it in enumerate(items):
             if not isinstance(it, dict) or it.get("kind") not in ("tensor", "value"):
                 raise h.RuleBreak("protocol", f"output {i}: a malformed announcement")
@@ -400,8 +404,13 @@ class Judge:
                 extent = (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * esize
                 if off < 0 or off % esize or off + extent > alloc_bytes or min(stride, default=0) < 0:
                     raise h.RuleBreak("protocol", f"output {i}: announced memory does not fit its allocation")
-                region = h.CudaRegion.open_peer(ipc["handle"], alloc_bytes, self.device)
-                link.opened.append(region)
+                # Two outputs in one allocation share one mapping (a handle opens once).
+                region = opened.get(ipc["handle"])
+                if region is None:
+                    region = opened[ipc["handle"]] = h.CudaRegion.open_peer(ipc["handle"], alloc_bytes, self.device)
+                    link.opened.append(region)
+                if region.nbytes < alloc_bytes:
+                    raise h.RuleBreak("protocol", f"output {i}: two sizes announced for one allocation")
                 out.append(region.tensor[off: off + extent].view(dtype).as_strided(shape, stride))
         return out
 

@@ -64,7 +64,8 @@ def main() -> int:
     try:
         result = judge.evaluate(Path(args.task), Path(args.candidate), opts, attach=attach, workdir=Path(args.workdir) if args.workdir else None)
     except Exception as e:  # noqa: BLE001 - the judge's own failure, never the candidate's verdict
-        result = {"correct": False, "rule": "harness_error", "reason": f"harness_error: {type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        tb = traceback.format_exc()
+        result = {"correct": False, "rule": "harness_error", "reason": f"harness_error: {type(e).__name__}: {e}\n{tb[-1500:]}", "traceback": tb[-4000:]}
     text = json.dumps(result)
     if args.out:
         Path(args.out).write_text(text)

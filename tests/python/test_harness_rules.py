@@ -1,5 +1,6 @@
-"""The final-evaluation harness on real PyTorch (CPU): a correct C++ candidate passes, a wrong
-one fails naming the input set, and each rule is broken by a candidate that breaks only it.
+"""The final-evaluation judge on real PyTorch (CPU): a correct C++ candidate passes and is timed
+against eager in the same run, a wrong one fails naming the input set, and each rule is broken
+by a candidate that breaks only it. (tests/redteam holds the wider adversarial corpus.)
 
 All candidates share one inline C++ extension (same name, same source), so it is built once.
 """
@@ -69,27 +70,44 @@ CANDIDATES = {
         "        return ext.vadd(a, b).as_subclass(Lazy)\n"
     ),
     "input_mutation": "    def forward(self, a, b):\n        return ext.vadd_clobber(a, b)\n",
-    "background_thread": (
+    "idle_thread": (
         "    def forward(self, a, b):\n"
         "        import threading, time\n"
         "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
         "        return ext.vadd(a, b)\n"
     ),
-    "background_process": (
+    "late_thread": (
         "    def forward(self, a, b):\n"
-        "        import subprocess\n"
-        "        if not hasattr(self, 'p'):\n"
-        "            self.p = subprocess.Popen(['sleep', '30'])\n"
+        "        import threading, time\n"
+        "        def spin():\n"
+        "            end = time.perf_counter() + 0.05\n"
+        "            while time.perf_counter() < end:\n"
+        "                pass\n"
+        "        threading.Thread(target=spin, daemon=True).start()\n"
         "        return ext.vadd(a, b)\n"
     ),
-    "patching": (
+    "late_process": (
+        "    def forward(self, a, b):\n"
+        "        import subprocess, sys\n"
+        "        subprocess.Popen([sys.executable, '-c', 'import time\\nend = time.time() + 0.3\\nwhile time.time() < end: pass'])\n"
+        "        return ext.vadd(a, b)\n"
+    ),
+    "clock_patched": (
         "        import time\n"
         "        real = time.perf_counter\n"
         "        time.perf_counter = lambda: real() / 2\n"
         "    def forward(self, a, b):\n"
         "        return ext.vadd(a, b)\n"
     ),
-    "hard_coded_shape": "    def forward(self, a, b):\n        return ext.vadd(a[:65536], b[:65536])\n",
+    # The same patch disguised from the static check: it changes only the worker's clock.
+    "own_clock_patched": (
+        "        mod = __import__('ti' + 'me')\n"
+        "        real = mod.perf_counter\n"
+        "        setattr(mod, 'perf_' + 'counter', lambda: real() / 2)\n"
+        "    def forward(self, a, b):\n"
+        "        return ext.vadd(a, b)\n"
+    ),
+    "hard_coded_shape": "    def forward(self, a, b):\n        return ext.vadd(a[:MAIN_N], b[:MAIN_N])\n",
     "precision_dtype": "    def forward(self, a, b):\n        return ext.vadd(a, b).double()\n",
     "precision_flags": (
         "        torch.backends.cuda.matmul.allow_tf32 = True\n"
@@ -97,6 +115,13 @@ CANDIDATES = {
         "        return ext.vadd(a, b)\n"
     ),
 }
+
+
+def main_n() -> int:
+    """The task's first input length at the small size (what a hard-coded kernel would assume)."""
+    env = dict(os.environ, CUDA_AGENT_TASK_SIZE="small")
+    code = f"import runpy; t = runpy.run_path({str(TASK)!r}); print(t['get_inputs']()[0].numel())"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout)
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +132,12 @@ def ext_dir(tmp_path_factory):
 def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15", extra=()):
     cand = tmp_path / "candidate"
     cand.mkdir(parents=True)
-    (cand / "model_new.py").write_text(HEADER + body)
+    (cand / "model_new.py").write_text(HEADER.replace("MAIN_N", str(main_n())) + body.replace("MAIN_N", str(main_n())))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     out = subprocess.run(
-        [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu", "--seeds", seeds, *extra],
+        [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu", "--seeds", seeds,
+         "--no-compile", "--budget-s", "0.5", *extra],
         capture_output=True, text=True, env=env, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -119,37 +145,50 @@ def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15", extra=()):
 def test_a_correct_candidate_passes_and_is_timed(tmp_path, ext_dir):
     r = evaluate(tmp_path, ext_dir, CANDIDATES["correct"])
     assert r["correct"] is True, r
-    assert r["candidate"]["median_ms"] > 0 and r["candidate"]["trials"] >= 10
-    assert r["details"]["seeds"] == 5 and r["details"]["max_abs_error"] == 0.0
+    assert r["times_ms"]["candidate"] > 0 and r["times_ms"]["eager"] > 0
+    assert r["timing"]["candidate"]["trials"] >= 10 and r["timing"]["eager"]["trials"] == r["timing"]["candidate"]["trials"]
+    assert r["details"]["checks"] == 5 and r["details"]["max_abs_error"] == 0.0 and r["details"]["second_shape"] is True
+    # Every timed call was checked, warm-up rounds included.
+    assert r["details"]["timed_calls_checked"] >= r["timing"]["candidate"]["trials"]
+    lo, hi = r["noise_band"]["eager"]
+    assert lo <= r["speedup"]["eager"] <= hi
 
 
 def test_a_wrong_candidate_names_the_input_set(tmp_path, ext_dir):
     r = evaluate(tmp_path, ext_dir, CANDIDATES["wrong"])
     assert r["correct"] is False
     assert r["rule"] == "wrong_output"
-    assert r["reason"].startswith("wrong_output: input set 1 of 5: output 0: max abs error"), r
+    assert r["reason"].startswith("wrong_output: input set 1 of 5: output 0: 1 of "), r
+    assert "first at index [7]" in r["reason"], r
 
 
 @pytest.mark.parametrize("name,rule", [
     ("pytorch_compute_python", "pytorch_compute"),
     ("pytorch_compute_cpp", "pytorch_compute"),
     ("no_custom_kernel", "no_custom_kernel"),
-    ("constant_output", "constant_output"),
+    ("constant_output", "timed_output"),
     ("uninitialised_output", "wrong_output"),
-    ("tensor_subclass", "tensor_subclass"),
     ("input_mutation", "input_mutation"),
-    ("background_thread", "background_work"),
-    ("background_process", "background_work"),
-    ("patching", "patching"),
+    ("late_thread", "late_work"),
+    ("late_process", "late_work"),
     ("hard_coded_shape", "hard_coded_shape"),
     ("precision_dtype", "precision"),
-    ("precision_flags", "precision"),
+    ("precision_flags", "forbidden_source"),
+    ("clock_patched", "forbidden_source"),
 ])
 def test_each_rule_break_gets_its_reason(tmp_path, ext_dir, name, rule):
     r = evaluate(tmp_path, ext_dir, CANDIDATES[name])
     assert r["correct"] is False, (name, r)
     assert r["rule"] == rule, (name, r)
     assert r["reason"].startswith(rule + ":"), (name, r)
+
+
+@pytest.mark.parametrize("name", ["tensor_subclass", "idle_thread", "own_clock_patched"])
+def test_what_cannot_change_a_verdict_is_no_rule_break(tmp_path, ext_dir, name):
+    """A subclass output is copied out as plain bytes, an idle thread does no work, and the
+    worker's own clock is not the judge's: none of them changes a verdict or a time."""
+    r = evaluate(tmp_path, ext_dir, CANDIDATES[name])
+    assert r["correct"] is True, (name, r)
 
 
 def test_the_op_allowlist_is_configurable(tmp_path, ext_dir):
