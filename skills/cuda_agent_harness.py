@@ -521,15 +521,20 @@ _WEIGHTS: dict = {}
 def checksum(t: torch.Tensor) -> int:
     """A position-weighted fingerprint of a uint8 region, to notice writes made after a reply
     (a plain sum would miss values moved around). Chunked: no full-size temporaries."""
-    n = t.numel() // 8 * 8
-    words = t[:n].view(torch.int64)
+    t = t.reshape(-1)
+    # Whole 4-byte words where the memory is aligned for them; single bytes otherwise.
+    if t.data_ptr() % 4 == 0:
+        n = t.numel() // 4 * 4
+        words, rest = t[:n].view(torch.int32), t[n:]
+    else:
+        words, rest = t, t[:0]
     chunk = 1 << 22
     w = _WEIGHTS.get(t.device)
     if w is None:
         w = _WEIGHTS[t.device] = torch.arange(1, chunk + 1, device=t.device, dtype=torch.int64) % 65521 + 1
-    total = int(t[n:].to(torch.int64).sum()) if t.numel() > n else 0
+    total = int(rest.to(torch.int64).sum()) if rest.numel() else 0
     for start in range(0, words.numel(), chunk):
-        part = words[start: start + chunk]
+        part = words[start: start + chunk].to(torch.int64)
         total = (total * 31 + int((part * w[: part.numel()]).sum())) & ((1 << 62) - 1)
     return total
 

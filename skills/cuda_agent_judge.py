@@ -321,13 +321,15 @@ class Judge:
 
     # -- set-up -------------------------------------------------------------------------
 
-    def start_reference(self, setup_timeout: float) -> None:
+    def start_reference(self) -> None:
         d = self.workdir / "reference"
         d.mkdir(mode=0o700, exist_ok=True)
         self.ref = spawn_worker("reference", self.task_path, self.device.type, d / "out", d / "worker.log")
-        self.ref.request({"op": "hello"}, setup_timeout)
 
-    def hello_candidate(self, setup_timeout: float) -> dict:
+    def hello(self, setup_timeout: float) -> dict:
+        """Waits for both workers to be ready (they start side by side); the candidate's
+        answer carries its build report."""
+        self.ref.request({"op": "hello"}, setup_timeout)
         return self.cand.request({"op": "hello"}, setup_timeout)
 
     def region(self, link: WorkerLink, key: str, nbytes: int, where: Path) -> "h.FileRegion | h.CudaRegion":
@@ -655,7 +657,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         if opts.static:
             static_check(candidate_dir)
         ref_dir = workdir / "reference"
-        judge.start_reference(opts.setup_timeout)
+        judge.start_reference()
         if attach is None:
             cdir = workdir / "candidate"
             cdir.mkdir(mode=0o700, exist_ok=True)
@@ -663,7 +665,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
             cand_in = cdir
         else:
             judge.cand, cand_in = attach()
-        hello = judge.hello_candidate(opts.setup_timeout)
+        hello = judge.hello(opts.setup_timeout)
         details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions")}
         details.update(judge.check(opts.seeds, cand_in, ref_dir))
         details["second_shape"] = judge.check_alt(opts.seeds[0], cand_in, ref_dir)
