@@ -539,6 +539,17 @@ def checksum(t: torch.Tensor) -> int:
     return total
 
 
+def peak_rss_bytes(pid: int) -> int | None:
+    """A process's peak resident memory (VmHWM), when /proc shows it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def environment(device) -> dict:
     env = {"torch": torch.__version__, "device": str(device), "python": sys.version.split()[0], "flags": dict(PINNED_FLAGS)}
     if device.type == "cuda":

@@ -582,6 +582,18 @@ class Judge:
             "samples_ms": times,
         }
 
+    def memory(self) -> dict:
+        """Peak memory of the three processes (the judge's shared regions are device memory
+        outside torch's allocator on CUDA: added to its count)."""
+        mem = {"judge": {"peak_rss_bytes": h.peak_rss_bytes(os.getpid())}}
+        if self.device.type == "cuda":
+            regions = sum(r.nbytes for r in self.regions.values())
+            mem["judge"]["peak_cuda_bytes"] = torch.cuda.max_memory_reserved() + regions
+        for link in (self.ref, self.cand):
+            r = link.request({"op": "stats"}, self.call_timeout)
+            mem[f"{link.name}_worker"] = {k: v for k, v in r.items() if k.startswith("peak_")}
+        return mem
+
     def close(self) -> None:
         self.release()
         for link in (self.ref, self.cand):
@@ -695,6 +707,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
             floor = h.physical_floor_ms(in_bytes, device)
             if floor is not None and st["candidate"]["median_ms"] < 0.9 * floor:
                 raise h.RuleBreak("impossible_time", f"median {st['candidate']['median_ms']:.4f} ms is below the {floor:.4f} ms it takes to read the inputs at peak bandwidth")
+        details["memory"] = judge.memory()
     except h.RuleBreak as e:
         result = {"correct": False, "rule": e.rule, "reason": f"{e.rule}: {e}"}
     finally:

@@ -366,7 +366,18 @@ class Worker:
             return self.load(msg)
         if op == "run":
             return self.run(msg)
+        if op == "stats":
+            return {"ok": True, **memory_stats(self.device)}
         raise ValueError(f"unknown op {op!r}")
+
+
+def memory_stats(device) -> dict:
+    """This process's peak memory: resident host memory and, on CUDA, what torch's allocator
+    reserved at most (informational: it decides nothing)."""
+    stats = {"peak_rss_bytes": h.peak_rss_bytes(os.getpid())}
+    if device.type == "cuda":
+        stats["peak_cuda_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return stats
 
 
 def serve(args) -> int:

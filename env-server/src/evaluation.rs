@@ -310,7 +310,14 @@ impl Evaluator {
         let visible = slot.to_string();
         let mut worker_jail = worker_jail.clone();
         let mut judge_jail = Jail::standard(&d.judge, &d.judge, &self.python.path_dirs(), &self.cfg.extra_env, judge_owner);
-        judge_jail.writable = vec![d.judge.clone(), d.inputs.clone(), d.req.clone()];
+        // torch.compile's caches persist across evaluations, so the compile baseline's
+        // compilation is paid once per task and device. One directory per device slot: the
+        // slot's lease serialises its judges, and only judges (never a worker) can write it.
+        let compile_cache = self.cfg.data_dir.join("judge-cache").join(format!("slot{slot}"));
+        hand_over(&compile_cache, judge_owner).map_err(|e| io_err(&compile_cache, e))?;
+        judge_jail.env.push(("TORCHINDUCTOR_CACHE_DIR".into(), compile_cache.join("inductor").into()));
+        judge_jail.env.push(("TRITON_CACHE_DIR".into(), compile_cache.join("triton").into()));
+        judge_jail.writable = vec![d.judge.clone(), d.inputs.clone(), d.req.clone(), compile_cache.clone()];
         judge_jail.read_only.extend([d.root.clone(), self.harness_dir.clone()]);
         judge_jail.process_view = ProcessView::Host;
         judge_jail.env.push(("OMP_WAIT_POLICY".into(), "PASSIVE".into()));
@@ -607,6 +614,19 @@ fn describe_exit(o: &Outcome) -> String {
         },
         None => "did not end".into(),
     }
+}
+
+/// Gives a directory tree the judges share to this evaluation's judge uid (links are
+/// changed, never followed; only judges ever write there).
+fn hand_over(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+    if owner.is_some() {
+        for e in walkdir::WalkDir::new(dir).follow_links(false) {
+            chown(e.map_err(std::io::Error::other)?.path(), owner);
+        }
+    }
+    Ok(())
 }
 
 /// Marks a build-cache entry as used now (the cache is pruned least recently used first).
