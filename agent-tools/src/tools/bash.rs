@@ -124,7 +124,7 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
     });
 
     let mut note = None;
-    if let Some(new_cwd) = std::fs::read_to_string(&cwd_file).ok().map(|s| PathBuf::from(s.trim_end())) {
+    if let Some(new_cwd) = crate::workspace::read_state_file(&cwd_file, 8192).map(|s| PathBuf::from(s.trim_end())) {
         if new_cwd.starts_with(tb.workspace.root()) {
             tb.cwd = new_cwd;
         } else {

@@ -48,6 +48,31 @@ pub enum ToolError {
         /// Why it failed.
         reason: String,
     },
+    /// A symbolic link is in the path; the file tools never follow one.
+    #[error("{0}: a symbolic link is in the way; the file tools never follow links (use Bash to work with links)")]
+    Link(String),
+    /// The path names something other than a regular file (a FIFO, a device, a directory).
+    #[error("{path} is {kind}, not a regular file")]
+    NotRegular {
+        /// The path, relative to the workspace.
+        path: String,
+        /// What it is.
+        kind: &'static str,
+    },
+    /// A size cap was reached; nothing was written.
+    #[error("{what} is over the limit of {limit} bytes")]
+    TooLarge {
+        /// What was too large.
+        what: String,
+        /// The cap, in bytes.
+        limit: u64,
+    },
+    /// A file tool did not finish in time (a stuck filesystem); the server moved on.
+    #[error("the file operation did not finish within {0:?}")]
+    TimedOut(Duration),
+    /// The tool itself failed (a bug, not the agent's doing); the server carries on.
+    #[error("the tool failed: {0}")]
+    Failed(String),
     /// The sandbox could not start the process.
     #[error("sandbox: {0}")]
     Sandbox(#[from] crate::sandbox::SandboxError),
@@ -319,7 +344,7 @@ impl ToolOutput {
     }
 }
 
-/// Limits on what tools return and how long they run.
+/// Limits on what tools return, how much they read and write, and how long they run.
 #[derive(Debug, Clone, Serialize)]
 pub struct ToolLimits {
     /// Characters of output kept per stream (the middle of longer output is cut).
@@ -332,6 +357,24 @@ pub struct ToolLimits {
     pub max_glob_results: usize,
     /// Lines Read returns when the call names no limit.
     pub default_read_lines: usize,
+    /// Bytes of a file Read looks at (the rest is cut, and the cut said); also the largest
+    /// file MultiEdit edits.
+    pub max_read_bytes: u64,
+    /// Largest file Write or MultiEdit writes.
+    pub max_write_bytes: u64,
+    /// Most edits in one MultiEdit call.
+    pub max_edits: usize,
+    /// Longest Glob pattern, in bytes.
+    pub max_glob_pattern_len: usize,
+    /// Most wildcards (`*`, `?`, `[`, `{`) in a Glob pattern.
+    pub max_glob_wildcards: usize,
+    /// Deepest directory level Glob descends to.
+    pub max_glob_depth: usize,
+    /// Most directory entries one Glob looks at.
+    pub max_glob_entries: usize,
+    /// How long a file tool (and the check of protected files after every call) may take
+    /// before the server stops waiting for it.
+    pub file_tool_timeout: Duration,
 }
 
 impl Default for ToolLimits {
@@ -342,6 +385,14 @@ impl Default for ToolLimits {
             max_bash_timeout: Duration::from_millis(600_000),
             max_glob_results: 1_000,
             default_read_lines: 2_000,
+            max_read_bytes: 8 << 20,
+            max_write_bytes: 8 << 20,
+            max_edits: 256,
+            max_glob_pattern_len: 1_000,
+            max_glob_wildcards: 64,
+            max_glob_depth: 32,
+            max_glob_entries: 100_000,
+            file_tool_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -387,8 +438,11 @@ impl Toolbox {
     }
 
     /// Runs one call. `budget` bounds how long it may take (the episode's remaining tool time).
-    /// Errors come back as error outputs; this never fails.
+    /// Errors come back as error outputs; this never fails. File I/O runs on tokio's blocking
+    /// pool under [`ToolLimits::file_tool_timeout`], so a stuck filesystem cannot stall the
+    /// server's workers.
     pub async fn run(&mut self, call: &ToolCall, budget: Duration) -> ToolOutput {
+        let timeout = self.limits.file_tool_timeout;
         let result = match call {
             ToolCall::Bash(a) => {
                 let timeout = a
@@ -399,15 +453,16 @@ impl Toolbox {
                     .min(budget);
                 bash::run(self, &a.command, timeout).await
             }
-            ToolCall::Glob(a) => glob::run(&self.workspace, a, self.limits.max_glob_results),
-            ToolCall::MultiEdit(a) => files::multi_edit(&self.workspace, a),
-            ToolCall::Read(a) => files::read(&self.workspace, a, &self.limits),
-            ToolCall::Write(a) => files::write(&self.workspace, a),
             ToolCall::TodoWrite(a) => todo::write(&mut self.todos, a),
             ToolCall::Submit(_) => Ok(ToolOutput::ok("Submitted model_new.py for evaluation.", json!({}))),
+            ToolCall::Glob(_) | ToolCall::MultiEdit(_) | ToolCall::Read(_) | ToolCall::Write(_) => {
+                let (ws, limits, call) = (self.workspace.clone(), self.limits.clone(), call.clone());
+                off_runtime(timeout, move || run_file_tool(&ws, &limits, &call)).await
+            }
         };
         let mut out = result.unwrap_or_else(|e| ToolOutput::error(&e));
-        match self.workspace.restore_protected() {
+        let ws = self.workspace.clone();
+        match off_runtime(timeout, move || ws.restore_protected()).await {
             Ok(restored) if !restored.is_empty() => {
                 out.text.push_str(&format!(
                     "\n[read-only files were changed and have been restored: {}]",
@@ -419,5 +474,36 @@ impl Toolbox {
             Err(e) => tracing::warn!(error = %e, "restoring protected files failed"),
         }
         out
+    }
+}
+
+/// The in-process file tools; the others are not run here.
+fn run_file_tool(ws: &Workspace, limits: &ToolLimits, call: &ToolCall) -> Result<ToolOutput, ToolError> {
+    match call {
+        ToolCall::Glob(a) => glob::run(ws, a, limits),
+        ToolCall::MultiEdit(a) => files::multi_edit(ws, a, limits),
+        ToolCall::Read(a) => files::read(ws, a, limits),
+        ToolCall::Write(a) => files::write(ws, a, limits),
+        other => Err(ToolError::Failed(format!("{} is not a file tool", other.name()))),
+    }
+}
+
+/// Runs blocking file work on tokio's blocking pool and waits at most `timeout` for it. A
+/// panic in it becomes an error; work still stuck after the timeout is left to finish on its
+/// own thread.
+async fn off_runtime<T: Send + 'static>(
+    timeout: Duration,
+    work: impl FnOnce() -> Result<T, ToolError> + Send + 'static,
+) -> Result<T, ToolError> {
+    match tokio::time::timeout(timeout, tokio::task::spawn_blocking(work)).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(join)) => {
+            tracing::error!(error = %join, "a file tool panicked");
+            Err(ToolError::Failed("internal error".into()))
+        }
+        Err(_) => {
+            tracing::warn!(?timeout, "a file tool is stuck; no longer waiting for it");
+            Err(ToolError::TimedOut(timeout))
+        }
     }
 }

@@ -40,8 +40,20 @@ pub struct TodoItem {
 /// A stored todo item.
 pub type Todo = TodoItem;
 
+/// Most items a list may hold: the list is kept per episode and rendered on every call.
+const MAX_TODOS: usize = 100;
+/// Longest text of one item, in characters.
+const MAX_TODO_CHARS: usize = 1_000;
+
 pub(super) fn write(todos: &mut Vec<Todo>, args: &TodoWriteArgs) -> Result<ToolOutput, ToolError> {
+    if args.todos.len() > MAX_TODOS {
+        return Err(ToolError::InvalidArgument(format!("{} todos, over the limit of {MAX_TODOS}", args.todos.len())));
+    }
     for (i, t) in args.todos.iter().enumerate() {
+        let long = [Some(&t.content), t.active_form.as_ref(), t.id.as_ref()].into_iter().flatten().any(|s| s.chars().count() > MAX_TODO_CHARS);
+        if long {
+            return Err(ToolError::InvalidArgument(format!("todo {} is longer than {MAX_TODO_CHARS} characters", i + 1)));
+        }
         if t.content.trim().is_empty() {
             return Err(ToolError::InvalidArgument(format!("todo {} has empty content", i + 1)));
         }
