@@ -1,0 +1,477 @@
+//! Red-team suite of the sandbox's process, channel and quota boundaries: each test is an
+//! attack a policy (or a crash) can mount, run for real, and the defence asserted.
+//!
+//! - processes outliving their owner: a dropped step, a dead server, a previous run;
+//! - uids shared between episodes, runs or servers;
+//! - channels out: named unix sockets anywhere on the host, other processes' command lines;
+//! - quotas: the temp dir, inode counts, memory and processes across a whole command.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_tools::sandbox::{KernelFeatures, ProcessView, UidLease, UidPool, Volume, VolumeLimits};
+use agent_tools::{create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits, ToolOutput, Toolbox, Workspace};
+use serde_json::json;
+
+fn features() -> KernelFeatures {
+    KernelFeatures::detect()
+}
+
+/// Host processes (not zombies) whose command line contains `marker`.
+fn with_marker(marker: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .unwrap_or(true);
+        if !zombie && String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(marker) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Waits (bounded) until no process carries `marker`; returns the survivors.
+async fn gone(marker: &str) -> Vec<i32> {
+    for _ in 0..200 {
+        if with_marker(marker).is_empty() {
+            return Vec::new();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    with_marker(marker)
+}
+
+/// Waits (bounded) until `n` processes carry `marker`.
+async fn started(marker: &str, n: usize) {
+    for _ in 0..400 {
+        if with_marker(marker).len() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the processes marked {marker} never started");
+}
+
+/// One episode as the server makes it: a volume holding the workspace and its temp dir,
+/// a leased uid, and a toolbox over them. Fields drop in order: tools, volume, uid, dir.
+struct Episode {
+    toolbox: Toolbox,
+    sandbox: Sandbox,
+    root: PathBuf,
+    tmp: PathBuf,
+    volume: Arc<Volume>,
+    lease: Option<UidLease>,
+    dir: tempfile::TempDir,
+}
+
+fn episode(limits: ResourceLimits, quota: VolumeLimits, view: ProcessView) -> Episode {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let (py_bin, py_prefixes) = common::python_dirs();
+    let mut config = SandboxConfig::with_toolchains(py_prefixes);
+    config.limits = limits;
+    let sandbox = Sandbox::new(config).expect("sandbox");
+    let lease = sandbox.lease_uid().expect("uid lease");
+    let owner = lease.as_ref().map(UidLease::owner);
+    let volume = Arc::new(Volume::create(&dir.path().join("ep"), quota).expect("volume"));
+    let root = volume.path().join("workspace");
+    let tmp = volume.path().join("tmp");
+    create_private_dir(&root, owner).expect("workspace");
+    create_private_dir(&tmp, owner).expect("tmp");
+    let ws = Workspace::open(&root, owner).expect("workspace");
+    let path = vec![py_bin, PathBuf::from("/usr/local/bin"), PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
+    let mut jail = Jail::standard(ws.root(), &tmp, &path, &[], owner);
+    jail.process_view = view;
+    jail.volume = Some(volume.clone());
+    let toolbox = Toolbox::new(sandbox.clone(), ws, jail, tmp.clone(), ToolLimits::default());
+    let root = toolbox.workspace().root().to_path_buf();
+    Episode { toolbox, sandbox, root, tmp, volume, lease, dir }
+}
+
+impl Episode {
+    fn new() -> Self {
+        episode(ResourceLimits::default(), VolumeLimits::bytes(256 << 20), ProcessView::Private)
+    }
+
+    async fn call(&mut self, tool: &str, args: serde_json::Value) -> ToolOutput {
+        let call = ToolCall::parse(tool, &args).expect("valid call");
+        self.toolbox.run(&call, Duration::from_secs(600)).await
+    }
+
+    async fn bash(&mut self, command: &str) -> ToolOutput {
+        self.call("Bash", json!({"command": command})).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Processes die with their owner.
+// ---------------------------------------------------------------------------------------
+
+/// A client disconnects mid-step: the server drops the step's future. Every process of the
+/// step must die, not only the shell tokio was told to kill on drop.
+#[tokio::test]
+async fn a_dropped_step_takes_every_process_with_it() {
+    let mut ep = Episode::new();
+    let marker = "7001.5151";
+    let cmd = format!("sleep {marker} & setsid sleep {marker} 2>/dev/null & nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}");
+    let call = ToolCall::parse("Bash", &json!({"command": cmd})).expect("call");
+    {
+        let step = ep.toolbox.run(&call, Duration::from_secs(600));
+        tokio::pin!(step);
+        tokio::select! {
+            _ = &mut step => panic!("the step ended on its own"),
+            _ = started(marker, 3) => {}
+        }
+        // The step's future is dropped here, as axum drops a handler whose client left.
+    }
+    assert_eq!(gone(marker).await, Vec::<i32>::new(), "processes of a dropped step survived it");
+}
+
+/// The server dies (here: `sandbox-exec`, killed with SIGKILL, so no destructor runs). The
+/// command and everything it started must die with it.
+#[tokio::test]
+async fn processes_die_with_the_server() {
+    let marker = "7002.5151";
+    let mut server = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandbox-exec"))
+        .args(["--", "/bin/sh", "-c", &format!("sleep {marker} & sleep {marker} & sleep {marker}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("sandbox-exec runs");
+    started(marker, 3).await;
+    server.start_kill().expect("kill");
+    let _ = server.wait().await;
+    assert_eq!(gone(marker).await, Vec::<i32>::new(), "processes outlived the server that started them");
+}
+
+// ---------------------------------------------------------------------------------------
+// Uids are never shared.
+// ---------------------------------------------------------------------------------------
+
+/// Starts `sleep <marker>` as `uid`, outside any sandbox: a process a previous run left.
+fn leftover_as(uid: u32, marker: &str) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    std::process::Command::new("sleep")
+        .arg(marker)
+        .uid(uid)
+        .gid(uid)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn as uid")
+}
+
+#[tokio::test]
+async fn a_uid_with_a_live_process_or_another_servers_lock_is_never_leased() {
+    if !features().can_switch_uid {
+        eprintln!("skipped: uids are leased only when the server runs as root");
+        return;
+    }
+    let locks = tempfile::tempdir().expect("tempdir");
+    // A previous run's process still runs as the first uid of the range.
+    let base = 300_000 + std::process::id() % 1000 * 8;
+    let mut leftover = leftover_as(base, "7004.5151");
+    let a = UidPool::new(locks.path(), base..base + 4).expect("pool");
+    let b = UidPool::new(locks.path(), base..base + 4).expect("pool"); // another server
+    let mut held = Vec::new();
+    for pool in [&a, &b, &a] {
+        held.push(pool.acquire().expect("a free uid"));
+    }
+    let uids: Vec<u32> = held.iter().map(UidLease::uid).collect();
+    assert!(!uids.contains(&base), "leased a uid a live process runs as: {uids:?}");
+    let mut sorted = uids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 3, "two leases share a uid: {uids:?}");
+    // The range is exhausted: neither server gets one, rather than a shared one.
+    assert!(b.acquire().is_err());
+    let _ = leftover.kill();
+    let _ = leftover.wait();
+}
+
+#[tokio::test]
+async fn an_evaluation_gets_two_distinct_uids_and_a_released_uid_is_emptied() {
+    if !features().can_switch_uid {
+        eprintln!("skipped: uids are leased only when the server runs as root");
+        return;
+    }
+    let locks = tempfile::tempdir().expect("tempdir");
+    let base = 310_000 + std::process::id() % 1000 * 8;
+    let pool = UidPool::new(locks.path(), base..base + 2).expect("pool");
+    let (judge, worker) = pool.acquire_pair().expect("two uids");
+    assert_ne!(judge.uid(), worker.uid());
+    let marker = "7005.5151";
+    let mut child = leftover_as(worker.uid(), marker);
+    drop(worker);
+    let _ = child.wait();
+    assert_eq!(gone(marker).await, Vec::<i32>::new(), "a process outlived its uid's lease");
+}
+
+/// What a crashed server left (processes under unleased uids of the range) is killed by the
+/// sweep a new server runs at start; a uid another live server holds is left alone.
+#[tokio::test]
+async fn the_start_sweep_kills_what_a_previous_run_left() {
+    if !features().can_switch_uid {
+        eprintln!("skipped: uids are leased only when the server runs as root");
+        return;
+    }
+    let locks = tempfile::tempdir().expect("tempdir");
+    let base = 320_000 + std::process::id() % 1000 * 8;
+    let mut config = SandboxConfig::with_toolchains(Vec::new());
+    config.uid_lock_dir = locks.path().to_path_buf();
+    config.uid_range = base..base + 4;
+    let other_server = UidPool::new(locks.path(), base..base + 4).expect("pool");
+    let held = other_server.acquire().expect("uid");
+    let orphan_uid = (base..base + 4).find(|u| *u != held.uid()).expect("another uid");
+    let mut orphan = leftover_as(orphan_uid, "7006.5151");
+    let mut live = leftover_as(held.uid(), "7006.6161");
+    let sandbox = Sandbox::new(config).expect("sandbox");
+    let report = sandbox.sweep_leftovers();
+    assert!(report.processes_killed >= 1, "{report:?}");
+    let _ = orphan.wait();
+    assert_eq!(gone("7006.5151").await, Vec::<i32>::new(), "a previous run's process survived the sweep");
+    assert_eq!(with_marker("7006.6161").len(), 1, "the sweep killed a live server's process");
+    let _ = live.kill();
+    let _ = live.wait();
+}
+
+// ---------------------------------------------------------------------------------------
+// No channel out.
+// ---------------------------------------------------------------------------------------
+
+/// A named unix socket anywhere on the host, world-connectable: the sandbox must not reach
+/// it, by stream or by datagram (a datagram socket pair can address any named socket).
+#[tokio::test]
+async fn named_unix_sockets_outside_cannot_be_reached() {
+    let mut ep = Episode::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let stream_path = dir.path().join("host.sock");
+    let dgram_path = dir.path().join("host.dgram");
+    let listener = std::os::unix::net::UnixListener::bind(&stream_path).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let dgram = std::os::unix::net::UnixDatagram::bind(&dgram_path).expect("bind");
+    dgram.set_nonblocking(true).expect("nonblocking");
+    for p in [&stream_path, &dgram_path] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    }
+    let script = format!(
+        r#"
+import socket
+for name, make in [("stream", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)),
+                   ("dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))]:
+    try:
+        s = make()
+        s.connect("{stream}" if name == "stream" else "{dgram}")
+        s.send(b"leak")
+        print(name, "REACHED")
+    except OSError as e:
+        print(name, "denied", e.errno)
+try:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    a.sendto(b"leak", "{dgram}")
+    print("pair-dgram REACHED")
+except OSError as e:
+    print("pair-dgram denied", e.errno)
+a, b = socket.socketpair()
+a.send(b"x")
+print("pair-stream", b.recv(1))
+"#,
+        stream = stream_path.display(),
+        dgram = dgram_path.display()
+    );
+    std::fs::write(ep.root.join("probe.py"), script).expect("write");
+    let out = ep.bash("python3 probe.py").await;
+    assert!(!out.text.contains("REACHED"), "{}", out.text);
+    assert!(out.text.contains("pair-stream b'x'"), "socketpair must keep working: {}", out.text);
+    assert!(listener.accept().is_err(), "the host accepted a connection from inside");
+    let mut buf = [0u8; 16];
+    assert!(dgram.recv(&mut buf).is_err(), "the host received a datagram from inside");
+}
+
+/// The server's command line (with whatever secret it was given) and other episodes'
+/// processes are invisible from inside.
+#[tokio::test]
+async fn other_processes_and_their_command_lines_are_invisible() {
+    for view in [ProcessView::Private, ProcessView::OwnUid] {
+        let mut ep = episode(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), view);
+        if ep.sandbox.effective_view(view) != view {
+            eprintln!("skipped {view:?}: not available on this host");
+            continue;
+        }
+        let secret = format!("--api-key=s3cret{}{:?}", std::process::id(), view);
+        // The server's own command line, secret included (as an argv that stays visible).
+        let mut host = std::process::Command::new("python3")
+            .args(["-c", "import time; time.sleep(7007.5151)", &secret])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn");
+        started("7007.5151", 1).await;
+        // Another episode's process, running meanwhile.
+        let other = Episode::new();
+        let mut neighbour = other
+            .sandbox
+            .command(&other.toolbox_jail(), Path::new("/bin/sleep"), &["7007.6161".into()], &other.root)
+            .expect("command")
+            .spawn()
+            .expect("spawn");
+        started("7007.6161", 1).await;
+        let out = ep.bash("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; echo; ls /proc | grep -c '^[0-9]'").await;
+        assert!(!out.text.contains("s3cret"), "{view:?}: the server's argv is readable: {}", out.text);
+        assert!(!out.text.contains("7007.5151"), "{view:?}: a host process is visible: {}", out.text);
+        assert!(!out.text.contains("7007.6161"), "{view:?}: another episode's process is visible: {}", out.text);
+        assert!(out.text.contains("cat /proc"), "{view:?}: its own processes must stay visible: {}", out.text);
+        let _ = host.kill();
+        let _ = host.wait();
+        neighbour.kill_all().await;
+    }
+}
+
+/// Sandboxed processes (say a judge and a worker) talk over FIFOs the server made in a
+/// directory all of them see, whatever their process view; the judge, in the host's view,
+/// reads the worker's CPU time from /proc/<pid>/stat (the worker keeps host pids).
+#[tokio::test]
+async fn fifos_and_proc_stat_work_between_jails() {
+    let ep_private = Episode::new();
+    let ep_worker = episode(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), ProcessView::OwnUid);
+    let ep_judge = episode(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), ProcessView::Host);
+    let shared = ep_judge.dir.path().join("shared");
+    std::fs::create_dir(&shared).expect("shared");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let fifos = [shared.join("from-private"), shared.join("from-worker")];
+    for fifo in &fifos {
+        let c = std::ffi::CString::new(fifo.to_str().expect("utf8")).expect("cstr");
+        // SAFETY: NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        std::fs::set_permissions(fifo, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    }
+    let (py_bin, _) = common::python_dirs();
+    let python = py_bin.join("python3");
+    let writer = |ep: &Episode, fifo: &Path| {
+        let mut jail = ep.toolbox_jail();
+        jail.writable.push(shared.clone());
+        let code = format!("import os\nwith open('{}', 'w') as f: f.write(str(os.getpid()) + ' hello')\nimport time\ntime.sleep(0.5)", fifo.display());
+        ep.sandbox.command(&jail, &python, &["-c".into(), code.into()], &ep.root).expect("command").spawn().expect("spawn")
+    };
+    let mut judge_jail = ep_judge.toolbox_jail();
+    judge_jail.read_only.push(shared.clone());
+    let judge_code = format!(
+        "with open('{}') as f: print(f.read().split()[1])\nwith open('{}') as f: pid, msg = f.read().split()\nprint(msg)\nprint('stat', len(open('/proc/%s/stat' % pid).read().split()) > 20)",
+        fifos[0].display(),
+        fifos[1].display()
+    );
+    let mut judge = ep_judge.sandbox.command(&judge_jail, &python, &["-c".into(), judge_code.into()], &ep_judge.root).expect("command").spawn().expect("judge");
+    let mut private = writer(&ep_private, &fifos[0]);
+    let mut worker = writer(&ep_worker, &fifos[1]);
+    let mut out = String::new();
+    let mut judge_out = judge.stdout.take().expect("stdout");
+    let read = async {
+        use tokio::io::AsyncReadExt;
+        judge_out.read_to_string(&mut out).await
+    };
+    let (_, jo, po, wo) = tokio::join!(
+        read,
+        judge.wait_within(Duration::from_secs(60)),
+        private.wait_within(Duration::from_secs(60)),
+        worker.wait_within(Duration::from_secs(60))
+    );
+    assert_eq!(jo.status.and_then(|s| s.code()), Some(0), "judge: {out}");
+    assert_eq!(po.status.and_then(|s| s.code()), Some(0));
+    assert_eq!(wo.status.and_then(|s| s.code()), Some(0));
+    assert_eq!(out, "hello\nhello\nstat True\n");
+}
+
+impl Episode {
+    fn toolbox_jail(&self) -> Jail {
+        let path = vec![PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
+        let mut j = Jail::standard(&self.root, &self.tmp, &path, &[], self.lease.as_ref().map(UidLease::owner));
+        j.volume = Some(self.volume.clone());
+        j
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Quotas cover everything and hold while a command runs.
+// ---------------------------------------------------------------------------------------
+
+/// The temp dir counts against the quota, and a command filling it is stopped then, not
+/// after the step; the result says why.
+#[tokio::test]
+async fn the_temp_dir_counts_and_a_full_quota_ends_the_command() {
+    let mut ep = episode(ResourceLimits::default(), VolumeLimits::bytes(32 << 20), ProcessView::Private);
+    let out = ep
+        .call("Bash", json!({"command": "head -c 200000000 /dev/zero > \"$TMPDIR/fill\"; echo wrote; sleep 7008.5151", "timeout": 300000}))
+        .await;
+    assert_eq!(out.data["breach"], "disk_quota", "{}", out.text);
+    assert_eq!(out.data["timed_out"], false, "{}", out.text);
+    assert!(out.text.contains("disk quota"), "{}", out.text);
+    let size = std::fs::metadata(ep.tmp.join("fill")).map(|m| m.len()).unwrap_or(0);
+    assert!(size <= 32 << 20, "{size} bytes written against a 32 MiB quota");
+    assert!(ep.volume.usage().bytes <= 32 << 20);
+    assert_eq!(gone("7008.5151").await, Vec::<i32>::new());
+}
+
+/// Many empty files (which slow every later walk of the workspace) hit the inode quota.
+#[tokio::test]
+async fn empty_files_hit_the_inode_quota() {
+    let mut ep = episode(ResourceLimits::default(), VolumeLimits { bytes: 64 << 20, inodes: 500 }, ProcessView::Private);
+    let out = ep.bash("python3 -c 'import os\nfor i in range(5000): open(\"f%d\" % i, \"w\").close()'; ls | wc -l").await;
+    assert_eq!(out.data["breach"], "inode_quota", "{}", out.text);
+    assert!(ep.volume.usage().inodes <= 500);
+}
+
+/// Many processes, each under the per-process memory limit, together past the command's.
+#[tokio::test]
+async fn memory_across_all_processes_is_bounded() {
+    let f = features();
+    if f.cgroups.memory.is_none() {
+        eprintln!("skipped: no memory cgroup on this host");
+        return;
+    }
+    let limits = ResourceLimits { total_memory_bytes: 256 << 20, ..ResourceLimits::default() };
+    let mut ep = episode(limits, VolumeLimits::bytes(64 << 20), ProcessView::Private);
+    // Bytes built by repetition are written, so their pages are really used.
+    let hog = "python3 -c 'x = b\"y\" * (120 << 20); import time; time.sleep(7009.5151)'";
+    let out = ep.call("Bash", json!({"command": format!("{hog} & {hog} & {hog} & {hog} & wait"), "timeout": 300000})).await;
+    assert_eq!(out.data["breach"], "memory_limit", "{}", out.text);
+    assert_eq!(gone("7009.5151").await, Vec::<i32>::new());
+}
+
+/// A fork bomb is bounded across the whole command, whatever the uid.
+#[tokio::test]
+async fn processes_across_the_command_are_bounded() {
+    let f = features();
+    if f.cgroups.pids.is_none() {
+        eprintln!("skipped: no pids cgroup on this host");
+        return;
+    }
+    let limits = ResourceLimits { total_processes: 32, ..ResourceLimits::default() };
+    let mut ep = episode(limits, VolumeLimits::bytes(64 << 20), ProcessView::Private);
+    let out = ep.call("Bash", json!({"command": "for i in $(seq 1 100); do sleep 7010.5151 & done; wait", "timeout": 300000})).await;
+    assert_eq!(out.data["breach"], "process_limit", "{}", out.text);
+    assert_eq!(gone("7010.5151").await, Vec::<i32>::new());
+}
+
+/// The layers in force are reported for /v1/info.
+#[test]
+fn the_status_names_every_layer() {
+    let sandbox = Sandbox::new(SandboxConfig::with_toolchains(Vec::new())).expect("sandbox");
+    let status = serde_json::to_value(sandbox.status()).expect("json");
+    for key in ["process_view", "kill_method", "die_with_server", "unix_sockets", "cgroups", "disk_quota", "uid_pool"] {
+        assert!(status.get(key).is_some(), "{key} missing from {status}");
+    }
+    assert_eq!(status["unix_sockets"], "socketpair_only");
+    if features().pid_namespace {
+        assert_eq!(status["process_view"], "private");
+        assert_eq!(status["kill_method"], "pid_namespace");
+    }
+}
