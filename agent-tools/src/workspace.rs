@@ -298,8 +298,7 @@ impl Workspace {
         if st.st_mode & 0o7777 != 0o444 || st.st_uid != server || st.st_size as usize != pristine.len() {
             return false;
         }
-        fsops::read_capped(&mut file, st.st_size as u64, pristine.len() as u64)
-            .is_ok_and(|c| !c.truncated && c.bytes == pristine)
+        fsops::read_capped(&mut file, st.st_size as u64, pristine.len() as u64).is_ok_and(|c| !c.truncated && c.bytes == pristine)
     }
 
     /// The candidate's files for evaluation: `model_new.py` and everything under `kernels/`,
@@ -319,7 +318,7 @@ impl Workspace {
             let (parent, name) = split(&rel)?;
             match fsops::open_dir(self.resolver, &self.dir, parent) {
                 Ok(dir) => c.file(&dir, &rel, Path::new(OsStr::from_bytes(name.to_bytes())))?,
-                Err(e) => c.skip_dir_error(parent, e),
+                Err(e) => c.skip_dir_error(&rel, e),
             }
         }
         for d in dirs {
@@ -358,12 +357,14 @@ impl Collector<'_> {
         self.solution.skipped.push(SkippedFile { path: rel.display().to_string(), reason: reason.into() });
     }
 
+    /// Records why `rel` (or the directory it is in) could not be opened.
     fn skip_dir_error(&mut self, rel: &Path, e: std::io::Error) {
-        match e.raw_os_error() {
-            Some(libc::ENOENT) => {}
-            Some(libc::ELOOP) => self.skip(rel, "a symbolic link (links are not followed)"),
-            Some(libc::ENOTDIR) => self.skip(rel, "not a directory"),
-            _ => self.skip(rel, e.to_string()),
+        match self.ws.fs_error(rel, e) {
+            ToolError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {}
+            ToolError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOTDIR) => self.skip(rel, "not a directory"),
+            ToolError::Link(link) if link == rel.display().to_string() => self.skip(rel, "a symbolic link (links are not followed)"),
+            ToolError::Link(link) => self.skip(rel, format!("{link} is a symbolic link (links are not followed)")),
+            other => self.skip(rel, other.to_string()),
         }
     }
 

@@ -23,8 +23,7 @@ fn call_guarded(f: Fixture, tool: &'static str, args: Value) -> (Fixture, ToolOu
         let out = rt.block_on(f.call(tool, args));
         let _ = tx.send((f, out));
     });
-    rx.recv_timeout(Duration::from_secs(120))
-        .unwrap_or_else(|_| panic!("{tool} blocked the server thread"))
+    rx.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("{tool} blocked the server thread"))
 }
 
 fn bash_ok(f: &mut Fixture, command: &str) -> ToolOutput {
@@ -66,11 +65,7 @@ fn writes_never_go_through_a_planted_temp_name() {
         let out = call(&mut f, "Write", json!({"file_path": path, "content": content}));
         assert!(!out.is_error, "{path}: {}", out.text);
     }
-    let out = call(
-        &mut f,
-        "MultiEdit",
-        json!({"file_path": "notes.py", "edits": [{"old_string": "overwrite", "new_string": "edited"}]}),
-    );
+    let out = call(&mut f, "MultiEdit", json!({"file_path": "notes.py", "edits": [{"old_string": "overwrite", "new_string": "edited"}]}));
     assert!(!out.is_error, "{}", out.text);
     assert!(!planted.exists(), "root created a file the agent chose, outside the workspace");
     assert_eq!(secret_text(&f), before, "root overwrote a file outside the workspace");
@@ -257,4 +252,89 @@ fn no_file_tool_follows_a_link_anywhere_in_the_path() {
     let paths = out.data["paths"].as_array().unwrap();
     assert!(paths.contains(&json!("real/in.txt")), "{paths:?}");
     assert!(!paths.iter().any(|p| p.as_str().unwrap().starts_with("state/") || p.as_str().unwrap().starts_with("alias/")), "{paths:?}");
+}
+
+/// At Submit the solution used to be read as root by path: `model_new.py` or `kernels/` as
+/// links to a host file put its contents in the trajectory log.
+#[test]
+fn collecting_the_solution_never_reads_through_a_link() {
+    let mut f = fixture();
+    let secret = f.secret.display().to_string();
+    let server_dir = f.dir.path().join("server-state").display().to_string();
+    bash_ok(
+        &mut f,
+        &format!(
+            "rm -f model_new.py && ln -s {secret} model_new.py && mkdir -p kernels/sub && echo '__global__ void k() {{}}' > kernels/add.cu \
+             && ln -s {secret} kernels/leak.cu && ln -s {server_dir} kernels/state && mkfifo kernels/pipe.cu \
+             && printf 'ab\\0cd' > kernels/blob.o && echo 'int x;' > kernels/sub/x.cpp"
+        ),
+    );
+    let solution = f.toolbox.workspace().collect_solution(1 << 20).expect("collected");
+    let files: Vec<&str> = solution.files.keys().map(String::as_str).collect();
+    assert_eq!(files, ["kernels/add.cu", "kernels/sub/x.cpp"]);
+    assert!(!solution.files.values().any(|t| t.contains("[1, 2, 3]")), "a host file was read");
+    let skipped: Vec<(&str, &str)> = solution.skipped.iter().map(|s| (s.path.as_str(), s.reason.as_str())).collect();
+    for (path, why) in [
+        ("model_new.py", "symbolic link"),
+        ("kernels/leak.cu", "symbolic link"),
+        ("kernels/state", "symbolic link"),
+        ("kernels/pipe.cu", "FIFO"),
+        ("kernels/blob.o", "not UTF-8 text"),
+    ] {
+        assert!(skipped.iter().any(|(p, r)| *p == path && r.contains(why)), "{path}: {skipped:?}");
+    }
+    let summary = solution.skipped_summary().expect("something was skipped");
+    assert!(summary.contains("model_new.py (a symbolic link"), "{summary}");
+
+    // `kernels` itself a link to a host directory.
+    bash_ok(&mut f, &format!("rm -rf kernels model_new.py && echo 'class ModelNew: pass' > model_new.py && ln -s {server_dir} kernels"));
+    let solution = f.toolbox.workspace().collect_solution(1 << 20).expect("collected");
+    assert_eq!(solution.files.keys().collect::<Vec<_>>(), ["model_new.py"]);
+    assert_eq!(solution.skipped.len(), 1, "{:?}", solution.skipped);
+    assert!(solution.skipped[0].reason.contains("symbolic link"));
+}
+
+/// The solution is bounded: in total bytes (an error naming the cap), in depth and in
+/// entries (listed as skipped).
+#[test]
+fn collecting_the_solution_is_bounded() {
+    let mut f = fixture();
+    bash_ok(&mut f, "mkdir -p kernels && head -c 700000 /dev/zero | tr '\\0' a > kernels/a.cu && cp kernels/a.cu kernels/b.cu");
+    let err = f.toolbox.workspace().collect_solution(1 << 20).expect_err("over the cap");
+    assert!(err.to_string().contains("over the limit of 1048576 bytes"), "{err}");
+    bash_ok(&mut f, "rm -rf kernels && d=kernels; for i in $(seq 1 12); do d=$d/d; done; mkdir -p $d && echo deep > $d/deep.cu && echo top > kernels/top.cu");
+    let solution = f.toolbox.workspace().collect_solution(1 << 20).expect("collected");
+    assert!(solution.files.contains_key("kernels/top.cu"));
+    assert!(!solution.files.keys().any(|k| k.ends_with("deep.cu")));
+    assert!(solution.skipped.iter().any(|s| s.reason.contains("deeper than")), "{:?}", solution.skipped);
+}
+
+/// Both ways of resolving paths (openat2, and the walk used where the kernel lacks it) refuse
+/// links at every component and write only where they should.
+#[test]
+fn both_resolvers_refuse_links_at_every_component() {
+    let f = fixture();
+    for resolver in [agent_tools::workspace::Resolver::Openat2, agent_tools::workspace::Resolver::Walk] {
+        if resolver == agent_tools::workspace::Resolver::Openat2 && agent_tools::workspace::Resolver::detect() != resolver {
+            continue;
+        }
+        let ws = agent_tools::Workspace::open(&f.root, f.toolbox.workspace().owner()).unwrap().with_resolver(resolver);
+        std::fs::create_dir_all(f.root.join("real/sub")).unwrap();
+        let _ = std::fs::remove_file(f.root.join("alias"));
+        std::os::unix::fs::symlink(f.dir.path().join("server-state"), f.root.join("alias")).unwrap();
+        let _ = std::fs::remove_file(f.root.join("real/up"));
+        std::os::unix::fs::symlink("..", f.root.join("real/up")).unwrap();
+        for path in ["alias/new.txt", "alias/hidden_seeds.json", "real/up/real/x.txt", "real/up/new.txt"] {
+            let err = ws.write_atomic(std::path::Path::new(path), b"x").expect_err(path);
+            assert!(err.to_string().contains("symbolic link"), "{resolver:?} {path}: {err}");
+        }
+        assert!(!f.dir.path().join("server-state/new.txt").exists());
+        ws.write_atomic(std::path::Path::new("real/sub/ok.txt"), b"fine").expect("plain write");
+        ws.write_atomic(&f.root.join("real/sub/abs.txt"), b"fine").expect("absolute path inside");
+        assert_eq!(std::fs::read_to_string(f.root.join("real/sub/ok.txt")).unwrap(), "fine");
+        let solution = ws.collect(&["alias/hidden_seeds.json", "real/sub/ok.txt"], &["real"], 1 << 20).expect("collected");
+        assert_eq!(solution.files.keys().collect::<Vec<_>>(), ["real/sub/abs.txt", "real/sub/ok.txt"], "{resolver:?}");
+        assert!(solution.skipped.iter().any(|s| s.path == "alias/hidden_seeds.json"), "{resolver:?} {:?}", solution.skipped);
+        assert!(solution.skipped.iter().any(|s| s.path == "real/up"), "{resolver:?} {:?}", solution.skipped);
+    }
 }

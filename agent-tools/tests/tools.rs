@@ -11,10 +11,13 @@ async fn multi_edit_applies_edits_in_order() {
     let mut f = fixture();
     std::fs::write(f.root.join("a.py"), "x = 1\ny = 2\n").unwrap();
     let out = f
-        .call("MultiEdit", json!({"file_path": "a.py", "edits": [
-            {"old_string": "x = 1", "new_string": "x = 10"},
-            {"old_string": "x = 10\ny", "new_string": "x = 10\nz"}
-        ]}))
+        .call(
+            "MultiEdit",
+            json!({"file_path": "a.py", "edits": [
+                {"old_string": "x = 1", "new_string": "x = 10"},
+                {"old_string": "x = 10\ny", "new_string": "x = 10\nz"}
+            ]}),
+        )
         .await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(std::fs::read_to_string(f.root.join("a.py")).unwrap(), "x = 10\nz = 2\n");
@@ -26,10 +29,13 @@ async fn multi_edit_is_atomic_and_names_the_failing_edit() {
     let mut f = fixture();
     std::fs::write(f.root.join("a.py"), "a\nb\n").unwrap();
     let out = f
-        .call("MultiEdit", json!({"file_path": "a.py", "edits": [
-            {"old_string": "a", "new_string": "A"},
-            {"old_string": "missing", "new_string": "M"}
-        ]}))
+        .call(
+            "MultiEdit",
+            json!({"file_path": "a.py", "edits": [
+                {"old_string": "a", "new_string": "A"},
+                {"old_string": "missing", "new_string": "M"}
+            ]}),
+        )
         .await;
     assert!(out.is_error);
     assert!(out.text.contains("edit 2 of 2"), "{}", out.text);
@@ -44,9 +50,8 @@ async fn multi_edit_refuses_ambiguous_strings_unless_replace_all() {
     let out = f.call("MultiEdit", json!({"file_path": "a.py", "edits": [{"old_string": "t", "new_string": "u"}]})).await;
     assert!(out.is_error);
     assert!(out.text.contains("appears 3 times"), "{}", out.text);
-    let out = f
-        .call("MultiEdit", json!({"file_path": "a.py", "edits": [{"old_string": "t", "new_string": "u", "replace_all": true}]}))
-        .await;
+    let out =
+        f.call("MultiEdit", json!({"file_path": "a.py", "edits": [{"old_string": "t", "new_string": "u", "replace_all": true}]})).await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(std::fs::read_to_string(f.root.join("a.py")).unwrap(), "u u u\n");
     assert_eq!(out.data["replacements"], 3);
@@ -65,17 +70,17 @@ async fn multi_edit_rejects_identical_strings() {
 async fn multi_edit_creates_a_missing_file_from_an_empty_old_string() {
     let mut f = fixture();
     let out = f
-        .call("MultiEdit", json!({"file_path": "kernels/add.cpp", "edits": [
-            {"old_string": "", "new_string": "int add(int a, int b) { return a + b; }\n"},
-            {"old_string": "a + b", "new_string": "b + a"}
-        ]}))
+        .call(
+            "MultiEdit",
+            json!({"file_path": "kernels/add.cpp", "edits": [
+                {"old_string": "", "new_string": "int add(int a, int b) { return a + b; }\n"},
+                {"old_string": "a + b", "new_string": "b + a"}
+            ]}),
+        )
         .await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(out.data["created"], true);
-    assert_eq!(
-        std::fs::read_to_string(f.root.join("kernels/add.cpp")).unwrap(),
-        "int add(int a, int b) { return b + a; }\n"
-    );
+    assert_eq!(std::fs::read_to_string(f.root.join("kernels/add.cpp")).unwrap(), "int add(int a, int b) { return b + a; }\n");
     // An empty old_string on an existing file is an error, not an overwrite.
     let out = f.call("MultiEdit", json!({"file_path": "kernels/add.cpp", "edits": [{"old_string": "", "new_string": "x"}]})).await;
     assert!(out.is_error);
@@ -182,10 +187,13 @@ async fn glob_lists_matches_newest_first() {
 async fn todo_write_replaces_the_list_and_accepts_both_forms() {
     let mut f = fixture();
     let out = f
-        .call("TodoWrite", json!({"todos": [
-            {"content": "Profile the reference", "status": "completed", "activeForm": "Profiling the reference"},
-            {"content": "Write the kernel", "status": "in_progress", "activeForm": "Writing the kernel"}
-        ]}))
+        .call(
+            "TodoWrite",
+            json!({"todos": [
+                {"content": "Profile the reference", "status": "completed", "activeForm": "Profiling the reference"},
+                {"content": "Write the kernel", "status": "in_progress", "activeForm": "Writing the kernel"}
+            ]}),
+        )
         .await;
     assert!(!out.is_error, "{}", out.text);
     assert!(out.text.contains("0 pending, 1 in progress, 1 completed"), "{}", out.text);

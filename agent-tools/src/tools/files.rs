@@ -55,10 +55,7 @@ pub(super) fn read(ws: &Workspace, args: &ReadArgs, limits: &ToolLimits) -> Resu
     let bytes_read = bytes.len();
     let text = String::from_utf8_lossy(&bytes);
     let cut_note = capped.truncated.then(|| {
-        format!(
-            "[the file is {} bytes; Read sees only its first {bytes_read} bytes; use Bash (sed -n, tail) for the rest]",
-            capped.size
-        )
+        format!("[the file is {} bytes; Read sees only its first {bytes_read} bytes; use Bash (sed -n, tail) for the rest]", capped.size)
     });
     let data = |lines: usize| json!({"lines": lines, "truncated": capped.truncated, "bytes_read": bytes_read, "size": capped.size});
     if text.is_empty() {
@@ -127,9 +124,7 @@ fn apply_edits(original: Option<&str>, args: &MultiEditArgs, cap: u64) -> Result
         return Err(ToolError::InvalidArgument("edits is empty".into()));
     }
     let fail = |index: usize, reason: String| ToolError::Edit { index, total, reason };
-    let over = |index: usize, size: u128| {
-        fail(index, format!("the file would grow to {size} bytes, over the limit of {cap} bytes"))
-    };
+    let over = |index: usize, size: u128| fail(index, format!("the file would grow to {size} bytes, over the limit of {cap} bytes"));
     let mut text = match original {
         Some(t) => t.to_string(),
         None => {
@@ -204,9 +199,7 @@ pub(super) fn multi_edit(ws: &Workspace, args: &MultiEditArgs, limits: &ToolLimi
         Some(c) if c.truncated => {
             return Err(ToolError::TooLarge { what: format!("{shown} (to edit)"), limit: limits.max_read_bytes });
         }
-        Some(c) => Some(
-            String::from_utf8(c.bytes).map_err(|_| ToolError::InvalidArgument(format!("{shown} is not UTF-8 text")))?,
-        ),
+        Some(c) => Some(String::from_utf8(c.bytes).map_err(|_| ToolError::InvalidArgument(format!("{shown} is not UTF-8 text")))?),
         None => None,
     };
     let (text, replacements) = apply_edits(original.as_deref(), args, limits.max_write_bytes)?;

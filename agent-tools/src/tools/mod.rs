@@ -281,17 +281,15 @@ impl ToolCall {
     /// Parses a call from a tool name and its arguments (an object, or a JSON string holding
     /// one, as in OpenAI's `tool_calls`).
     pub fn parse(name: &str, arguments: &Value) -> Result<Self, CallError> {
-        let spec = TOOLS.iter().find(|t| t.name == name).ok_or_else(|| CallError::UnknownTool {
-            name: name.to_string(),
-            available: tool_names().join(", "),
-        })?;
+        let spec = TOOLS
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| CallError::UnknownTool { name: name.to_string(), available: tool_names().join(", ") })?;
         let tool = spec.name;
         let args = match arguments {
             Value::String(s) if s.trim().is_empty() => json!({}),
-            Value::String(s) => serde_json::from_str(s).map_err(|e| CallError::BadArguments {
-                tool,
-                message: format!("arguments string is not JSON: {e}"),
-            })?,
+            Value::String(s) => serde_json::from_str(s)
+                .map_err(|e| CallError::BadArguments { tool, message: format!("arguments string is not JSON: {e}") })?,
             Value::Null => json!({}),
             other => other.clone(),
         };
@@ -464,10 +462,7 @@ impl Toolbox {
         let ws = self.workspace.clone();
         match off_runtime(timeout, move || ws.restore_protected()).await {
             Ok(restored) if !restored.is_empty() => {
-                out.text.push_str(&format!(
-                    "\n[read-only files were changed and have been restored: {}]",
-                    restored.join(", ")
-                ));
+                out.text.push_str(&format!("\n[read-only files were changed and have been restored: {}]", restored.join(", ")));
                 out.data["restored_read_only"] = json!(restored);
             }
             Ok(_) => {}

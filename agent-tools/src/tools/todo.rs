@@ -4,7 +4,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{ToolError, ToolOutput, TodoWriteArgs};
+use super::{TodoWriteArgs, ToolError, ToolOutput};
 
 /// State of one todo item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -50,7 +50,8 @@ pub(super) fn write(todos: &mut Vec<Todo>, args: &TodoWriteArgs) -> Result<ToolO
         return Err(ToolError::InvalidArgument(format!("{} todos, over the limit of {MAX_TODOS}", args.todos.len())));
     }
     for (i, t) in args.todos.iter().enumerate() {
-        let long = [Some(&t.content), t.active_form.as_ref(), t.id.as_ref()].into_iter().flatten().any(|s| s.chars().count() > MAX_TODO_CHARS);
+        let long =
+            [Some(&t.content), t.active_form.as_ref(), t.id.as_ref()].into_iter().flatten().any(|s| s.chars().count() > MAX_TODO_CHARS);
         if long {
             return Err(ToolError::InvalidArgument(format!("todo {} is longer than {MAX_TODO_CHARS} characters", i + 1)));
         }
@@ -59,10 +60,7 @@ pub(super) fn write(todos: &mut Vec<Todo>, args: &TodoWriteArgs) -> Result<ToolO
         }
         if let Some(p) = &t.priority {
             if !matches!(p.as_str(), "high" | "medium" | "low") {
-                return Err(ToolError::InvalidArgument(format!(
-                    "todo {} has priority {p:?}; use high, medium or low",
-                    i + 1
-                )));
+                return Err(ToolError::InvalidArgument(format!("todo {} has priority {p:?}; use high, medium or low", i + 1)));
             }
         }
     }
