@@ -201,9 +201,18 @@ impl Workspace {
     /// Opens a regular file for reading (never through a link, never a FIFO or device).
     pub(crate) fn open_file(&self, rel: &Path) -> Result<(File, u64), ToolError> {
         match fsops::open_regular(self.resolver, &self.dir, rel) {
+            Ok((_, st)) if self.foreign_hard_link(&st) => Err(ToolError::HardLink(self.display(rel))),
             Ok((file, st)) => Ok((file, st.st_size as u64)),
             Err(e) => Err(self.open_error(rel, e)),
         }
+    }
+
+    /// A second name for a file the agent does not own: where the kernel lets users hard-link
+    /// files they cannot write (`fs.protected_hardlinks` off), a link to a host file would
+    /// otherwise be read as root. Files the agent or the tools made are the owner's, and
+    /// protected files have a single name.
+    fn foreign_hard_link(&self, st: &libc::stat) -> bool {
+        self.owner.is_some_and(|(uid, _)| st.st_nlink > 1 && st.st_uid != uid)
     }
 
     /// Reads at most `cap` bytes of a regular file; `None` when it does not exist.
@@ -386,6 +395,10 @@ impl Collector<'_> {
                 return Ok(());
             }
         };
+        if self.ws.foreign_hard_link(&st) {
+            self.skip(rel, "a hard link to a file the agent does not own");
+            return Ok(());
+        }
         let too_large = || ToolError::TooLarge { what: format!("the solution's files (at {})", rel.display()), limit: self.limit };
         if st.st_size as u64 > self.left {
             return Err(too_large());

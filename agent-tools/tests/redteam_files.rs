@@ -338,3 +338,30 @@ fn both_resolvers_refuse_links_at_every_component() {
         assert!(solution.skipped.iter().any(|s| s.path == "real/up"), "{resolver:?} {:?}", solution.skipped);
     }
 }
+
+/// Where the kernel lets users hard-link files they cannot write (`fs.protected_hardlinks`
+/// off), a second name for a host file inside the workspace would be read as root. The link
+/// is made here by the test, as such a kernel would let the agent make it.
+#[test]
+fn hard_links_to_files_the_agent_does_not_own_are_not_read() {
+    let mut f = fixture();
+    if f.toolbox.workspace().owner().is_none() {
+        return; // no uid of its own: the agent reads what the server reads anyway
+    }
+    std::fs::create_dir_all(f.root.join("kernels")).unwrap();
+    std::fs::hard_link(&f.secret, f.root.join("kernels/h.cu")).unwrap();
+    std::fs::hard_link(&f.secret, f.root.join("model_new.py")).unwrap();
+    let out = call(&mut f, "Read", json!({"file_path": "kernels/h.cu"}));
+    assert!(out.is_error, "{}", out.text);
+    assert!(out.text.contains("hard link"), "{}", out.text);
+    let out = call(&mut f, "MultiEdit", json!({"file_path": "model_new.py", "edits": [{"old_string": "seeds", "new_string": "x"}]}));
+    assert!(out.is_error, "{}", out.text);
+    let solution = f.toolbox.workspace().collect_solution(1 << 20).expect("collected");
+    assert!(solution.files.is_empty(), "{:?}", solution.files);
+    assert_eq!(solution.skipped.len(), 2, "{:?}", solution.skipped);
+    assert!(solution.skipped.iter().all(|s| s.reason.contains("hard link")));
+    // A Write replaces the name; the host file keeps its contents.
+    let out = call(&mut f, "Write", json!({"file_path": "kernels/h.cu", "content": "mine"}));
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(secret_text(&f), "{\"seeds\": [1, 2, 3]}");
+}

@@ -51,6 +51,9 @@ pub enum ToolError {
     /// A symbolic link is in the path; the file tools never follow one.
     #[error("{0}: a symbolic link is in the way; the file tools never follow links (use Bash to work with links)")]
     Link(String),
+    /// The path is a hard link to a file the agent does not own; it is not read.
+    #[error("{0} is a hard link to a file the agent does not own; the file tools do not read it")]
+    HardLink(String),
     /// The path names something other than a regular file (a FIFO, a device, a directory).
     #[error("{path} is {kind}, not a regular file")]
     NotRegular {
