@@ -359,7 +359,10 @@ async fn fifos_and_proc_stat_work_between_jails() {
     let writer = |ep: &Episode, fifo: &Path| {
         let mut jail = ep.toolbox_jail();
         jail.writable.push(shared.clone());
-        let code = format!("import os\nwith open('{}', 'w') as f: f.write(str(os.getpid()) + ' hello')\nimport time\ntime.sleep(0.5)", fifo.display());
+        let code = format!(
+            "import os\nwith open('{}', 'w') as f: f.write(str(os.getpid()) + ' hello')\nimport time\ntime.sleep(0.5)",
+            fifo.display()
+        );
         ep.sandbox.command(&jail, &python, &["-c".into(), code.into()], &ep.root).expect("command").spawn().expect("spawn")
     };
     let mut judge_jail = ep_judge.toolbox_jail();
@@ -369,7 +372,12 @@ async fn fifos_and_proc_stat_work_between_jails() {
         fifos[0].display(),
         fifos[1].display()
     );
-    let mut judge = ep_judge.sandbox.command(&judge_jail, &python, &["-c".into(), judge_code.into()], &ep_judge.root).expect("command").spawn().expect("judge");
+    let mut judge = ep_judge
+        .sandbox
+        .command(&judge_jail, &python, &["-c".into(), judge_code.into()], &ep_judge.root)
+        .expect("command")
+        .spawn()
+        .expect("judge");
     let mut private = writer(&ep_private, &fifos[0]);
     let mut worker = writer(&ep_worker, &fifos[1]);
     let mut out = String::new();

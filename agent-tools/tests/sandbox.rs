@@ -87,11 +87,8 @@ fn nobody_connected(l: &TcpListener) -> bool {
 async fn tcp_to_localhost_is_denied_from_python_bash_and_curl() {
     let mut f = fixture();
     let (l, port) = listener();
-    let out = f
-        .bash(&format!(
-            "python3 -c 'import socket; s=socket.socket(); s.connect((\"127.0.0.1\", {port})); print(\"connected\")'"
-        ))
-        .await;
+    let out =
+        f.bash(&format!("python3 -c 'import socket; s=socket.socket(); s.connect((\"127.0.0.1\", {port})); print(\"connected\")'")).await;
     assert!(out.text.contains("PermissionError"), "{}", out.text);
     let out = f.bash("python3 -c 'import socket; socket.socket(socket.AF_INET6)'").await;
     assert!(out.text.contains("PermissionError"), "{}", out.text);
@@ -156,9 +153,7 @@ async fn a_fork_bomb_is_bounded_by_the_process_limit() {
         return;
     }
     let mut f = fixture_with(ResourceLimits { processes: 64, ..ResourceLimits::default() });
-    let out = f
-        .call("Bash", json!({"command": "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", "timeout": 8000}))
-        .await;
+    let out = f.call("Bash", json!({"command": "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", "timeout": 8000})).await;
     assert!(out.text.contains("Resource temporarily unavailable") || out.text.contains("retry"), "{}", out.text);
     // Nothing of it is left after the step.
     let out = f.bash("ps -u $(id -u) -o pid= | wc -l").await;
@@ -191,7 +186,9 @@ fn with_marker(marker: &str) -> Vec<i32> {
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).map(|s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z')).unwrap_or(true);
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .unwrap_or(true);
         if !zombie && String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(marker) {
             found.push(pid);
         }
@@ -202,9 +199,8 @@ fn with_marker(marker: &str) -> Vec<i32> {
 #[tokio::test]
 async fn nothing_outlives_a_timeout_or_the_end_of_a_command() {
     let mut f = fixture();
-    let out = f
-        .call("Bash", json!({"command": "sleep 1000.4711 & nohup sleep 1001.4711 >/dev/null 2>&1 & sleep 100", "timeout": 1000}))
-        .await;
+    let out =
+        f.call("Bash", json!({"command": "sleep 1000.4711 & nohup sleep 1001.4711 >/dev/null 2>&1 & sleep 100", "timeout": 1000})).await;
     assert_eq!(out.data["timed_out"], true, "{}", out.text);
     assert!(out.text.contains("timed out"), "{}", out.text);
     assert_eq!(with_marker(".4711"), Vec::<i32>::new(), "background processes survived the timeout");

@@ -62,7 +62,12 @@ fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
             let (left, right) = l.split_once(" - ")?;
             let left: Vec<&str> = left.split_whitespace().collect();
             let right: Vec<&str> = right.split_whitespace().collect();
-            Some((left.get(3)?.to_string(), PathBuf::from(left.get(4)?), right.first()?.to_string(), right.get(2).unwrap_or(&"").to_string()))
+            Some((
+                left.get(3)?.to_string(),
+                PathBuf::from(left.get(4)?),
+                right.first()?.to_string(),
+                right.get(2).unwrap_or(&"").to_string(),
+            ))
         })
         .collect();
     let join = |mount_root: &str, mountpoint: &Path, path: &str| -> Option<PathBuf> {
@@ -105,10 +110,7 @@ impl Hierarchies {
     pub fn detect() -> Self {
         let (v2, v1) = own_dirs();
         let v2 = v2.filter(|d| writable(d));
-        let v2_controllers = v2
-            .as_ref()
-            .and_then(|d| std::fs::read_to_string(d.join("cgroup.subtree_control")).ok())
-            .unwrap_or_default();
+        let v2_controllers = v2.as_ref().and_then(|d| std::fs::read_to_string(d.join("cgroup.subtree_control")).ok()).unwrap_or_default();
         let v2_has = |c: &str| v2_controllers.split_whitespace().any(|x| x == c);
         let v1_dir = |c: &str| v1.iter().find(|(name, _)| name == c).map(|(_, d)| d.clone()).filter(|d| writable(d));
         let pick = |c: &str| -> Option<(PathBuf, CgroupVersion)> {
@@ -141,7 +143,9 @@ impl Hierarchies {
 
     fn bases(&self) -> Vec<PathBuf> {
         let mut b: Vec<PathBuf> = Vec::new();
-        for d in [self.v2.clone(), self.memory.clone().map(|m| m.0), self.pids.clone().map(|p| p.0), self.freezer.clone()].into_iter().flatten() {
+        for d in
+            [self.v2.clone(), self.memory.clone().map(|m| m.0), self.pids.clone().map(|p| p.0), self.freezer.clone()].into_iter().flatten()
+        {
             if !b.contains(&d) {
                 b.push(d);
             }
@@ -149,23 +153,38 @@ impl Hierarchies {
         b
     }
 
-    /// Creates the cgroups of one command with its limits. Fails only if a hierarchy that
-    /// was usable at start refuses.
-    pub fn create(&self, total_memory: u64, total_processes: u64) -> std::io::Result<CommandCgroup> {
+    /// Creates the cgroups of one command with its limits (`None` without any usable
+    /// hierarchy). Fails only if a hierarchy that was usable at start refuses.
+    pub fn create(&self, total_memory: u64, total_processes: u64) -> std::io::Result<Option<CommandCgroup>> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        let bases = self.bases();
+        if bases.is_empty() {
+            return Ok(None);
+        }
         let me = std::process::id();
         let name = format!("{PREFIX}{me}.{}.{}", start_time(me as i32).unwrap_or(0), NEXT.fetch_add(1, Ordering::Relaxed));
         let mut cg = CommandCgroup { dirs: Vec::new(), kill: None, memory: None, pids: None, freezer: None };
-        for base in self.bases() {
+        for base in bases {
             let dir = base.join(&name);
-            std::fs::create_dir(&dir)?;
+            if let Err(e) = std::fs::create_dir(&dir) {
+                cg.remove();
+                return Err(e);
+            }
             cg.dirs.push(dir);
         }
+        if let Err(e) = self.configure(&mut cg, &name, total_memory, total_processes) {
+            cg.remove();
+            return Err(e);
+        }
+        Ok(Some(cg))
+    }
+
+    fn configure(&self, cg: &mut CommandCgroup, name: &str, total_memory: u64, total_processes: u64) -> std::io::Result<()> {
         if let Some(v2) = &self.v2 {
-            cg.kill = Some(v2.join(&name));
+            cg.kill = Some(v2.join(name));
         }
         if let Some((base, v)) = &self.memory {
-            let dir = base.join(&name);
+            let dir = base.join(name);
             match v {
                 CgroupVersion::V1 => {
                     std::fs::write(dir.join("memory.limit_in_bytes"), total_memory.to_string())?;
@@ -183,14 +202,14 @@ impl Hierarchies {
             cg.memory = Some((dir, *v));
         }
         if let Some((base, v)) = &self.pids {
-            let dir = base.join(&name);
+            let dir = base.join(name);
             std::fs::write(dir.join("pids.max"), total_processes.to_string())?;
             cg.pids = Some((dir, *v));
         }
         if let Some(base) = &self.freezer {
-            cg.freezer = Some(base.join(&name));
+            cg.freezer = Some(base.join(name));
         }
-        Ok(cg)
+        Ok(())
     }
 
     /// Kills the processes of and removes every cgroup a server that is no longer running
@@ -243,11 +262,7 @@ fn cstring(p: &Path) -> CString {
 }
 
 fn members(dir: &Path) -> Vec<i32> {
-    std::fs::read_to_string(dir.join("cgroup.procs"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.trim().parse().ok())
-        .collect()
+    std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.trim().parse().ok()).collect()
 }
 
 /// The value of `key` in a flat-keyed cgroup file such as `memory.events`.

@@ -42,14 +42,7 @@ struct PathBeneathAttr {
 /// The landlock ABI the kernel speaks, 0 when it has none.
 pub fn abi_version() -> u32 {
     // SAFETY: the version query takes no attribute pointer.
-    let v = unsafe {
-        libc::syscall(
-            libc::SYS_landlock_create_ruleset,
-            std::ptr::null::<RulesetAttr>(),
-            0usize,
-            CREATE_RULESET_VERSION,
-        )
-    };
+    let v = unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, std::ptr::null::<RulesetAttr>(), 0usize, CREATE_RULESET_VERSION) };
     if v < 0 {
         0
     } else {
@@ -129,9 +122,7 @@ impl Ruleset {
             }
             let rule = PathBeneathAttr { allowed_access: rights, parent_fd: pfd.as_raw_fd() };
             // SAFETY: rule is a valid path-beneath attribute that outlives the call.
-            let rc = unsafe {
-                libc::syscall(libc::SYS_landlock_add_rule, fd.as_raw_fd(), RULE_PATH_BENEATH, &rule, 0u32)
-            };
+            let rc = unsafe { libc::syscall(libc::SYS_landlock_add_rule, fd.as_raw_fd(), RULE_PATH_BENEATH, &rule, 0u32) };
             if rc < 0 {
                 return Err(SandboxError::Os("landlock_add_rule", std::io::Error::last_os_error()));
             }

@@ -42,7 +42,9 @@ pub enum SandboxError {
     #[error("the kernel does not support {0}")]
     Unsupported(&'static str),
     /// The sandbox would run unconfined and nobody allowed it.
-    #[error("refusing to run unconfined: this kernel lacks {0}; pass --allow-unconfined to run anyway (results are then marked unconfined)")]
+    #[error(
+        "refusing to run unconfined: this kernel lacks {0}; pass --allow-unconfined to run anyway (results are then marked unconfined)"
+    )]
     Unconfined(String),
     /// A system call failed while preparing the sandbox.
     #[error("{0} failed: {1}")]
@@ -105,6 +107,9 @@ pub struct SandboxConfig {
     pub landlock: bool,
     /// Apply seccomp (turning it off is for diagnosis, and makes the sandbox unconfined).
     pub seccomp: bool,
+    /// Put each command in cgroups where the host allows (turning it off is for diagnosis
+    /// and measurement: the memory and process limits over a whole command go with them).
+    pub cgroups: bool,
     /// Where uid leases are locked; shared by every server on the host.
     pub uid_lock_dir: PathBuf,
     /// The uids leased to jails.
@@ -114,19 +119,14 @@ pub struct SandboxConfig {
 impl SandboxConfig {
     /// The usual system locations plus the given toolchain directories.
     pub fn with_toolchains(toolchains: impl IntoIterator<Item = PathBuf>) -> Self {
-        let mut read_only: Vec<PathBuf> = [
-            "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/opt",
-            "/sys", "/dev/shm", "/run/nvidia-persistenced",
-        ]
-        .iter()
-        .map(PathBuf::from)
-        .collect();
-        read_only.extend(toolchains);
-        let mut devices: Vec<PathBuf> =
-            ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"]
+        let mut read_only: Vec<PathBuf> =
+            ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/opt", "/sys", "/dev/shm", "/run/nvidia-persistenced"]
                 .iter()
                 .map(PathBuf::from)
                 .collect();
+        read_only.extend(toolchains);
+        let mut devices: Vec<PathBuf> =
+            ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"].iter().map(PathBuf::from).collect();
         if let Ok(entries) = std::fs::read_dir("/dev") {
             for e in entries.flatten() {
                 if e.file_name().to_string_lossy().starts_with("nvidia") {
@@ -147,6 +147,7 @@ impl SandboxConfig {
             allow_unconfined: false,
             landlock: true,
             seccomp: true,
+            cgroups: true,
             uid_lock_dir: PathBuf::from(DEFAULT_LOCK_DIR),
             uid_range: DEFAULT_RANGE,
         }
@@ -273,13 +274,7 @@ pub struct Jail {
 impl Jail {
     /// A jail over a workspace and its temp dir with the standard scrubbed environment:
     /// `PATH` from `path_dirs`, `HOME` the workspace, `TMPDIR` the temp dir, plus `extra_env`.
-    pub fn standard(
-        workspace: &Path,
-        tmp: &Path,
-        path_dirs: &[PathBuf],
-        extra_env: &[(String, String)],
-        uid: Option<(u32, u32)>,
-    ) -> Self {
+    pub fn standard(workspace: &Path, tmp: &Path, path_dirs: &[PathBuf], extra_env: &[(String, String)], uid: Option<(u32, u32)>) -> Self {
         let path = std::env::join_paths(path_dirs).unwrap_or_default();
         let mut env: Vec<(OsString, OsString)> = vec![
             ("PATH".into(), path),
@@ -353,7 +348,7 @@ impl Sandbox {
             return Err(SandboxError::Unconfined(missing.join(", ")));
         }
         let filters = if features.seccomp { seccomp::compile()? } else { Vec::new() };
-        let cgroups = cgroup::Hierarchies::detect();
+        let cgroups = if config.cgroups { cgroup::Hierarchies::detect() } else { cgroup::Hierarchies::default() };
         features.cgroups = cgroups.support();
         let uids = if features.can_switch_uid { Some(UidPool::new(&config.uid_lock_dir, config.uid_range.clone())?) } else { None };
         become_subreaper();
@@ -439,13 +434,7 @@ impl Sandbox {
 
     /// Builds a command that runs `program args` inside `jail` with `cwd` as working directory.
     /// The returned value must stay alive until the child is spawned.
-    pub fn command(
-        &self,
-        jail: &Jail,
-        program: &Path,
-        args: &[OsString],
-        cwd: &Path,
-    ) -> Result<SandboxedCommand, SandboxError> {
+    pub fn command(&self, jail: &Jail, program: &Path, args: &[OsString], cwd: &Path) -> Result<SandboxedCommand, SandboxError> {
         let inner = &self.inner;
         let ruleset = if inner.features.landlock_abi > 0 {
             let mut rules: Vec<(&Path, Access)> = Vec::new();
@@ -478,7 +467,7 @@ impl Sandbox {
             (libc::RLIMIT_CORE, 0),
         ];
         let cgroup = match inner.cgroups.create(limits.total_memory_bytes, limits.total_processes) {
-            Ok(cg) => Some(cg),
+            Ok(cg) => cg,
             Err(e) => {
                 tracing::warn!(error = %e, "no cgroup for this command; falling back to the session kill and per-process limits");
                 None
@@ -502,6 +491,7 @@ impl Sandbox {
             uid: if inner.features.can_switch_uid { jail.uid } else { None },
             ruleset_fd: ruleset.as_ref().map(|r| r.raw_fd()),
             proc_rights,
+            argv_area: namespace::argv_area(),
         };
         let view = plan.view;
         let this = self.clone();

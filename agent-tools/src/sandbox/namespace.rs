@@ -50,6 +50,9 @@ pub(crate) struct ChildPlan {
     pub ruleset_fd: Option<RawFd>,
     /// Landlock rights for a `/proc` mounted in the child (0: none).
     pub proc_rights: u64,
+    /// Where the server's command line lies in memory; the keeper and the init, copies of
+    /// the server that never exec, blank it so their `/proc/<pid>/cmdline` shows nothing.
+    pub argv_area: Option<(usize, usize)>,
 }
 
 const PROC: &[u8] = b"/proc\0";
@@ -160,6 +163,7 @@ impl ChildPlan {
                 return Err(std::io::Error::last_os_error());
             }
             if pid > 0 {
+                self.rename(c"sandbox-keeper");
                 self.keep(pid);
             }
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
@@ -178,6 +182,7 @@ impl ChildPlan {
                     return Err(std::io::Error::last_os_error());
                 }
                 if pid > 0 {
+                    self.rename(c"sandbox-init");
                     init(pid);
                 }
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
@@ -234,6 +239,17 @@ impl ChildPlan {
         }
     }
 
+    /// Blanks the inherited command line and names the process (keeper, init).
+    fn rename(&self, name: &std::ffi::CStr) {
+        if let Some((start, end)) = self.argv_area {
+            // SAFETY: [start, end) is this process's own copy of the server's argv strings
+            // (read from /proc/self/stat before fork); nothing here reads them again.
+            unsafe { std::ptr::write_bytes(start as *mut u8, 0, end.saturating_sub(start)) };
+        }
+        // SAFETY: prctl with a NUL-terminated name.
+        unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) };
+    }
+
     fn kill_cgroup(&self) {
         if let Some(kill) = &self.cgroup_kill {
             let _ = write_file(kill, b"1");
@@ -261,10 +277,7 @@ impl ChildPlan {
                 rc?;
             }
             if let Some((uid, gid)) = self.uid {
-                if libc::setgroups(0, std::ptr::null()) < 0
-                    || libc::setresgid(gid, gid, gid) < 0
-                    || libc::setresuid(uid, uid, uid) < 0
-                {
+                if libc::setgroups(0, std::ptr::null()) < 0 || libc::setresgid(gid, gid, gid) < 0 || libc::setresuid(uid, uid, uid) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
             }
@@ -299,6 +312,20 @@ fn init(command: libc::pid_t) -> ! {
             }
         }
     }
+}
+
+/// Where this process's command line lies in memory (fields 48 and 49 of its stat).
+pub(crate) fn argv_area() -> Option<(usize, usize)> {
+    static AREA: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    *AREA.get_or_init(|| {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let rest = &stat[stat.rfind(')')? + 1..];
+        // rest starts at field 3: arg_start is field 48, arg_end field 49.
+        let mut f = rest.split_whitespace().skip(45);
+        let start: usize = f.next()?.parse().ok()?;
+        let end: usize = f.next()?.parse().ok()?;
+        (start > 0 && end > start).then_some((start, end))
+    })
 }
 
 /// What this kernel and privilege level allow: (pid namespace with its own /proc, a

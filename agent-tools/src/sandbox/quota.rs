@@ -74,7 +74,8 @@ impl Volume {
         std::fs::create_dir_all(path).map_err(|e| SandboxError::Os("volume dir", e))?;
         let me = std::process::id();
         let source = CString::new(format!("{SOURCE}.{me}.{}", start_time(me as i32).unwrap_or(0))).unwrap_or_default();
-        let opts = CString::new(format!("size={},nr_inodes={},mode=0711", limits.bytes.max(4096), limits.inodes.max(16))).unwrap_or_default();
+        let opts =
+            CString::new(format!("size={},nr_inodes={},mode=0711", limits.bytes.max(4096), limits.inodes.max(16))).unwrap_or_default();
         let target = cstr(path)?;
         // SAFETY: NUL-terminated strings that outlive the call.
         let rc = unsafe {
@@ -85,7 +86,8 @@ impl Volume {
             let err = std::io::Error::last_os_error();
             tracing::debug!(path = %path.display(), %err, "no tmpfs for the volume; its usage is measured instead");
         }
-        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o711)).map_err(|e| SandboxError::Os("volume dir", e))?;
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o711))
+            .map_err(|e| SandboxError::Os("volume dir", e))?;
         Ok(Self { path: path.to_path_buf(), limits, mounted })
     }
 
@@ -115,10 +117,7 @@ impl Volume {
                 // SAFETY: statvfs fills the zeroed struct.
                 let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
                 if unsafe { libc::statvfs(path.as_ptr(), &mut st) } == 0 {
-                    return VolumeUsage {
-                        bytes: (st.f_blocks - st.f_bfree) * st.f_frsize,
-                        inodes: st.f_files - st.f_ffree,
-                    };
+                    return VolumeUsage { bytes: (st.f_blocks - st.f_bfree) * st.f_frsize, inodes: st.f_files - st.f_ffree };
                 }
             }
         }
@@ -170,7 +169,9 @@ pub fn sweep_volumes() -> Vec<PathBuf> {
         let Some(source) = right.split_whitespace().nth(1) else { continue };
         let Some(owner) = source.strip_prefix(SOURCE).and_then(|s| s.strip_prefix('.')) else { continue };
         let mut f = owner.split('.');
-        let (Some(pid), Some(start)) = (f.next().and_then(|p| p.parse::<i32>().ok()), f.next().and_then(|s| s.parse::<u64>().ok())) else { continue };
+        let (Some(pid), Some(start)) = (f.next().and_then(|p| p.parse::<i32>().ok()), f.next().and_then(|s| s.parse::<u64>().ok())) else {
+            continue;
+        };
         if start_time(pid) == Some(start) {
             continue; // its server runs
         }

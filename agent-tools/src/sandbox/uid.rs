@@ -68,13 +68,18 @@ impl UidPool {
     /// A pool over `range`, with its lock files in `dir` (created 0700 if missing).
     pub fn new(dir: &Path, range: Range<u32>) -> Result<Self, SandboxError> {
         if range.is_empty() || range.start == 0 {
-            return Err(SandboxError::Os("uid pool", std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty uid range or root in it")));
+            return Err(SandboxError::Os(
+                "uid pool",
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty uid range or root in it"),
+            ));
         }
         std::fs::create_dir_all(dir).map_err(|e| SandboxError::Os("uid lock dir", e))?;
-        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).map_err(|e| SandboxError::Os("uid lock dir", e))?;
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(|e| SandboxError::Os("uid lock dir", e))?;
         // Start at a point that differs between servers and runs, so that servers sharing
         // the host rarely probe the same uids.
-        let seed = std::process::id().wrapping_mul(2_654_435_761) ^ (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0));
+        let seed = std::process::id().wrapping_mul(2_654_435_761)
+            ^ (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0));
         let len = range.end - range.start;
         Ok(Self { dir: dir.to_path_buf(), next: AtomicU32::new(seed % len), range })
     }
@@ -110,7 +115,10 @@ impl UidPool {
             }
         }
         if leases.len() < n {
-            return Err(SandboxError::Os("uid pool", std::io::Error::other(format!("no free uid left in {}..{}", self.range.start, self.range.end))));
+            return Err(SandboxError::Os(
+                "uid pool",
+                std::io::Error::other(format!("no free uid left in {}..{}", self.range.start, self.range.end)),
+            ));
         }
         Ok(leases)
     }

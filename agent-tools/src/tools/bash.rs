@@ -89,14 +89,7 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
     let mut jail = tb.jail.clone();
     jail.env.push(("CUDA_AGENT_CWD_FILE".into(), cwd_file.clone().into()));
     let cwd = if tb.cwd.is_dir() { tb.cwd.clone() } else { tb.workspace.root().to_path_buf() };
-    let args: Vec<OsString> = vec![
-        "--noprofile".into(),
-        "--norc".into(),
-        "-c".into(),
-        WRAPPER.into(),
-        "bash".into(),
-        command.into(),
-    ];
+    let args: Vec<OsString> = vec!["--noprofile".into(), "--norc".into(), "-c".into(), WRAPPER.into(), "bash".into(), command.into()];
     let sc = tb.sandbox.command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
     let started = Instant::now();
     // Dropping `child` (the step's future cancelled, say by a client that went away) kills
@@ -152,10 +145,7 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
-        text.push_str(&format!(
-            "[timed out after {:.1} s; the command and every process it started were killed]",
-            timeout.as_secs_f64()
-        ));
+        text.push_str(&format!("[timed out after {:.1} s; the command and every process it started were killed]", timeout.as_secs_f64()));
     } else if let Some(code) = exit_code.filter(|c| *c != 0) {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
