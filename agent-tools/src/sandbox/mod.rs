@@ -520,7 +520,7 @@ impl SandboxedCommand {
         match self.cmd.spawn() {
             Ok(child) => {
                 let sid = child.id().map(|p| p as i32);
-                Ok(SandboxedChild { child, sid, cgroup: self.cgroup.take(), view: self.view, volume: self.volume.take(), exited: false })
+                Ok(SandboxedChild { child, sid, cgroup: self.cgroup.take(), view: self.view, volume: self.volume.take(), exited: false, cleaned: false })
             }
             Err(e) => {
                 if let Some(cg) = self.cgroup.take() {
@@ -546,6 +546,7 @@ pub struct SandboxedChild {
     view: ProcessView,
     volume: Option<Arc<Volume>>,
     exited: bool,
+    cleaned: bool,
 }
 
 impl std::ops::Deref for SandboxedChild {
@@ -568,7 +569,10 @@ fn clean_up(sid: Option<i32>, keeper_done: bool, view: ProcessView, cgroup: Opti
     if let Some(cg) = &cgroup {
         killed += cg.kill_all();
     }
-    let contained = (view == ProcessView::Private && keeper_done) || cgroup.as_ref().is_some_and(|c| c.kill_file().is_some());
+    // Once the init of a pid namespace is gone, the kernel has killed and reaped the rest.
+    // Otherwise the session is walked: for processes the cgroups missed, and to reap the
+    // killed orphans that were reparented to the server.
+    let contained = view == ProcessView::Private && keeper_done;
     if let (Some(sid), false) = (sid, contained) {
         killed += kill_session(sid, false);
     }
@@ -636,18 +640,28 @@ impl SandboxedChild {
     /// Kills the command and everything it started; returns how many processes were killed
     /// besides the command's keeper. Safe to call more than once.
     pub async fn kill_all(&mut self) -> usize {
+        // A keeper that exited on its own did so after the namespace's init; one killed here
+        // leaves the init to die of its parent-death signal a moment later.
+        let ended_itself = self.exited;
         if !self.exited {
             let _ = self.child.start_kill();
             let _ = self.child.wait().await;
             self.exited = true;
         }
+        if self.cleaned {
+            return 0;
+        }
+        self.cleaned = true;
         let (sid, view, cgroup) = (self.sid, self.view, self.cgroup.take());
-        tokio::task::spawn_blocking(move || clean_up(sid, true, view, cgroup)).await.unwrap_or(0)
+        tokio::task::spawn_blocking(move || clean_up(sid, ended_itself, view, cgroup)).await.unwrap_or(0)
     }
 }
 
 impl Drop for SandboxedChild {
     fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
         let (sid, view, cgroup, exited) = (self.sid, self.view, self.cgroup.take(), self.exited);
         if exited && cgroup.is_none() && view == ProcessView::Private {
             return; // nothing can be left
