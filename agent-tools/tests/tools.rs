@@ -269,3 +269,35 @@ async fn bash_environment_is_scrubbed() {
     assert!(out.text.contains(&format!("HOME={}", f.root.display())), "{}", out.text);
     assert!(out.text.contains(&format!("TMPDIR={}", f.tmp.display())), "{}", out.text);
 }
+
+#[tokio::test]
+async fn file_tools_name_directories_and_keep_todo_lists_small() {
+    let mut f = fixture();
+    std::fs::create_dir_all(f.root.join("kernels")).unwrap();
+    let out = f.call("Read", json!({"file_path": "kernels"})).await;
+    assert!(out.is_error && out.text.contains("kernels is a directory; use Glob"), "{}", out.text);
+    let out = f.call("Write", json!({"file_path": "kernels", "content": "x"})).await;
+    assert!(out.is_error && out.text.contains("kernels is a directory"), "{}", out.text);
+    let out = f.call("Write", json!({"file_path": ".", "content": "x"})).await;
+    assert!(out.is_error, "{}", out.text);
+    let many: Vec<_> = (0..101).map(|i| json!({"content": format!("step {i}"), "status": "pending"})).collect();
+    let out = f.call("TodoWrite", json!({"todos": many})).await;
+    assert!(out.is_error && out.text.contains("over the limit"), "{}", out.text);
+    let out = f.call("TodoWrite", json!({"todos": [{"content": "x".repeat(1_001), "status": "pending"}]})).await;
+    assert!(out.is_error && out.text.contains("longer than"), "{}", out.text);
+    assert!(f.toolbox.todos().is_empty());
+}
+
+#[tokio::test]
+async fn multi_edit_counts_its_edits_and_read_marks_a_cut_file() {
+    let mut f = fixture();
+    std::fs::write(f.root.join("a.py"), "a").unwrap();
+    let edits: Vec<_> = (0..257).map(|i| json!({"old_string": "a", "new_string": format!("a{i}")})).collect();
+    let out = f.call("MultiEdit", json!({"file_path": "a.py", "edits": edits})).await;
+    assert!(out.is_error && out.text.contains("257 edits"), "{}", out.text);
+    assert_eq!(std::fs::read_to_string(f.root.join("a.py")).unwrap(), "a");
+    // A file within the cap reads whole, and says so.
+    let out = f.call("Read", json!({"file_path": "a.py"})).await;
+    assert_eq!(out.data["truncated"], false);
+    assert_eq!(out.text, "     1\ta\n");
+}
