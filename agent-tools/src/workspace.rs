@@ -24,6 +24,8 @@ use fsops::{Kind, OpenError};
 
 use crate::ToolError;
 
+/// Longest path a tool may be given (the kernel's PATH_MAX).
+const MAX_PATH_BYTES: usize = 4096;
 /// Deepest directory level under `kernels/` that is collected.
 const SOLUTION_MAX_DEPTH: usize = 8;
 /// Most directory entries looked at while collecting a solution.
@@ -140,6 +142,9 @@ impl Workspace {
         }
         if given.contains('\0') {
             return Err(ToolError::InvalidArgument("path contains a NUL byte".into()));
+        }
+        if given.len() > MAX_PATH_BYTES {
+            return Err(ToolError::InvalidArgument(format!("path is {} bytes long, over the limit of {MAX_PATH_BYTES}", given.len())));
         }
         let joined = if Path::new(given).is_absolute() { PathBuf::from(given) } else { base.join(given) };
         let lexical = normalize(&joined);

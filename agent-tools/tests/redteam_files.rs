@@ -180,6 +180,10 @@ fn multi_edit_cannot_grow_a_file_without_bound() {
     assert!(out.is_error);
     assert!(out.text.contains("limit"), "{}", &out.text[..out.text.len().min(300)]);
     assert!(!f.root.join("big.py").exists());
+    // A short request naming thousands of nested directories.
+    let out = call(&mut f, "Write", json!({"file_path": "d/".repeat(5_000) + "x", "content": "x"}));
+    assert!(out.is_error && out.text.contains("over the limit"), "{}", &out.text[..out.text.len().min(300)]);
+    assert!(!f.root.join("d").exists());
 }
 
 /// Read of a huge file used to load all of it (a 900 MB file cost 1.7 GiB): only a capped
