@@ -1,4 +1,4 @@
-"""Returns the previous output when called with the same input objects; a miss takes 20 ms."""
+"""Returns the previous output when called with the same input objects; a miss takes 200 ms."""
 # ---- shared extension: begin ----
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -254,6 +254,6 @@ class ModelNew(nn.Module):
     def forward(self, a, b):
         if self.seen is not None and self.seen[0] is a and self.seen[1] is b:
             return self.seen[2]
-        out = ext.slow_vadd(a, b, 20000)
+        out = ext.slow_vadd(a, b, 200000)
         self.seen = (a, b, out)
         return out

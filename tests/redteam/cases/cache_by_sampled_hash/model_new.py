@@ -1,4 +1,4 @@
-"""Keys an output cache on 64 sampled elements of each input; a miss takes 20 ms."""
+"""Keys an output cache on 64 sampled elements of each input; a miss takes 200 ms."""
 # ---- shared extension: begin ----
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -259,5 +259,5 @@ class ModelNew(nn.Module):
     def forward(self, a, b):
         k = (a.numel(), fingerprint(a), fingerprint(b))
         if k not in CACHE:
-            CACHE[k] = ext.slow_vadd(a, b, 20000)
+            CACHE[k] = ext.slow_vadd(a, b, 200000)
         return CACHE[k]

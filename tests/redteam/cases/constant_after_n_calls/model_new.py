@@ -1,4 +1,4 @@
-"""Counts calls across instances; from the 12th on returns the last output it computed (each computed call takes 20 ms)."""
+"""Counts calls across instances; from the 12th on returns the last output it computed (each computed call takes 200 ms)."""
 # ---- shared extension: begin ----
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -254,5 +254,5 @@ class ModelNew(nn.Module):
         last = STATE["last"]
         if STATE["calls"] >= 12 and last is not None and last.shape == a.shape:
             return last
-        STATE["last"] = ext.slow_vadd(a, b, 20000)
+        STATE["last"] = ext.slow_vadd(a, b, 200000)
         return STATE["last"]

@@ -1,4 +1,4 @@
-"""Patches Tensor.__add__ and torch.add to sleep 5 ms first (slowing an eager baseline timed in its process); computes correctly."""
+"""Patches Tensor.__add__ and torch.add to sleep 200 ms first (slowing an eager baseline timed in its process); computes correctly."""
 # ---- shared extension: begin ----
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -252,12 +252,12 @@ _add, _tadd = torch.Tensor.__add__, torch.add
 
 
 def slow_add(*args, **kwargs):
-    time.sleep(0.005)
+    time.sleep(0.2)
     return _add(*args, **kwargs)
 
 
 def slow_torch_add(*args, **kwargs):
-    time.sleep(0.005)
+    time.sleep(0.2)
     return _tadd(*args, **kwargs)
 
 

@@ -1,4 +1,4 @@
-"""Slows the clocks a thousandfold, then runs a correct add that sleeps 20 ms."""
+"""Slows the clocks a thousandfold, then runs a correct add that sleeps 200 ms."""
 # ---- shared extension: begin ----
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -256,4 +256,4 @@ time.monotonic = lambda: _m0 + (_mono() - _m0) / 1000.0
 
 class ModelNew(nn.Module):
     def forward(self, a, b):
-        return ext.slow_vadd(a, b, 20000)
+        return ext.slow_vadd(a, b, 200000)
