@@ -78,7 +78,7 @@ impl From<EpisodeError> for ApiError {
             EpisodeError::Call(agent_tools::CallError::UnknownTool { .. }) => Self::new(StatusCode::BAD_REQUEST, "unknown_tool", msg),
             EpisodeError::Call(_) => Self::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_arguments", msg),
             EpisodeError::Ended(_) => Self::new(StatusCode::CONFLICT, "episode_ended", msg),
-            EpisodeError::AtCapacity(_) => Self::new(StatusCode::SERVICE_UNAVAILABLE, "at_capacity", msg),
+            EpisodeError::AtCapacity(_) | EpisodeError::Exhausted(_) => Self::new(StatusCode::SERVICE_UNAVAILABLE, "at_capacity", msg),
             EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
             EpisodeError::Internal(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg),
         }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as SyncMutex, RwLock};
 use std::time::{Duration, Instant};
 
+use agent_tools::sandbox::{UidLease, Volume, VolumeLimits};
 use agent_tools::{create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace};
 use env_api::{
     EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationResult, Observation, ResetInfo, ResetRequest, ResetResponse, StepInfo, StepResponse, TaskInfo,
@@ -38,6 +39,9 @@ pub enum EpisodeError {
     /// Too many episodes are open.
     #[error("the server is at capacity ({0} open episodes); retry later")]
     AtCapacity(usize),
+    /// A resource episodes share (the uid pool) is used up.
+    #[error("{0}; retry later")]
+    Exhausted(String),
     /// A bad option value.
     #[error("{0}")]
     BadRequest(String),
@@ -96,6 +100,19 @@ struct Episode {
     /// Bytes of the trajectory log so far.
     log_bytes: u64,
     last_active: Instant,
+    /// The storage the workspace lives on, bounded by the disk quota.
+    volume: Option<Arc<Volume>>,
+    /// The uid the episode's processes run as; released (its processes killed) at cleanup.
+    uid: Option<UidLease>,
+}
+
+/// What a reset made on disk.
+struct Started {
+    toolbox: Toolbox,
+    log: TrajectoryLog,
+    response: ResetResponse,
+    volume: Arc<Volume>,
+    uid: Option<UidLease>,
 }
 
 struct Slot {
@@ -148,7 +165,8 @@ pub struct EpisodeManager {
     tasks: Arc<TaskSet>,
     evaluator: Arc<Evaluator>,
     episodes: RwLock<HashMap<String, Arc<Slot>>>,
-    next_uid: AtomicU64,
+    /// Episodes started, to spread their processes over the GPUs.
+    next_episode: AtomicU64,
     /// Counters for `/metrics`.
     pub counters: Counters,
 }
@@ -264,29 +282,14 @@ fn replay(id: &str, records: &[TrajectoryRecord], tasks: &TaskSet, data_dir: &Pa
 }
 
 /// The candidate's files from a workspace: model_new.py and kernels/ (or a recall task's
-/// answer file).
-fn solution_files(root: &Path, kind: &kernelbench::TaskKind) -> BTreeMap<String, String> {
-    let mut files = BTreeMap::new();
-    if let kernelbench::TaskKind::Recall { file, .. } = kind {
-        if let Ok(text) = std::fs::read_to_string(root.join(file)) {
-            files.insert(file.clone(), text);
-        }
-        return files;
-    }
-    if let Ok(text) = std::fs::read_to_string(root.join("model_new.py")) {
-        files.insert("model_new.py".to_string(), text);
-    }
-    let kernels = root.join("kernels");
-    for e in walkdir::WalkDir::new(&kernels).follow_links(false).max_depth(4).into_iter().flatten() {
-        if !e.file_type().is_file() || e.metadata().map(|m| m.len() > 1 << 20).unwrap_or(true) {
-            continue;
-        }
-        let Ok(rel) = e.path().strip_prefix(root) else { continue };
-        if let Ok(text) = std::fs::read_to_string(e.path()) {
-            files.insert(rel.display().to_string(), text);
-        }
-    }
-    files
+/// answer file), never through a link, at most the evaluator's size cap.
+fn solution_files(ws: &Workspace, kind: &kernelbench::TaskKind) -> Result<agent_tools::workspace::Solution, String> {
+    let max = crate::evaluation::MAX_SOLUTION_BYTES as u64;
+    let collected = match kind {
+        kernelbench::TaskKind::Recall { file, .. } => ws.collect(&[file.as_str()], &[], max),
+        kernelbench::TaskKind::Kernel => ws.collect_solution(max),
+    };
+    collected.map_err(|e| e.to_string())
 }
 
 impl Episode {
@@ -307,6 +310,8 @@ impl Episode {
             log_bytes: log.as_ref().map_or(0, TrajectoryLog::len),
             log,
             last_active: Instant::now(),
+            volume: None,
+            uid: None,
         }
     }
 
@@ -336,17 +341,11 @@ impl Setup {
 
     /// Creates the workspace, opens the log and writes the reset record: everything a reset
     /// does on disk, on a blocking thread.
-    fn start_episode(
-        &self,
-        id: &str,
-        task: &Task,
-        limits: &EpisodeLimits,
-        req: &ResetRequest,
-        owner: Option<(u32, u32)>,
-        n: u64,
-    ) -> Result<(Toolbox, TrajectoryLog, ResetResponse), String> {
+    fn start_episode(&self, id: &str, task: &Task, limits: &EpisodeLimits, req: &ResetRequest, n: u64) -> Result<Started, EpisodeError> {
+        let uid = self.sandbox.lease_uid().map_err(|e| EpisodeError::Exhausted(format!("no uid for a new episode: {e}")))?;
+        let owner = uid.as_ref().map(UidLease::owner);
         let dir = self.cfg.data_dir.join("episodes").join(id);
-        let made = self.make_workspace(&dir, task, owner, n).and_then(|(toolbox, listing)| {
+        let made = self.make_workspace(&dir, task, owner, n).and_then(|(toolbox, listing, volume)| {
             let device = self.device.as_str().to_string();
             let observation = Observation { text: prompt(task, limits, &device), tool: None, is_error: false, data: json!({"files": listing}) };
             let resp = ResetResponse {
@@ -356,18 +355,23 @@ impl Setup {
             };
             let log = TrajectoryLog::open(&self.trajectories_dir(), id).map_err(|e| e.to_string())?;
             log.append("reset", json!({"request": req, "response": resp, "task_source": task.source})).map_err(|e| e.to_string())?;
-            Ok((toolbox, log, resp))
+            Ok(Started { toolbox, log, response: resp, volume, uid: None })
         });
-        if made.is_err() {
-            let _ = retention::remove_entry(&dir);
+        match made {
+            Ok(started) => Ok(Started { uid, ..started }),
+            Err(e) => {
+                let _ = retention::remove_entry(&dir);
+                Err(EpisodeError::Internal(e))
+            }
         }
-        made
     }
 
-    fn make_workspace(&self, dir: &Path, task: &Task, owner: Option<(u32, u32)>, n: u64) -> Result<(Toolbox, Vec<String>), String> {
+    fn make_workspace(&self, dir: &Path, task: &Task, owner: Option<(u32, u32)>, n: u64) -> Result<(Toolbox, Vec<String>, Arc<Volume>), String> {
         let root = dir.join("workspace");
         let tmp = dir.join("tmp");
-        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        // Everything the episode may write (workspace and temp dir) lives on one volume
+        // bounded by the disk quota.
+        let volume = Arc::new(Volume::create(dir, VolumeLimits::bytes(self.cfg.disk_quota_bytes)).map_err(|e| e.to_string())?);
         create_private_dir(&root, owner).map_err(|e| e.to_string())?;
         create_private_dir(&tmp, owner).map_err(|e| e.to_string())?;
         let mut ws = Workspace::open(&root, owner).map_err(|e| e.to_string())?;
@@ -387,9 +391,10 @@ impl Setup {
             env.push(("CUDA_VISIBLE_DEVICES".into(), (n % self.cfg.gpus as u64).to_string()));
         }
         env.push(("CUDA_AGENT_DEVICE".into(), self.device.as_str().into()));
-        let jail = Jail::standard(ws.root(), &tmp, &self.path_dirs, &env, owner);
+        let mut jail = Jail::standard(ws.root(), &tmp, &self.path_dirs, &env, owner);
+        jail.volume = Some(volume.clone());
         listing.sort();
-        Ok((Toolbox::new(self.sandbox.clone(), ws, jail, tmp, self.cfg.tool_limits.clone()), listing))
+        Ok((Toolbox::new(self.sandbox.clone(), ws, jail, tmp, self.cfg.tool_limits.clone()), listing, volume))
     }
 }
 
@@ -397,7 +402,7 @@ impl EpisodeManager {
     /// A manager; call [`EpisodeManager::recover`] once before serving.
     pub fn new(cfg: EpisodeConfig, tasks: Arc<TaskSet>, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf, evaluator: Arc<Evaluator>) -> Self {
         let setup = Setup { path_dirs: python.path_dirs(), device: evaluator.device(), cfg, sandbox, harness_dir };
-        Self { setup: Arc::new(setup), tasks, evaluator, episodes: RwLock::new(HashMap::new()), next_uid: AtomicU64::new(0), counters: Counters::default() }
+        Self { setup: Arc::new(setup), tasks, evaluator, episodes: RwLock::new(HashMap::new()), next_episode: AtomicU64::new(0), counters: Counters::default() }
     }
 
     fn cfg(&self) -> &EpisodeConfig {
@@ -525,19 +530,17 @@ impl EpisodeManager {
         };
         let id = uuid::Uuid::new_v4().simple().to_string();
         let dir = self.cfg().data_dir.join("episodes").join(&id);
-        let n = self.next_uid.fetch_add(1, Ordering::Relaxed);
-        let owner = self.setup.sandbox.can_switch_uid().then(|| {
-            let uid = 100_000 + (n % 50_000) as u32;
-            (uid, uid)
-        });
+        let n = self.next_episode.fetch_add(1, Ordering::Relaxed);
         let (setup, owned) = (self.setup.clone(), (id.clone(), task.clone(), limits.clone(), req));
-        let (toolbox, log, resp) = blocking(self.cfg().io_timeout, "creating the workspace", move || {
+        let started = blocking(self.cfg().io_timeout, "creating the workspace", move || {
             let (id, task, limits, req) = owned;
-            setup.start_episode(&id, &task, &limits, &req, owner, n)
+            setup.start_episode(&id, &task, &limits, &req, n)
         })
-        .await?
-        .map_err(EpisodeError::Internal)?;
-        let ep = Episode::new(id.clone(), task, dir, limits, Some(toolbox), Some(log));
+        .await??;
+        let mut ep = Episode::new(id.clone(), task, dir, limits, Some(started.toolbox), Some(started.log));
+        ep.volume = Some(started.volume);
+        ep.uid = started.uid;
+        let resp = started.response;
         self.episodes.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(Slot::new(ep)));
         self.counters.resets.fetch_add(1, Ordering::Relaxed);
         Ok(resp)
@@ -594,18 +597,17 @@ impl EpisodeManager {
         let mut truncation_reason = None;
         if !terminated {
             let quota = ep.limits.disk_quota_bytes;
-            // A walk of a hostile tree (millions of files) may not finish in time: that is
-            // over the quota too.
-            let usage = match ep.toolbox.as_ref().map(|t| t.workspace().root().to_path_buf()) {
-                Some(root) => {
-                    blocking(self.cfg().io_timeout, "measuring the workspace", move || retention::tree_bytes(&root, quota.saturating_add(1))).await.ok()
-                }
-                None => Some(0),
+            // A measurement that does not finish in time (a tree of millions of files on a
+            // measured volume) counts as over the quota.
+            let breach = match ep.volume.clone() {
+                Some(v) => blocking(self.cfg().io_timeout, "measuring the workspace", move || v.breach().map(|b| (b.reason(), b.to_string())))
+                    .await
+                    .unwrap_or_else(|_| Some(("disk_quota", "the workspace could not be measured in time".into()))),
+                None => None,
             };
-            if usage.is_none_or(|u| u > quota) {
-                truncation_reason = Some("disk_quota".to_string());
-                let used = usage.map_or_else(|| "more than can be measured in time".to_string(), |u| format!("{u} bytes"));
-                observation.text.push_str(&format!("\n[workspace uses {used}, over its quota of {quota} bytes: episode ended]"));
+            if let Some((reason, what)) = breach {
+                truncation_reason = Some(reason.to_string());
+                observation.text.push_str(&format!("\n[{what} (quota {quota} bytes): episode ended]"));
             } else if ep.log_bytes >= self.cfg().max_log_bytes {
                 truncation_reason = Some("log_quota".to_string());
                 observation.text.push_str(&format!("\n[the episode's log is over {} bytes: episode ended]", self.cfg().max_log_bytes));
@@ -622,9 +624,30 @@ impl EpisodeManager {
         if terminated || truncated {
             ep.status = EpisodeStatus::Evaluating;
             *slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
-            let (root, kind) = (ep.dir.join("workspace"), ep.task.kind.clone());
-            submitted = blocking(self.cfg().io_timeout, "collecting the solution", move || solution_files(&root, &kind)).await.unwrap_or_default();
-            let result = self.final_evaluation(&ep.task, &submitted).await;
+            let collected = match ep.toolbox.as_ref().map(|t| t.workspace().clone()) {
+                Some(ws) => {
+                    let kind = ep.task.kind.clone();
+                    blocking(self.cfg().io_timeout, "collecting the solution", move || solution_files(&ws, &kind)).await.unwrap_or_else(|e| Err(e.to_string()))
+                }
+                None => Err("the workspace is gone".to_string()),
+            };
+            let result = match collected {
+                Ok(solution) => {
+                    if let Some(skipped) = solution.skipped_summary() {
+                        observation.text.push_str(&format!("\n[{skipped}]"));
+                    }
+                    submitted = solution.files;
+                    self.final_evaluation(&ep.task, &submitted).await
+                }
+                Err(e) => EvaluationResult {
+                    reward: -1.0,
+                    correct: false,
+                    reason: Some(format!("bad_solution: {e}")),
+                    times_ms: Default::default(),
+                    speedup: Default::default(),
+                    details: json!({"task": ep.task.id}),
+                },
+            };
             reward = result.reward;
             evaluation = Some(result.clone());
             ep.result = Some(result);
@@ -692,10 +715,17 @@ impl EpisodeManager {
     /// Drops the toolbox and the log and removes the episode's directory (on a blocking
     /// thread; a removal slower than the I/O limit goes on in the background).
     async fn cleanup(&self, ep: &mut Episode) {
-        ep.toolbox = None;
         ep.log = None;
-        let dir = ep.dir.clone();
-        match blocking(self.cfg().io_timeout, "removing the workspace", move || retention::remove_entry(&dir)).await {
+        // The uid's release kills whatever still runs under it; the volume's drop unmounts
+        // it. Both block, so they go with the removal to a blocking thread.
+        let (toolbox, volume, uid, dir) = (ep.toolbox.take(), ep.volume.take(), ep.uid.take(), ep.dir.clone());
+        let removal = move || {
+            drop(toolbox);
+            drop(uid);
+            drop(volume);
+            retention::remove_entry(&dir)
+        };
+        match blocking(self.cfg().io_timeout, "removing the workspace", removal).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
             Ok(Err(e)) => tracing::warn!(episode = %ep.id, error = %e, "removing the workspace"),

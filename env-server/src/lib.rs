@@ -169,6 +169,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     sandbox_cfg.limits = cfg.limits.clone();
     sandbox_cfg.allow_unconfined = cfg.allow_unconfined;
     let sandbox = Sandbox::new(sandbox_cfg)?;
+    // Processes, cgroups and volumes an earlier run of a server left behind (a crash): ended
+    // before anything new starts.
+    sandbox.sweep_leftovers();
     let status = sandbox.status();
     if !status.confined {
         tracing::warn!(?status, "running UNCONFINED: results are marked unconfined");
