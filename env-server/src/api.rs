@@ -37,6 +37,11 @@ pub struct AppState {
     pub body_timeout: std::time::Duration,
     /// Counters of the HTTP layer (filled by [`crate::http::serve`]).
     pub http: Arc<HttpCounters>,
+    /// Permits for requests being handled: a request keeps running after its client hangs
+    /// up, so the connection cap alone does not bound them.
+    pub in_flight: Arc<tokio::sync::Semaphore>,
+    /// The number of those permits.
+    pub max_in_flight: usize,
     /// What the janitor prunes, and how often.
     pub retention: Retention,
 }
@@ -174,14 +179,29 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
-        .layer(middleware::from_fn(detach))
+        .layer(middleware::from_fn_with_state(state.clone(), detach))
         .with_state(state)
 }
 
-/// Runs the rest of the request in its own task and waits for it.
-async fn detach(req: Request, next: Next) -> Response {
+/// Runs the rest of the request in its own task, holding one of the in-flight permits, and
+/// waits for it. With no permit left (clients that send and hang up, again and again) the
+/// answer is 503 `busy`; `/v1/health` needs none.
+async fn detach(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let (method, path) = (req.method().clone(), req.uri().path().to_string());
-    match tokio::spawn(next.run(req)).await {
+    let permit = if path == "/v1/health" {
+        None
+    } else {
+        match state.in_flight.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "busy", "too many requests in flight").into_response(),
+        }
+    };
+    let run = async move {
+        let resp = next.run(req).await;
+        drop(permit);
+        resp
+    };
+    match tokio::spawn(run).await {
         Ok(resp) => resp,
         Err(e) => {
             tracing::error!(%method, %path, error = %e, "request handler failed");
@@ -356,6 +376,11 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     let _ = writeln!(out, "# TYPE cuda_agent_episodes_in_memory gauge\ncuda_agent_episodes_in_memory {}", s.episodes.in_memory());
     let _ = writeln!(out, "# TYPE cuda_agent_episodes_evicted_total counter\ncuda_agent_episodes_evicted_total {}", c.evicted.load(Ordering::Relaxed));
     let h = &s.http;
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_requests_in_flight gauge\ncuda_agent_requests_in_flight {}",
+        s.max_in_flight.saturating_sub(s.in_flight.available_permits())
+    );
     let _ = writeln!(out, "# TYPE cuda_agent_http_connections gauge\ncuda_agent_http_connections {}", h.open.load(Ordering::Relaxed));
     let _ = writeln!(
         out,

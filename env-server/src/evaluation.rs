@@ -219,8 +219,7 @@ impl Evaluator {
         // the candidate's worker in two sandboxes under two uids, talking over two FIFOs.
         let seeds: Vec<String> = (0..5).map(|_| (random_u64() % 1_000_000_007).to_string()).collect();
         let seeds = seeds.join(",");
-        let (verdict, worker_log) =
-            self.with_lease(|slot| self.judge_run(&layout, &worker_jail, judge_owner, worker_owner, &seeds, tolerance, slot)).await?;
+        let (verdict, worker_log) = self.with_lease(|slot| self.judge_run(&layout, &worker_jail, judge_owner, worker_owner, &seeds, tolerance, slot)).await?;
         drop(leases);
         details["elapsed_s"] = json!(started.elapsed().as_secs_f64());
         details["confined"] = json!(self.sandbox.is_confined());
@@ -291,9 +290,11 @@ impl Evaluator {
         // The build's own report can only claim a failure (which counts against it) or a
         // success that the run phase checks again: it decides nothing else.
         let text = String::from_utf8_lossy(&out);
-        Ok(text.lines().rev().find_map(|l| serde_json::from_str::<BuildReport>(l).ok()).unwrap_or_else(|| {
-            BuildReport::failed(format!("compile: the build process died ({}): {}", describe_exit(&outcome), tail(&err, 2000)))
-        }))
+        Ok(text
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str::<BuildReport>(l).ok())
+            .unwrap_or_else(|| BuildReport::failed(format!("compile: the build process died ({}): {}", describe_exit(&outcome), tail(&err, 2000)))))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -441,7 +442,6 @@ impl Evaluator {
         drop(permit);
         out
     }
-
 }
 
 /// What the build step reports.

@@ -25,6 +25,10 @@ use tokio::sync::{watch, Semaphore};
 pub struct HttpLimits {
     /// Most connections open at once; more are answered 503 and closed.
     pub max_connections: usize,
+    /// Most requests being handled at once (a request goes on after its client hangs up, so
+    /// this can exceed the open connections); more are answered 503 `busy`. Enforced by the
+    /// router (`api::router`).
+    pub max_requests_in_flight: usize,
     /// Time a client has to send a request's headers, counted from the connection's start or
     /// the end of the previous answer: it is also the idle keep-alive limit.
     pub header_timeout: Duration,
@@ -44,6 +48,7 @@ impl Default for HttpLimits {
     fn default() -> Self {
         Self {
             max_connections: 4096,
+            max_requests_in_flight: 4096,
             header_timeout: Duration::from_secs(20),
             body_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(30),

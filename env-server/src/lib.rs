@@ -254,6 +254,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "capacity": {"max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1)},
         "http": {
             "max_connections": cfg.http.max_connections,
+            "max_requests_in_flight": cfg.http.max_requests_in_flight,
             "header_timeout_s": cfg.http.header_timeout.as_secs_f64(),
             "body_timeout_s": cfg.http.body_timeout.as_secs_f64(),
             "write_timeout_s": cfg.http.write_timeout.as_secs_f64(),
@@ -278,6 +279,8 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         max_body_bytes: cfg.max_body_bytes,
         body_timeout: cfg.http.body_timeout,
         http: Arc::new(http::HttpCounters::default()),
+        in_flight: Arc::new(tokio::sync::Semaphore::new(cfg.http.max_requests_in_flight)),
+        max_in_flight: cfg.http.max_requests_in_flight,
         retention,
     }))
 }

@@ -79,6 +79,10 @@ struct Args {
     /// Most HTTP connections open at once; more are answered 503 and closed.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
+    /// Most requests being handled at once (one goes on after its client hangs up); more are
+    /// answered 503.
+    #[arg(long, default_value_t = 4096)]
+    max_requests_in_flight: usize,
     /// Seconds a client has to send a request's headers, counted from the connection's start
     /// or the end of the previous answer (so also the idle keep-alive limit).
     #[arg(long, default_value_t = 20.0)]
@@ -190,6 +194,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
     let secs = |s: f64, name: &str| Duration::try_from_secs_f64(s).with_context(|| format!("--{name}"));
     let http = HttpLimits {
         max_connections: args.max_connections.max(1),
+        max_requests_in_flight: args.max_requests_in_flight.max(1),
         header_timeout: secs(args.header_timeout_s, "header-timeout-s")?,
         body_timeout: secs(args.body_timeout_s, "body-timeout-s")?,
         write_timeout: secs(args.write_timeout_s, "write-timeout-s")?,

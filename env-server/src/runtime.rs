@@ -17,8 +17,7 @@ pub const HARNESS_FILES: &[(&str, &str)] = &[
 ];
 
 /// The files laid read-only into every workspace (evaluate.py is the server's alone).
-pub const WORKSPACE_FILES: &[&str] =
-    &["SKILL.md", "verify.py", "profile.py", "cuda_agent_harness.py", "cuda_agent_judge.py", "cuda_agent_worker.py"];
+pub const WORKSPACE_FILES: &[&str] = &["SKILL.md", "verify.py", "profile.py", "cuda_agent_harness.py", "cuda_agent_judge.py", "cuda_agent_worker.py"];
 
 /// Errors found at start.
 #[derive(Debug, thiserror::Error)]

@@ -261,6 +261,39 @@ async fn a_client_hanging_up_mid_step_does_not_cancel_the_step() {
     assert!(v["observation"]["text"].as_str().unwrap_or("").contains("done"), "{v}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_left_running_by_clients_that_hung_up_are_bounded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let limits = env_server::http::HttpLimits { max_requests_in_flight: 2, ..short_limits() };
+    let state = state_from(ServerConfig { http: limits, ..test_config(dir.path()) });
+    let id = tiny_episode(&state).await;
+    // Two slow steps whose clients are gone (their calls dropped once the server took them):
+    // both go on running, each holding a permit.
+    for i in 0..2 {
+        let (st, body) = (state.clone(), json!({"action": {"tool": "Bash", "arguments": {"command": "sleep 2"}}, "request_id": format!("slow-{i}")}));
+        let uri = format!("/v1/episodes/{id}/step");
+        let pending = tokio::spawn(async move { call(&st, "POST", &uri, Some(body)).await });
+        let started = Instant::now();
+        while state.in_flight.available_permits() > 1 - i {
+            assert!(started.elapsed() < BOUND, "the step did not start");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        pending.abort();
+    }
+    // No permit left: refused at once, not queued; health still answers.
+    let (st, v) = call(&state, "GET", "/v1/tasks", None).await;
+    assert_eq!((st, v["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("busy")), "{v}");
+    assert_eq!(call(&state, "GET", "/v1/health", None).await.0, StatusCode::OK);
+    // Once they end, the permits come back and both steps are in the log.
+    let started = Instant::now();
+    while state.in_flight.available_permits() < 2 {
+        assert!(started.elapsed() < BOUND, "the permits never came back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (st, v) = call(&state, "GET", &format!("/v1/episodes/{id}"), None).await;
+    assert_eq!((st, v["turn"].as_u64()), (StatusCode::OK, Some(2)), "{v}");
+}
+
 #[tokio::test]
 async fn every_string_field_has_a_cap() {
     let dir = tempfile::tempdir().expect("tempdir");
