@@ -316,6 +316,7 @@ pub fn spawn_janitor(state: Arc<AppState>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(30));
         let mut last_retention = tokio::time::Instant::now();
+        let mut last_in_memory = 0;
         loop {
             tick.tick().await;
             let n = state.episodes.expire_idle().await;
@@ -325,8 +326,13 @@ pub fn spawn_janitor(state: Arc<AppState>) {
             let evicted = state.episodes.evict_finished();
             if evicted > 0 {
                 tracing::debug!(evicted, "finished episodes left memory");
+            }
+            // Episodes left memory since the last tick (closed or evicted): give the pages back.
+            let in_memory = state.episodes.in_memory();
+            if in_memory < last_in_memory {
                 release_free_memory();
             }
+            last_in_memory = in_memory;
             if last_retention.elapsed() >= state.retention.interval {
                 last_retention = tokio::time::Instant::now();
                 let (retention, live) = (state.retention.clone(), state.episodes.live_ids());
