@@ -50,8 +50,10 @@ fn main() {
     let mut config = SandboxConfig::with_toolchains(prefixes);
     config.cgroups = false;
     let without_cgroups = Sandbox::new(config).expect("sandbox");
-    let path = [py_bin.clone(), PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
-    let python_exe = py_bin.join("python3");
+    let given_bin = Path::new(&python).parent().map(Path::to_path_buf).unwrap_or_else(|| py_bin.clone());
+    let path = [given_bin, py_bin.clone(), PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
+    // The interpreter as given (a venv's python finds its packages through its own path).
+    let python_exe = if Path::new(&python).is_absolute() { PathBuf::from(&python) } else { py_bin.join("python3") };
 
     let time = |case: &Case, program: &Path, args: &[OsString], n: usize| -> Duration {
         rt.block_on(async {

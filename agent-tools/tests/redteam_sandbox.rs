@@ -72,11 +72,17 @@ struct Episode {
 }
 
 fn episode(limits: ResourceLimits, quota: VolumeLimits, view: ProcessView) -> Episode {
+    episode_with(limits, quota, view, true)
+}
+
+/// An episode whose sandbox uses cgroups or not (to exercise the fallbacks).
+fn episode_with(limits: ResourceLimits, quota: VolumeLimits, view: ProcessView, cgroups: bool) -> Episode {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
     let (py_bin, py_prefixes) = common::python_dirs();
     let mut config = SandboxConfig::with_toolchains(py_prefixes);
     config.limits = limits;
+    config.cgroups = cgroups;
     let sandbox = Sandbox::new(config).expect("sandbox");
     let lease = sandbox.lease_uid().expect("uid lease");
     let owner = lease.as_ref().map(UidLease::owner);
@@ -115,41 +121,60 @@ impl Episode {
 // ---------------------------------------------------------------------------------------
 
 /// A client disconnects mid-step: the server drops the step's future. Every process of the
-/// step must die, not only the shell tokio was told to kill on drop.
+/// step must die, not only the shell tokio was told to kill on drop; also where the host
+/// offers no pid namespace or cgroup (the fallbacks).
 #[tokio::test]
 async fn a_dropped_step_takes_every_process_with_it() {
-    let mut ep = Episode::new();
-    let marker = "7001.5151";
-    let cmd = format!("sleep {marker} & setsid sleep {marker} 2>/dev/null & nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}");
-    let call = ToolCall::parse("Bash", &json!({"command": cmd})).expect("call");
+    for (i, (view, cgroups)) in
+        [(ProcessView::Private, true), (ProcessView::OwnUid, false), (ProcessView::Host, false), (ProcessView::Host, true)]
+            .into_iter()
+            .enumerate()
     {
-        let step = ep.toolbox.run(&call, Duration::from_secs(600));
-        tokio::pin!(step);
-        tokio::select! {
-            _ = &mut step => panic!("the step ended on its own"),
-            _ = started(marker, 3) => {}
+        let mut ep = episode_with(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), view, cgroups);
+        let marker = format!("7001.{i}151");
+        let cmd = format!("sleep {marker} & setsid sleep {marker} 2>/dev/null & nohup sleep {marker} >/dev/null 2>&1 & (trap '' TERM; sleep {marker}) & sleep {marker}");
+        let call = ToolCall::parse("Bash", &json!({"command": cmd})).expect("call");
+        {
+            let step = ep.toolbox.run(&call, Duration::from_secs(600));
+            tokio::pin!(step);
+            tokio::select! {
+                _ = &mut step => panic!("the step ended on its own"),
+                _ = started(&marker, 4) => {}
+            }
+            // The step's future is dropped here, as axum drops a handler whose client left.
         }
-        // The step's future is dropped here, as axum drops a handler whose client left.
+        assert_eq!(gone(&marker).await, Vec::<i32>::new(), "{view:?}, cgroups {cgroups}: processes of a dropped step survived it");
     }
-    assert_eq!(gone(marker).await, Vec::<i32>::new(), "processes of a dropped step survived it");
 }
 
 /// The server dies (here: `sandbox-exec`, killed with SIGKILL, so no destructor runs). The
-/// command and everything it started must die with it.
+/// command and everything it started must die with it, whatever layers the host offers.
 #[tokio::test]
 async fn processes_die_with_the_server() {
-    let marker = "7002.5151";
-    let mut server = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandbox-exec"))
-        .args(["--", "/bin/sh", "-c", &format!("sleep {marker} & sleep {marker} & sleep {marker}")])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("sandbox-exec runs");
-    started(marker, 3).await;
-    server.start_kill().expect("kill");
-    let _ = server.wait().await;
-    assert_eq!(gone(marker).await, Vec::<i32>::new(), "processes outlived the server that started them");
+    let uid = (400_000 + std::process::id() % 1000 * 4).to_string();
+    let variants: Vec<Vec<&str>> =
+        vec![vec![], vec!["--view", "host", "--no-cgroups", "--uid", &uid], vec!["--view", "own-uid", "--no-cgroups", "--uid", &uid]];
+    for (i, flags) in variants.into_iter().enumerate() {
+        if !features().can_switch_uid && !flags.is_empty() {
+            continue;
+        }
+        let marker = format!("7002.{i}151");
+        let script = format!(
+            "sleep {marker} & (sleep {marker} &) ; python3 -c 'import os,time\nos.setpgid(0,0)\ntime.sleep({marker})' & sleep {marker}"
+        );
+        let mut server = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandbox-exec"))
+            .args(&flags)
+            .args(["--", "/bin/sh", "-c", &script])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("sandbox-exec runs");
+        started(&marker, 4).await;
+        server.start_kill().expect("kill");
+        let _ = server.wait().await;
+        assert_eq!(gone(&marker).await, Vec::<i32>::new(), "{flags:?}: processes outlived the server that started them");
+    }
 }
 
 // ---------------------------------------------------------------------------------------

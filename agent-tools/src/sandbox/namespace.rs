@@ -197,7 +197,7 @@ impl ChildPlan {
         unsafe {
             close_all_but(self.lifeline);
             let pidfd = libc::syscall(libc::SYS_pidfd_open, child, 0u32) as libc::c_int;
-            let mut lifeline = self.lifeline.unwrap_or(-1);
+            let lifeline = self.lifeline.unwrap_or(-1);
             if pidfd >= 0 {
                 loop {
                     let mut fds = [
@@ -212,11 +212,9 @@ impl ChildPlan {
                         break;
                     }
                     if fds[1].revents != 0 {
-                        // The server is gone: nothing of the command may outlive it.
-                        libc::kill(child, libc::SIGKILL);
-                        self.kill_cgroup();
-                        libc::close(lifeline);
-                        lifeline = -1;
+                        // The server is gone: nothing of the command may outlive it, and
+                        // nobody is left to collect its status.
+                        self.orphaned(child);
                     }
                     if fds[0].revents != 0 {
                         break;
@@ -248,6 +246,28 @@ impl ChildPlan {
         }
         // SAFETY: prctl with a NUL-terminated name.
         unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) };
+    }
+
+    /// The server died: kills the command's cgroup, then (without one) every process of the
+    /// jail's own uid and the command's process group, this keeper included.
+    fn orphaned(&self, child: libc::pid_t) -> ! {
+        // SAFETY: raw syscalls.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            self.kill_cgroup();
+            if let Some((uid, gid)) = self.uid {
+                // The uid is the jail's alone (leased); kill(-1) as that uid reaches every
+                // process running as it at once, wherever it moved.
+                if uid != 0
+                    && libc::syscall(libc::SYS_setresgid, gid, gid, gid) == 0
+                    && libc::syscall(libc::SYS_setresuid, uid, uid, uid) == 0
+                {
+                    libc::kill(-1, libc::SIGKILL);
+                }
+            }
+            libc::kill(-libc::getpid(), libc::SIGKILL);
+            libc::_exit(137)
+        }
     }
 
     fn kill_cgroup(&self) {
