@@ -247,7 +247,6 @@ import ctypes
 import importlib.util
 import os
 import struct
-import sys
 
 import torch
 import torch.nn as nn
@@ -289,9 +288,9 @@ TABLE = {}
 
 
 def prepare():
-    task = sys.modules.get("reference_task")
+    task = None
     path = option("--task")
-    if task is None and path and os.path.exists(path):
+    if path and os.path.exists(path):
         spec = importlib.util.spec_from_file_location("predicted_task", path)
         task = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(task)
