@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # REDTEAM_EVALUATE points the corpus at another copy of the judge (an older one, say).
 EVALUATE = Path(os.environ.get("REDTEAM_EVALUATE") or ROOT / "skills" / "evaluate.py")
-DEFAULT_TIMEOUT_S = 240
+DEFAULT_TIMEOUT_S = 900
 
 # The candidate's evaluation runs under this small wrapper process, so that a case that kills
 # its parent (kill_parent) kills the wrapper, never the test runner.
