@@ -106,6 +106,8 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
     env["PATH"] = str(Path(python()).parent) + os.pathsep + env.get("PATH", "")
     cmd = [python(), "-c", WRAPPER, python(), str(EVALUATE), "candidate", "--task", str(ROOT / case.task),
            "--candidate", str(cand), "--device", case.device, "--seeds", ",".join(map(str, seeds))]
+    if os.environ.get("REDTEAM_NO_COMPILE"):
+        cmd.append("--no-compile")  # no torch.compile baseline: faster, the verdict is the same
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -27,8 +27,13 @@ def main() -> int:
     p.add_argument("--json", help="write the raw verdicts here")
     p.add_argument("--ext-dir", help="TORCH_EXTENSIONS_DIR to use (default: a fresh temporary one)")
     p.add_argument("--server", help="evaluate through this env-server's POST /v1/evaluate instead of the CLI")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline (faster; verdicts are the same)")
     p.add_argument("--evaluate", help="the evaluate.py to run (default: this checkout's skills/evaluate.py)")
     args = p.parse_args()
+    if args.no_compile:
+        import os
+
+        os.environ["REDTEAM_NO_COMPILE"] = "1"
     if args.evaluate:
         import corpus
         corpus.EVALUATE = Path(args.evaluate).resolve()
@@ -51,6 +56,8 @@ def main() -> int:
             verdict = "held" if held else ("**PAID**" if outcome.result.get("correct") is True and case.adversarial else "**wrong**")
             rows.append((case.name, case.klass, expected, got_text(outcome.result), verdict))
             print(f"{case.name}: {verdict} ({why}) [{outcome.seconds:.0f} s]", file=sys.stderr, flush=True)
+            if args.json:  # kept current after every case, so an interrupted run keeps what it did
+                Path(args.json).write_text(json.dumps(raw, indent=1))
     print("| case | class | expected | got | verdict |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
