@@ -24,6 +24,7 @@ from corpus import cuda_available, got_text, judge, load_cases, run_case, run_ca
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-k", nargs="*", default=[], help="run only cases whose names contain one of these")
+    p.add_argument("--names", nargs="*", default=[], help="run only these cases (exact names)")
     p.add_argument("--json", help="write the raw verdicts here")
     p.add_argument("--ext-dir", help="TORCH_EXTENSIONS_DIR to use (default: a fresh temporary one)")
     p.add_argument("--server", help="evaluate through this env-server's POST /v1/evaluate instead of the CLI")
@@ -37,7 +38,7 @@ def main() -> int:
     if args.evaluate:
         import corpus
         corpus.EVALUATE = Path(args.evaluate).resolve()
-    cases = [c for c in load_cases() if not args.k or any(k in c.name for k in args.k)]
+    cases = [c for c in load_cases() if (not args.k or any(k in c.name for k in args.k)) and (not args.names or c.name in args.names)]
     gpu = cuda_available()
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="redteam-") as tmp:
