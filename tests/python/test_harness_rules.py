@@ -79,10 +79,13 @@ CANDIDATES = {
     "late_thread": (
         "    def forward(self, a, b):\n"
         "        import threading, time\n"
+        "        import numpy as np\n"
         "        def spin():\n"
+        "            # Matrix products release the GIL: the forward returns while this works on.\n"
+        "            x = np.random.rand(200, 200)\n"
         "            end = time.perf_counter() + 0.05\n"
         "            while time.perf_counter() < end:\n"
-        "                pass\n"
+        "                x @ x\n"
         "        threading.Thread(target=spin, daemon=True).start()\n"
         "        return ext.vadd(a, b)\n"
     ),
