@@ -39,6 +39,8 @@ def main() -> int:
         import corpus
         corpus.EVALUATE = Path(args.evaluate).resolve()
     cases = [c for c in load_cases() if (not args.k or any(k in c.name for k in args.k)) and (not args.names or c.name in args.names)]
+    if args.names:  # in the order given
+        cases.sort(key=lambda c: args.names.index(c.name))
     gpu = cuda_available()
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="redteam-") as tmp:
