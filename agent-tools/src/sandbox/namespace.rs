@@ -280,12 +280,8 @@ impl ChildPlan {
     fn confine(&self, filters: &[seccompiler::BpfProgram]) -> std::io::Result<()> {
         // SAFETY: raw syscalls on memory prepared before fork.
         unsafe {
-            for &(res, value) in &self.rlimits {
-                let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
-                if libc::setrlimit(res, &lim) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
+            // Before the descriptor limit: until exec the child still holds every descriptor
+            // of the server's, which may number more than the limit allows a new one.
             if let (Some(ruleset), true) = (self.ruleset_fd, self.proc_rights != 0 && self.view != ProcessView::Host) {
                 // The /proc mounted here is a new filesystem the parent's rule cannot name.
                 let fd = libc::open(PROC.as_ptr().cast(), libc::O_PATH | libc::O_CLOEXEC);
@@ -295,6 +291,12 @@ impl ChildPlan {
                 let rc = landlock::add_path_rule(ruleset, fd, self.proc_rights);
                 libc::close(fd);
                 rc?;
+            }
+            for &(res, value) in &self.rlimits {
+                let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
+                if libc::setrlimit(res, &lim) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             if let Some((uid, gid)) = self.uid {
                 if libc::setgroups(0, std::ptr::null()) < 0 || libc::setresgid(gid, gid, gid) < 0 || libc::setresuid(uid, uid, uid) < 0 {
