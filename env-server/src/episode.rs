@@ -74,6 +74,8 @@ pub struct EpisodeConfig {
     /// An episode whose trajectory log has grown past this is truncated (`log_quota`); the
     /// step that crosses it and the final record are still logged.
     pub max_log_bytes: u64,
+    /// Most commands (Bash steps) running at once over all episodes; more wait their turn.
+    pub max_commands: usize,
     /// Tool output limits.
     pub tool_limits: ToolLimits,
     /// Environment every tool process gets on top of the standard one.
@@ -167,6 +169,8 @@ pub struct EpisodeManager {
     episodes: RwLock<HashMap<String, Arc<Slot>>>,
     /// Episodes started, to spread their processes over the GPUs.
     next_episode: AtomicU64,
+    /// Slots for commands running at once, over all episodes.
+    commands: tokio::sync::Semaphore,
     /// Counters for `/metrics`.
     pub counters: Counters,
 }
@@ -401,8 +405,17 @@ impl Setup {
 impl EpisodeManager {
     /// A manager; call [`EpisodeManager::recover`] once before serving.
     pub fn new(cfg: EpisodeConfig, tasks: Arc<TaskSet>, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf, evaluator: Arc<Evaluator>) -> Self {
+        let cfg_commands = cfg.max_commands.max(1);
         let setup = Setup { path_dirs: python.path_dirs(), device: evaluator.device(), cfg, sandbox, harness_dir };
-        Self { setup: Arc::new(setup), tasks, evaluator, episodes: RwLock::new(HashMap::new()), next_episode: AtomicU64::new(0), counters: Counters::default() }
+        Self {
+            setup: Arc::new(setup),
+            tasks,
+            evaluator,
+            episodes: RwLock::new(HashMap::new()),
+            next_episode: AtomicU64::new(0),
+            commands: tokio::sync::Semaphore::new(cfg_commands),
+            counters: Counters::default(),
+        }
     }
 
     fn cfg(&self) -> &EpisodeConfig {
@@ -576,11 +589,18 @@ impl EpisodeManager {
         let call = ToolCall::parse(tool, arguments)?;
         ep.last_active = Instant::now();
         let budget = Duration::from_secs_f64(ep.limits.time_budget_s).saturating_sub(ep.tool_time);
+        // Commands wait for a slot (not counted as tool time): starting a sandboxed command
+        // takes dozens of descriptors for a moment, and a thousand at once exhaust them.
+        let command_slot = match call {
+            ToolCall::Bash(_) => Some(self.commands.acquire().await.map_err(internal)?),
+            _ => None,
+        };
         let started = Instant::now();
         let out = match ep.toolbox.as_mut() {
             Some(tb) => tb.run(&call, budget).await,
             None => return Err(EpisodeError::Ended(id.to_string())),
         };
+        drop(command_slot);
         if !matches!(call, ToolCall::Submit(_)) {
             ep.tool_time += started.elapsed();
         }

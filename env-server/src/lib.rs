@@ -83,6 +83,8 @@ pub struct ServerConfig {
     pub trajectory_retention: retention::TrajectoryRetention,
     /// Most bytes of compiled extensions kept in the build cache.
     pub build_cache_max_bytes: u64,
+    /// Most commands (Bash steps) running at once over all episodes.
+    pub max_commands: usize,
     /// How often retention runs (it also runs at start).
     pub retention_interval: Duration,
 }
@@ -115,6 +117,7 @@ impl Default for ServerConfig {
             max_log_bytes: 64 << 20,
             trajectory_retention: retention::TrajectoryRetention { keep: None, max_age: None, max_bytes: Some(16 << 30) },
             build_cache_max_bytes: 8 << 30,
+            max_commands: 256,
             retention_interval: Duration::from_secs(300),
         }
     }
@@ -219,6 +222,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             finished_grace: cfg.finished_grace,
             io_timeout: cfg.io_timeout,
             max_log_bytes: cfg.max_log_bytes,
+            max_commands: cfg.max_commands,
             tool_limits,
             extra_env,
             gpus,
@@ -251,7 +255,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "torch_cuda": python.torch_cuda,
         "task_size": task_size,
         "tasks": tasks.len(),
-        "capacity": {"max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1)},
+        "capacity": {"max_commands": cfg.max_commands, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1)},
         "http": {
             "max_connections": cfg.http.max_connections,
             "max_requests_in_flight": cfg.http.max_requests_in_flight,
@@ -354,12 +358,28 @@ pub fn release_free_memory() {
     }
 }
 
-/// Each open episode keeps its trajectory log open: lift the soft descriptor limit to the hard one.
+/// Each open episode holds descriptors (its log, its workspace, its uid lease) and each
+/// command being started many more for a moment (its sandbox's rules and pipes): lift the
+/// descriptor limit as far as the kernel allows (root may raise the hard limit up to
+/// `fs.nr_open`), else the soft limit to the hard one. The sandbox sets its own limit for
+/// tool processes.
 fn raise_open_file_limit() {
+    const WANTED: libc::rlim_t = 1 << 20;
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open").ok().and_then(|s| s.trim().parse::<libc::rlim_t>().ok()).unwrap_or(WANTED);
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit/setrlimit with a valid struct.
     unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return;
+        }
+        let target = WANTED.min(nr_open);
+        if lim.rlim_max < target {
+            let raised = libc::rlimit { rlim_cur: target, rlim_max: target };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                return;
+            }
+        }
+        if lim.rlim_cur < lim.rlim_max {
             lim.rlim_cur = lim.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
         }

@@ -76,6 +76,10 @@ struct Args {
     /// copies (comma separated, such as `mm,addmm` to allow PyTorch's matmul).
     #[arg(long, value_delimiter = ',')]
     allow_ops: Vec<String>,
+    /// Most commands (Bash steps) running at once over all episodes; more wait their turn
+    /// (the wait is not tool time).
+    #[arg(long, default_value_t = 256)]
+    max_commands: usize,
     /// Most HTTP connections open at once; more are answered 503 and closed.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
@@ -180,6 +184,18 @@ fn deny_inspection() {
     }
 }
 
+/// Few malloc arenas: with one per thread (glibc's default, up to 8 per core) the memory of
+/// a thousand finished episodes stays scattered over dozens of arenas that cannot be trimmed;
+/// the server's own work is light (tools run in their own processes), so contention is not a
+/// cost worth that.
+fn limit_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 4);
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
     let matches = Args::command().get_matches();
@@ -187,6 +203,7 @@ fn main() -> anyhow::Result<()> {
     let key = api_key(&args, matches.value_source("api_key"))?;
     scrub_env(API_KEY_VAR);
     deny_inspection();
+    limit_malloc_arenas();
     tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(args, key))
 }
 
@@ -225,6 +242,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
             max_bytes: Some(args.trajectory_max_bytes).filter(|&b| b > 0),
         },
         build_cache_max_bytes: args.build_cache_max_bytes,
+        max_commands: args.max_commands,
         retention_interval: Duration::from_secs(args.retention_interval_s.max(1)),
         ..ServerConfig::default()
     };

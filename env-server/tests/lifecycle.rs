@@ -222,3 +222,19 @@ fn the_tail_of_a_log_names_how_it_ended() {
     std::io::Write::write_all(&mut f, b"{\"kind\":\"clo").unwrap();
     assert_eq!(env_server::trajectory::last_kind(log.path()).unwrap(), None);
 }
+
+#[tokio::test]
+async fn commands_start_while_the_server_holds_more_descriptors_than_a_command_may() {
+    // A thousand open episodes and their connections hold thousands of descriptors; a command
+    // may open at most 4096 of its own. Starting one must not fail for the server's.
+    let dir = tempfile::tempdir().unwrap();
+    let state = state_from(test_config(dir.path()));
+    let id = tiny_episode(&state).await;
+    let held: Vec<std::fs::File> = (0..4200).map(|_| std::fs::File::open("/dev/null").expect("a descriptor")).collect();
+    let (st, v) =
+        call(&state, "POST", &format!("/v1/episodes/{id}/step"), Some(json!({"action": {"tool": "Bash", "arguments": {"command": "echo started"}}}))).await;
+    drop(held);
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["observation"]["is_error"], false, "{v}");
+    assert_eq!(v["observation"]["text"], "started\n", "{v}");
+}
