@@ -217,7 +217,7 @@ async fn a_uid_with_a_live_process_or_another_servers_lock_is_never_leased() {
     sorted.dedup();
     assert_eq!(sorted.len(), 3, "two leases share a uid: {uids:?}");
     // The range is exhausted: neither server gets one, rather than a shared one.
-    assert!(b.acquire().is_err());
+    assert!(matches!(b.acquire(), Err(agent_tools::SandboxError::NoFreeUid { .. })));
     let _ = leftover.kill();
     let _ = leftover.wait();
 }

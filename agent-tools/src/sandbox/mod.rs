@@ -52,6 +52,14 @@ pub enum SandboxError {
     /// The seccomp filter could not be compiled.
     #[error("seccomp filter: {0}")]
     Seccomp(String),
+    /// Every uid of the pool is leased or runs a process.
+    #[error("no free uid left in {start}..{end}: every one is leased or runs a process")]
+    NoFreeUid {
+        /// First uid of the pool.
+        start: u32,
+        /// One past the last.
+        end: u32,
+    },
 }
 
 /// Resource limits applied to every sandboxed process (and inherited by its children).

@@ -115,10 +115,7 @@ impl UidPool {
             }
         }
         if leases.len() < n {
-            return Err(SandboxError::Os(
-                "uid pool",
-                std::io::Error::other(format!("no free uid left in {}..{}", self.range.start, self.range.end)),
-            ));
+            return Err(SandboxError::NoFreeUid { start: self.range.start, end: self.range.end });
         }
         Ok(leases)
     }
