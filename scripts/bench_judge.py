@@ -65,6 +65,7 @@ def main() -> int:
     size = args.size or ("full" if device == "cuda" else "small")
     work = Path(tempfile.mkdtemp(prefix="bench-judge-"))
     env = dict(os.environ, CUDA_AGENT_TASK_SIZE=size, TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"), PYTHONUNBUFFERED="1")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # ninja lives in the venv
     rows, verdicts = [], []
     print(f"device {device}, task size {size}, {args.repeat} run(s) each, compile {'off' if args.no_compile else 'on'}", flush=True)
     for cand in cands:
