@@ -484,18 +484,23 @@ class Judge:
 
     # -- the evaluation -----------------------------------------------------------------
 
+    def fresh_pair(self, seed: int, make, key: str, cand_dir: Path, ref_dir: Path) -> list:
+        """A new model pair under `seed` and a new input set from `make`; returns the
+        reference's outputs on it (the candidate's run is the caller's)."""
+        for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
+            link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
+        inputs = h.seeded_inputs(make, self.rng.getrandbits(62), self.device)
+        self.give_inputs(inputs, key, cand_dir, ref_dir)
+        del inputs
+        return self.outputs(self.ref, "check", self.ref.request({"op": "run", "model": "check"}, self.call_timeout))
+
     def check(self, seeds: list[int], cand_dir: Path, ref_dir: Path, trace: bool = True) -> dict:
         """Correctness on fresh models and input sets, one per seed; the candidate's forward is
         traced for PyTorch compute operators and extension calls."""
         errors = []
         for i, seed in enumerate(seeds):
             label = f"input set {i + 1} of {len(seeds)}"
-            for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
-                link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
-            inputs = h.seeded_inputs(self.task.get_inputs, self.rng.getrandbits(62), self.device)
-            self.give_inputs(inputs, "main", cand_dir, ref_dir)
-            del inputs
-            want = self.outputs(self.ref, "check", self.ref.request({"op": "run", "model": "check"}, self.call_timeout))
+            want = self.fresh_pair(seed, self.task.get_inputs, "main", cand_dir, ref_dir)
             try:
                 reply = self.cand.request({"op": "run", "model": "check", "trace": trace}, self.call_timeout)
             except h.RuleBreak as e:
@@ -515,12 +520,7 @@ class Judge:
         """The task's second input shape, where it defines one."""
         if not hasattr(self.task, "get_inputs_alt"):
             return False
-        for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
-            link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
-        inputs = h.seeded_inputs(self.task.get_inputs_alt, self.rng.getrandbits(62), self.device)
-        self.give_inputs(inputs, "alt", cand_dir, ref_dir)
-        del inputs
-        want = self.outputs(self.ref, "check", self.ref.request({"op": "run", "model": "check"}, self.call_timeout))
+        want = self.fresh_pair(seed, self.task.get_inputs_alt, "alt", cand_dir, ref_dir)
         try:
             got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
             self.compare(want, got, "second input shape")
