@@ -169,7 +169,8 @@ impl Evaluator {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let dir = self.cfg.data_dir.join("evals").join(&id);
         let result = self.evaluate_in(&dir, task, files, tolerance).await;
-        let _ = std::fs::remove_dir_all(&dir);
+        let gone = dir.clone();
+        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(gone)).await;
         self.finished.fetch_add(1, Ordering::Relaxed);
         result
     }
@@ -183,7 +184,13 @@ impl Evaluator {
             Some((j, w)) => (Some(j.owner()), Some(w.owner())),
             None => (None, None),
         };
-        let layout = EvalDirs::create(dir, task, files, judge_owner, worker_owner).map_err(|e| io_err(dir, e))?;
+        let layout = {
+            let (dir, source, files) = (dir.to_path_buf(), task.source.clone(), files.clone());
+            // Directory set-up is blocking file work: off the async workers.
+            tokio::task::spawn_blocking(move || EvalDirs::create(&dir, &source, &files, judge_owner, worker_owner).map_err(|e| io_err(&dir, e)))
+                .await
+                .map_err(|e| EvalError::Harness(e.to_string()))??
+        };
 
         // Build: off the device, bounded, as the worker's uid. Extensions build into a
         // directory keyed by the solution's hash, the same path every time, so a rebuild of
@@ -198,7 +205,8 @@ impl Evaluator {
             let _same_sources = digest_lock.lock().await;
             let _permit = self.builds.acquire().await.map_err(|e| EvalError::Harness(e.to_string()))?;
             prepare_build_dir(&ext, worker_owner).map_err(|e| io_err(&ext, e))?;
-            touch(&ext);
+            // Least recently used entries are pruned first (retention.rs).
+            let _ = crate::retention::touch(&ext);
             self.build(&worker_jail, &layout).await?
         };
         let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "build_cache_hit": cache_hit, "build": build});
@@ -517,7 +525,7 @@ struct EvalDirs {
 }
 
 impl EvalDirs {
-    fn create(dir: &Path, task: &Task, files: &BTreeMap<String, String>, judge: Option<(u32, u32)>, worker: Option<(u32, u32)>) -> std::io::Result<Self> {
+    fn create(dir: &Path, task_source: &str, files: &BTreeMap<String, String>, judge: Option<(u32, u32)>, worker: Option<(u32, u32)>) -> std::io::Result<Self> {
         use std::os::unix::fs::PermissionsExt;
         let d = Self {
             root: dir.to_path_buf(),
@@ -546,7 +554,7 @@ impl EvalDirs {
         mode(&d.inputs, 0o755)?;
         create_private_dir(&d.out, worker)?;
         mode(&d.out, 0o755)?;
-        std::fs::write(&d.task, &task.source)?;
+        std::fs::write(&d.task, task_source)?;
         mode(&d.task, 0o444)?;
         std::fs::create_dir_all(&d.source)?;
         for (name, text) in files {
@@ -629,10 +637,6 @@ fn hand_over(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Marks a build-cache entry as used now (the cache is pruned least recently used first).
-fn touch(p: &Path) {
-    let _ = std::fs::File::open(p).and_then(|f| f.set_modified(std::time::SystemTime::now()));
-}
 
 struct Decrement<'a>(&'a AtomicUsize);
 
