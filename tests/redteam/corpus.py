@@ -118,7 +118,7 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
         return Outcome({"correct": None, "rule": "runner_timeout", "reason": f"no verdict within {case.timeout_s} s"},
                        time.monotonic() - start, err[-2000:])
     finally:
-        # Whatever the candidate left behind in its session (children, sleepers) goes too.
+        # Whatever the candidate left behind in its process group (children, sleepers) goes too.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
