@@ -217,6 +217,19 @@ class FileRegion:
             raise
         return cls(path, nbytes, fd, writable=False)
 
+    def private_view(self) -> torch.Tensor:
+        """A new copy-on-write mapping of the file: pages it has not written show the file as
+        it is (writes made to the file later included); pages it writes stay in this process
+        and never reach the file. (No MAP_POPULATE: on a writable private mapping it would copy
+        every page now and hide the file's later contents.)"""
+        import mmap
+        import warnings
+
+        m = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(m, dtype=torch.uint8, count=self.nbytes)
+
     def grow(self, nbytes: int) -> None:
         """Owner only: makes the file at least `nbytes` long and remaps it."""
         if nbytes <= self.nbytes:

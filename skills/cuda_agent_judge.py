@@ -41,6 +41,7 @@ FORBIDDEN_SOURCE = [
     (r"cuda_agent_(harness|judge|worker)|\b__main__\b|\bsys\s*\.\s*modules\b", "reaches into the evaluation's modules"),
     (r"(?m)^\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random|gc|threading|subprocess)(?:\s*\.\s*(?!backends\b)\w+)+\s*=(?!=)", "rebinds a library function"),
     (r"\bsetattr\s*\(\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random)\b|\b__code__\b|\b__globals__\b|\b__closure__\b", "patches library code"),
+    (r"\.numpy\s*\(|\bfrom_numpy\b", "computes outside its kernels through numpy"),
     (r"allow_tf32\s*=\s*True|set_float32_matmul_precision|allow_(fp16|bf16)_reduced_precision_reduction\s*=\s*True", "changes PyTorch's precision settings"),
 ]
 
@@ -385,16 +386,19 @@ class Judge:
         return r
 
     def give_inputs(self, inputs: list, key: str, cand_dir: Path, ref_dir: Path) -> dict:
-        """Packs one input set into both workers' regions and has both load it."""
+        """Has both workers map their region for this input set, then writes the set into
+        both regions. The workers map first and the data comes after: until the judge sends
+        `run`, a worker holds a mapping of stale contents, so nothing can be computed from the
+        inputs in an untimed step (and CPU used between the load's reply and the run is counted
+        as work outside the timed window)."""
         layout, nbytes = h.input_layout(inputs)
-        for link, where in ((self.ref, ref_dir), (self.cand, cand_dir)):
-            r = self.region(link, key, nbytes, where)
+        regions = [self.region(link, key, nbytes, where) for link, where in ((self.ref, ref_dir), (self.cand, cand_dir))]
+        for link in (self.ref, self.cand):
+            link.request({"op": "load", "slot": key, "layout": layout}, self.call_timeout)
+        for r in regions:
             h.pack_inputs(inputs, layout, r.tensor)
         h.synchronize(self.device)
-        fresh = self.rng.random() < 0.5
-        self.ref.request({"op": "load", "slot": key, "layout": layout, "fresh": False}, self.call_timeout)
-        self.cand.request({"op": "load", "slot": key, "layout": layout, "fresh": fresh}, self.call_timeout)
-        return {"layout": layout, "fresh": fresh}
+        return {"layout": layout}
 
     # -- outputs ------------------------------------------------------------------------
 

@@ -266,22 +266,17 @@ class Worker:
         return {"ok": True}
 
     def load(self, msg: dict) -> dict:
-        region = self.slots[msg["slot"]].tensor
-        self.inputs = []
-        self.pristine = None
-        if msg.get("fresh", True) or self.device.type == "cpu":
-            # Fresh memory: a private copy at whatever address the allocator picks.
-            private = torch.empty(region.numel(), dtype=torch.uint8, device=self.device)
-            if self.device.type == "cpu":
-                private.numpy()[:] = region.numpy()  # one thread: the judge counts the rest as late work
-            else:
-                private.copy_(region)
-            self.inputs = h.unpack(msg["layout"], private)
-            self.pristine = h.unpack(msg["layout"], region)
+        """Maps the input region for the next run. The judge writes the inputs after this
+        reply, so they are read where they lie: on CPU through a new private copy-on-write
+        mapping of the judge's file (new tensors at a new address; whatever the candidate writes
+        stays in this process), on GPU in the judge's own memory (it sees any write to it)."""
+        slot = self.slots[msg["slot"]]
+        if self.device.type == "cpu":
+            self.inputs = h.unpack(msg["layout"], slot.private_view())
+            self.pristine = h.unpack(msg["layout"], slot.tensor)
         else:
-            # The judge's own memory: it sees any write the candidate makes to it.
-            self.inputs = h.unpack(msg["layout"], region)
-        self.sync()
+            self.inputs = h.unpack(msg["layout"], slot.tensor)
+            self.pristine = None
         return {"ok": True}
 
     def run(self, msg: dict) -> dict:
@@ -383,7 +378,30 @@ def memory_stats(device) -> dict:
     return stats
 
 
+def scope_signals() -> bool:
+    """Puts this process in a landlock domain of its own that scopes signals (landlock ABI 6+):
+    nothing it runs can signal a process outside it, such as the judge that started it with the
+    same uid. Best effort: an older kernel leaves it unscoped."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Attr(ctypes.Structure):
+        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which landlock requires
+        return False
+    attr = Attr(0, 0, 2)  # LANDLOCK_SCOPE_SIGNAL
+    fd = libc.syscall(444, ctypes.byref(attr), ctypes.sizeof(attr), 0)  # landlock_create_ruleset
+    if fd < 0:
+        return False
+    ok = libc.syscall(446, fd, 0) == 0  # landlock_restrict_self
+    os.close(fd)
+    return ok
+
+
 def serve(args) -> int:
+    scope_signals()
     if args.fds:
         r, w = (int(x) for x in args.fds.split(","))
         channel = h.Channel(r, w)
@@ -406,8 +424,8 @@ def serve(args) -> int:
         except Exception as e:  # noqa: BLE001 - reported to the judge, which decides
             reply = {"ok": False, "rule": "runtime_error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         reply["seq"] = seq
-        if msg.get("op") != "run":
-            gc.collect()  # before the reply: nothing of the worker's own runs after one
+        if msg.get("op") == "model":
+            gc.collect()  # cycles freed with the old model; before the reply, never after one
         channel.send(reply)
 
 
