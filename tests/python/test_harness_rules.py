@@ -53,7 +53,8 @@ CANDIDATES = {
     "wrong": "    def forward(self, a, b):\n        return ext.vadd_off(a, b)\n",
     "pytorch_compute_python": "    def forward(self, a, b):\n        ext.vadd(a, b)\n        return a + b\n",
     "pytorch_compute_cpp": "    def forward(self, a, b):\n        return ext.vadd_aten(a, b)\n",
-    "no_custom_kernel": "    def forward(self, a, b):\n        return torch.from_numpy(a.numpy() + b.numpy())\n",
+    "no_custom_kernel": "    def forward(self, a, b):\n        out = torch.empty_like(a)\n        out.copy_(a)\n        return out\n",
+    "numpy_compute": "    def forward(self, a, b):\n        return torch.from_numpy(a.numpy() + b.numpy())\n",
     "constant_output": (
         "        self.cache = None\n"
         "    def forward(self, a, b):\n"
@@ -178,6 +179,7 @@ def test_a_wrong_candidate_names_the_input_set(tmp_path, ext_dir):
     ("precision_dtype", "precision"),
     ("precision_flags", "forbidden_source"),
     ("clock_patched", "forbidden_source"),
+    ("numpy_compute", "forbidden_source"),
 ])
 def test_each_rule_break_gets_its_reason(tmp_path, ext_dir, name, rule):
     r = evaluate(tmp_path, ext_dir, CANDIDATES[name])
