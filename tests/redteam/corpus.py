@@ -39,6 +39,9 @@ class Case:
     honest_min_ms: float | None = None
     eager_max_ms: float | None = None
     timeout_s: int = DEFAULT_TIMEOUT_S
+    # An attack the judge is known not to stop yet, with why (the test is an expected failure
+    # until it does).
+    known_gap: str | None = None
 
     @property
     def adversarial(self) -> bool:
@@ -65,7 +68,7 @@ def load_cases() -> list[Case]:
         cases.append(Case(
             name=c["name"], task=c["task"], device=c["device"], expect=c["expect"], klass=c["class"],
             description=c["description"], honest_min_ms=c.get("honest_min_ms"), eager_max_ms=c.get("eager_max_ms"),
-            timeout_s=int(c.get("timeout_s", DEFAULT_TIMEOUT_S)),
+            timeout_s=int(c.get("timeout_s", DEFAULT_TIMEOUT_S)), known_gap=c.get("known_gap"),
         ))
     return cases
 

@@ -58,9 +58,12 @@ def test_every_case_embeds_the_shared_extension_verbatim():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_case(case, tmp_path, ext_dir, has_cuda):
+def test_case(case, tmp_path, ext_dir, has_cuda, request):
     if case.device == "cuda" and not has_cuda:
         pytest.skip("no GPU")
+    if case.known_gap:
+        # Still run: the day the judge stops it, the report shows it as passing unexpectedly.
+        request.applymarker(pytest.mark.xfail(reason=f"known gap: {case.known_gap}", strict=False))
     server = os.environ.get("REDTEAM_SERVER")
     outcome = run_case_server(case, server) if server else run_case(case, tmp_path, ext_dir)
     held, why = judge(case, outcome.result)
