@@ -7,5 +7,8 @@ venv="$(scripts/python-env.sh)"
 export CUDA_AGENT_PYTHON="$venv/bin/python"
 echo "python: $CUDA_AGENT_PYTHON ($("$CUDA_AGENT_PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
 cargo test --workspace --locked "$@"
-# The Python client against the real server binary cargo just built.
+# The Python client against the real server binary cargo just built, the judge's rules, and the
+# red-team corpus of adversarial and legitimate candidates (CPU ones; torch.compile is left out
+# of the corpus's timing there: it is one more contestant and changes no verdict).
 "$CUDA_AGENT_PYTHON" -m pytest -q tests/python
+REDTEAM_NO_COMPILE=1 "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam
