@@ -22,8 +22,17 @@ fn main() {
     files.sort();
     let mut out = String::from("/// (path relative to tasks/, source) of every bundled task.\npub static BUNDLED: &[(&str, &str)] = &[\n");
     for f in &files {
-        let rel = f.strip_prefix(&root).expect("under tasks/").display().to_string();
-        writeln!(out, "    ({rel:?}, include_str!({:?})),", f.display().to_string()).expect("write");
+        let rel = f
+            .strip_prefix(&root)
+            .expect("under tasks/")
+            .display()
+            .to_string();
+        writeln!(
+            out,
+            "    ({rel:?}, include_str!({:?})),",
+            f.display().to_string()
+        )
+        .expect("write");
     }
     out.push_str("];\n");
     let dest = Path::new(&std::env::var("OUT_DIR").expect("OUT_DIR")).join("bundled.rs");

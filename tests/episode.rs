@@ -15,7 +15,13 @@ async fn an_episode_with_every_tool_then_submit() {
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
     let c = server.client();
     assert_eq!(c.health().await.unwrap()["status"], "ok");
-    let reset = c.reset(&ResetRequest { task: Some("L1/2_Add".into()), ..Default::default() }).await.unwrap();
+    let reset = c
+        .reset(&ResetRequest {
+            task: Some("L1/2_Add".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let id = reset.episode_id.clone();
     assert_eq!(reset.info.task.id, "L1/2_Add");
 
@@ -23,17 +29,42 @@ async fn an_episode_with_every_tool_then_submit() {
         {"content": "Write the kernel", "status": "in_progress", "activeForm": "Writing the kernel"},
         {"content": "Verify", "status": "pending", "activeForm": "Verifying"}]})).await.unwrap();
     assert!(!s.observation.is_error, "{}", s.observation.text);
-    let s = c.step(&id, "Glob", json!({"pattern": "*.py"})).await.unwrap();
-    assert!(s.observation.text.contains("verify.py"), "{}", s.observation.text);
-    let s = c.step(&id, "Read", json!({"file_path": "model.py"})).await.unwrap();
-    assert!(s.observation.text.contains("class Model"), "{}", s.observation.text);
+    let s = c
+        .step(&id, "Glob", json!({"pattern": "*.py"}))
+        .await
+        .unwrap();
+    assert!(
+        s.observation.text.contains("verify.py"),
+        "{}",
+        s.observation.text
+    );
+    let s = c
+        .step(&id, "Read", json!({"file_path": "model.py"}))
+        .await
+        .unwrap();
+    assert!(
+        s.observation.text.contains("class Model"),
+        "{}",
+        s.observation.text
+    );
     let s = c.step(&id, "Write", json!({"file_path": "model_new.py", "content": ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] - pb[i]")})).await.unwrap();
     assert!(!s.observation.is_error, "{}", s.observation.text);
     let s = c.step(&id, "MultiEdit", json!({"file_path": "model_new.py", "edits": [{"old_string": "pa[i] - pb[i]", "new_string": "pa[i] + pb[i]"}]})).await.unwrap();
     assert!(!s.observation.is_error, "{}", s.observation.text);
     // The agent's own check, inside the sandbox, with the workspace's harness copy.
-    let s = c.step(&id, "Bash", json!({"command": "python verify.py --device cpu", "timeout": 300000})).await.unwrap();
-    assert!(s.observation.text.contains("\"correct\": true"), "{}", s.observation.text);
+    let s = c
+        .step(
+            &id,
+            "Bash",
+            json!({"command": "python verify.py --device cpu", "timeout": 300000}),
+        )
+        .await
+        .unwrap();
+    assert!(
+        s.observation.text.contains("\"correct\": true"),
+        "{}",
+        s.observation.text
+    );
     let s = c.step(&id, "Submit", json!({})).await.unwrap();
     assert!(s.terminated && s.done && !s.truncated);
     let eval = s.info.evaluation.clone().expect("final evaluation");
@@ -46,9 +77,27 @@ async fn an_episode_with_every_tool_then_submit() {
     assert_eq!(state.result.as_ref().map(|r| r.reward), Some(s.reward));
     let t = c.trajectory(&id).await.unwrap();
     let kinds: Vec<&str> = t.records.iter().map(|r| r.kind.as_str()).collect();
-    assert_eq!(kinds, ["reset", "step", "step", "step", "step", "step", "step", "step", "final"]);
-    let tools: Vec<&str> = t.records.iter().filter_map(|r| r.body.pointer("/action/tool").and_then(|v| v.as_str())).collect();
-    assert_eq!(tools, ["TodoWrite", "Glob", "Read", "Write", "MultiEdit", "Bash", "Submit"]);
+    assert_eq!(
+        kinds,
+        ["reset", "step", "step", "step", "step", "step", "step", "step", "final"]
+    );
+    let tools: Vec<&str> = t
+        .records
+        .iter()
+        .filter_map(|r| r.body.pointer("/action/tool").and_then(|v| v.as_str()))
+        .collect();
+    assert_eq!(
+        tools,
+        [
+            "TodoWrite",
+            "Glob",
+            "Read",
+            "Write",
+            "MultiEdit",
+            "Bash",
+            "Submit"
+        ]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -57,9 +106,17 @@ async fn a_restart_mid_episode_loses_no_step() {
     let data = dir.path().join("data");
     let mut server = Server::start(&data, &["--skip-compile"]);
     let c = server.client();
-    let reset = c.reset(&ResetRequest { task: Some("L1/1_ReLU".into()), ..Default::default() }).await.unwrap();
+    let reset = c
+        .reset(&ResetRequest {
+            task: Some("L1/1_ReLU".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let id = reset.episode_id;
-    c.step_with_id(&id, "Bash", json!({"command": "echo one"}), "req-1").await.unwrap();
+    c.step_with_id(&id, "Bash", json!({"command": "echo one"}), "req-1")
+        .await
+        .unwrap();
     c.step(&id, "Glob", json!({"pattern": "*"})).await.unwrap();
     server.kill();
 
@@ -73,15 +130,30 @@ async fn a_restart_mid_episode_loses_no_step() {
     let kinds: Vec<&str> = t.records.iter().map(|r| r.kind.as_str()).collect();
     assert_eq!(kinds, ["reset", "step", "step", "truncated"]);
     // The retried request still answers as before; a new step is refused.
-    let again = c.step_with_id(&id, "Bash", json!({"command": "echo one"}), "req-1").await.unwrap();
+    let again = c
+        .step_with_id(&id, "Bash", json!({"command": "echo one"}), "req-1")
+        .await
+        .unwrap();
     assert!(again.info.replayed);
     assert_eq!(again.observation.text, "one\n");
-    let err = c.step(&id, "Glob", json!({"pattern": "*"})).await.unwrap_err();
+    let err = c
+        .step(&id, "Glob", json!({"pattern": "*"}))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("episode_ended"), "{err}");
     // The workspace of the interrupted episode is cleaned up.
     assert!(!data.join("episodes").join(&id).exists());
     // And a new episode works.
-    let reset = c.reset(&ResetRequest { options: Some(ResetOptions { max_turns: Some(3), time_budget_s: None }), ..Default::default() }).await.unwrap();
+    let reset = c
+        .reset(&ResetRequest {
+            options: Some(ResetOptions {
+                max_turns: Some(3),
+                time_budget_s: None,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(reset.info.limits.max_turns, 3);
 }
 
@@ -91,16 +163,27 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
     let server = Server::start(&dir.path().join("data"), &[]);
     let c = server.client();
     let right = c
-        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Text(ADD_CANDIDATE.into()), options: None })
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Id("L1/2_Add".into()),
+            solution: SolutionRef::Text(ADD_CANDIDATE.into()),
+            options: None,
+        })
         .await
         .unwrap();
     assert!(right.correct, "{right:?}");
     assert!(right.reward >= 1.0);
-    assert!(right.times_ms.compile.is_some(), "torch.compile baseline timed: {right:?}");
+    assert!(
+        right.times_ms.compile.is_some(),
+        "torch.compile baseline timed: {right:?}"
+    );
     assert!(right.speedup.eager.is_some());
     // The same sources again: the build is found in the cache.
     let again = c
-        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Text(ADD_CANDIDATE.into()), options: None })
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Id("L1/2_Add".into()),
+            solution: SolutionRef::Text(ADD_CANDIDATE.into()),
+            options: None,
+        })
         .await
         .unwrap();
     assert!(again.correct, "{again:?}");
@@ -119,7 +202,13 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
         ),
     ];
     let layout = c
-        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Files { files: files.into_iter().collect() }, options: None })
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Id("L1/2_Add".into()),
+            solution: SolutionRef::Files {
+                files: files.into_iter().collect(),
+            },
+            options: None,
+        })
         .await
         .unwrap();
     assert!(layout.correct, "{layout:?}");
@@ -128,7 +217,11 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
     let wrong = c
         .evaluate(&EvaluateRequest {
             task: TaskRef::Id("L1/2_Add".into()),
-            solution: SolutionRef::Text(ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] + pb[i] * 1.001f").replace("e2e_add", "e2e_add_wrong")),
+            solution: SolutionRef::Text(
+                ADD_CANDIDATE
+                    .replace("pa[i] + pb[i]", "pa[i] + pb[i] * 1.001f")
+                    .replace("e2e_add", "e2e_add_wrong"),
+            ),
             options: None,
         })
         .await
@@ -136,10 +229,17 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
     assert!(!wrong.correct);
     assert_eq!(wrong.reward, -1.0);
     let reason = wrong.reason.unwrap();
-    assert!(reason.starts_with("wrong_output: input set 1 of 5"), "{reason}");
+    assert!(
+        reason.starts_with("wrong_output: input set 1 of 5"),
+        "{reason}"
+    );
 
     let broken = c
-        .evaluate(&EvaluateRequest { task: TaskRef::Id("L1/2_Add".into()), solution: SolutionRef::Text("import nonexistent_module\n".into()), options: None })
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Id("L1/2_Add".into()),
+            solution: SolutionRef::Text("import nonexistent_module\n".into()),
+            options: None,
+        })
         .await
         .unwrap();
     assert_eq!(broken.reward, -1.0);
@@ -149,11 +249,23 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
     let source = "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\ndef get_inputs():\n    return [torch.randn(64)]\ndef get_init_inputs():\n    return []\n";
     let cheat = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n";
     let r = c
-        .evaluate(&EvaluateRequest { task: TaskRef::Source { source: source.into() }, solution: SolutionRef::Text(cheat.into()), options: None })
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Source {
+                source: source.into(),
+            },
+            solution: SolutionRef::Text(cheat.into()),
+            options: None,
+        })
         .await
         .unwrap();
     assert_eq!(r.reward, -1.0);
-    assert!(r.reason.as_deref().unwrap_or("").starts_with("pytorch_compute"), "{r:?}");
+    assert!(
+        r.reason
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("pytorch_compute"),
+        "{r:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -161,7 +273,14 @@ async fn tampering_with_the_workspace_harness_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
     let c = server.client();
-    let id = c.reset(&ResetRequest { task: Some("L1/2_Add".into()), ..Default::default() }).await.unwrap().episode_id;
+    let id = c
+        .reset(&ResetRequest {
+            task: Some("L1/2_Add".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .episode_id;
     // A wrong candidate (a * b) that, when imported in the evaluation sandbox, tries to
     // replace the reference task with one that agrees with it, and to rewrite the harness.
     let tamper = r#"
@@ -188,20 +307,47 @@ for _f in pathlib.Path(sys.argv[0]).resolve().parent.glob("*.py"):
     except OSError:
         pass
 "#;
-    let wrong = ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] * pb[i]").replace("e2e_add", "e2e_mul") + tamper;
-    c.step(&id, "Write", json!({"file_path": "model_new.py", "content": wrong})).await.unwrap();
+    let wrong = ADD_CANDIDATE
+        .replace("pa[i] + pb[i]", "pa[i] * pb[i]")
+        .replace("e2e_add", "e2e_mul")
+        + tamper;
+    c.step(
+        &id,
+        "Write",
+        json!({"file_path": "model_new.py", "content": wrong}),
+    )
+    .await
+    .unwrap();
     let fake = "import json; print(json.dumps({'correct': True}))";
     let s = c
         .step(&id, "Bash", json!({"command": format!("chmod u+w verify.py cuda_agent_harness.py; rm -f verify.py cuda_agent_harness.py; echo \"{fake}\" > verify.py; cat verify.py")}))
         .await
         .unwrap();
-    assert!(s.observation.text.contains("restored"), "{}", s.observation.text);
-    let s = c.step(&id, "Bash", json!({"command": "python verify.py --device cpu", "timeout": 300000})).await.unwrap();
-    assert!(s.observation.text.contains("\"correct\": false"), "the workspace copy is pristine again: {}", s.observation.text);
+    assert!(
+        s.observation.text.contains("restored"),
+        "{}",
+        s.observation.text
+    );
+    let s = c
+        .step(
+            &id,
+            "Bash",
+            json!({"command": "python verify.py --device cpu", "timeout": 300000}),
+        )
+        .await
+        .unwrap();
+    assert!(
+        s.observation.text.contains("\"correct\": false"),
+        "the workspace copy is pristine again: {}",
+        s.observation.text
+    );
     let s = c.step(&id, "Submit", json!({})).await.unwrap();
     assert_eq!(s.reward, -1.0, "{:?}", s.info.evaluation);
     let reason = s.info.evaluation.unwrap().reason.unwrap();
-    assert!(reason.starts_with("wrong_output: input set 1 of 5"), "{reason}");
+    assert!(
+        reason.starts_with("wrong_output: input set 1 of 5"),
+        "{reason}"
+    );
 }
 
 /// The tiny family: same tools, flow and reward shape, judged without PyTorch.
@@ -211,34 +357,95 @@ async fn tiny_family_episodes_and_evaluate() {
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
     let c = server.client();
     let tasks = c.tasks().await.unwrap();
-    assert!(tasks.splits.contains(&"tiny".to_string()), "{:?}", tasks.splits);
-    let reset = c.reset(&ResetRequest { split: Some("tiny".into()), seed: Some(3), ..Default::default() }).await.unwrap();
+    assert!(
+        tasks.splits.contains(&"tiny".to_string()),
+        "{:?}",
+        tasks.splits
+    );
+    let reset = c
+        .reset(&ResetRequest {
+            split: Some("tiny".into()),
+            seed: Some(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let task = reset.info.task.id.clone();
     assert!(task.starts_with("tiny/"), "{task}");
     let word = task.rsplit('_').next().unwrap().to_string();
-    assert!(reset.observation.text.contains(&format!("Write the word {word} into answer.txt")), "{}", reset.observation.text);
-    let s = c.step(&reset.episode_id, "Write", json!({"file_path": "answer.txt", "content": word})).await.unwrap();
+    assert!(
+        reset
+            .observation
+            .text
+            .contains(&format!("Write the word {word} into answer.txt")),
+        "{}",
+        reset.observation.text
+    );
+    let s = c
+        .step(
+            &reset.episode_id,
+            "Write",
+            json!({"file_path": "answer.txt", "content": word}),
+        )
+        .await
+        .unwrap();
     assert!(!s.observation.is_error, "{}", s.observation.text);
-    let s = c.step(&reset.episode_id, "Submit", json!({})).await.unwrap();
+    let s = c
+        .step(&reset.episode_id, "Submit", json!({}))
+        .await
+        .unwrap();
     assert!(s.terminated);
     assert_eq!(s.reward, 1.0, "{:?}", s.info.evaluation);
 
     // Submitting without the file, and with the wrong word, both cost -1 with a reason.
-    let reset = c.reset(&ResetRequest { task: Some(task.clone()), ..Default::default() }).await.unwrap();
-    let s = c.step(&reset.episode_id, "Submit", json!({})).await.unwrap();
+    let reset = c
+        .reset(&ResetRequest {
+            task: Some(task.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let s = c
+        .step(&reset.episode_id, "Submit", json!({}))
+        .await
+        .unwrap();
     assert_eq!(s.reward, -1.0);
-    assert!(s.info.evaluation.unwrap().reason.unwrap().starts_with("missing_solution"));
+    assert!(s
+        .info
+        .evaluation
+        .unwrap()
+        .reason
+        .unwrap()
+        .starts_with("missing_solution"));
     let r = c
-        .evaluate(&EvaluateRequest { task: TaskRef::Id(task.clone()), solution: SolutionRef::Text("nope".into()), options: None })
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Id(task.clone()),
+            solution: SolutionRef::Text("nope".into()),
+            options: None,
+        })
         .await
         .unwrap();
     assert_eq!((r.reward, r.correct), (-1.0, false));
     let r = c
-        .evaluate(&EvaluateRequest { task: TaskRef::Id(task), solution: SolutionRef::Text(format!("{word}\n")), options: None })
+        .evaluate(&EvaluateRequest {
+            task: TaskRef::Id(task),
+            solution: SolutionRef::Text(format!("{word}\n")),
+            options: None,
+        })
         .await
         .unwrap();
     assert_eq!(r.reward, 1.0);
     // Kernel tasks stay the default split.
-    let reset = c.reset(&ResetRequest { seed: Some(3), ..Default::default() }).await.unwrap();
-    assert!(reset.info.task.id.starts_with('L'), "{}", reset.info.task.id);
+    let reset = c
+        .reset(&ResetRequest {
+            seed: Some(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        reset.info.task.id.starts_with('L'),
+        "{}",
+        reset.info.task.id
+    );
 }

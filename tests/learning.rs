@@ -21,18 +21,31 @@ use server::Server;
 /// Tool calls per episode, for the demonstrations and the trainer alike.
 const MAX_TURNS: u32 = 4;
 
-const WORDS: [&str; 8] = ["red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl"];
+const WORDS: [&str; 8] = [
+    "red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl",
+];
 
 fn trainer_release() -> PathBuf {
     let exe = std::env::current_exe().expect("test exe");
-    let target = exe.parent().and_then(Path::parent).and_then(Path::parent).expect("target dir");
-    let ok = Command::new(env!("CARGO")).args(["build", "--release", "-p", "trainer", "--bin", "trainer"]).status().expect("cargo build");
+    let target = exe
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::parent)
+        .expect("target dir");
+    let ok = Command::new(env!("CARGO"))
+        .args(["build", "--release", "-p", "trainer", "--bin", "trainer"])
+        .status()
+        .expect("cargo build");
     assert!(ok.success(), "building the trainer failed");
     target.join("release").join("trainer")
 }
 
 fn run_trainer(bin: &Path, args: &[&str]) -> String {
-    let out = Command::new(bin).args(args).env("RUST_LOG", "warn").output().expect("run trainer");
+    let out = Command::new(bin)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run trainer");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "trainer {args:?} failed:\n{stderr}");
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -45,14 +58,26 @@ async fn demonstrations(c: &env_client::EnvClient) -> (usize, usize) {
         for k in 0..6 {
             let task = format!("tiny/{i}_{word}");
             // The trainer's limits, so the demonstrations' prompts are the ones it will see.
-            let options = Some(ResetOptions { max_turns: Some(MAX_TURNS), time_budget_s: None });
-            let r = c.reset(&ResetRequest { task: Some(task), options, ..Default::default() }).await.unwrap();
+            let options = Some(ResetOptions {
+                max_turns: Some(MAX_TURNS),
+                time_budget_s: None,
+            });
+            let r = c
+                .reset(&ResetRequest {
+                    task: Some(task),
+                    options,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
             let id = r.episode_id;
             let write = |content: &str| json!({"file_path": "answer.txt", "content": content});
             match k {
                 // A wrong word: reward -1.
                 4 => {
-                    c.step(&id, "Write", write(WORDS[(i + 1) % WORDS.len()])).await.unwrap();
+                    c.step(&id, "Write", write(WORDS[(i + 1) % WORDS.len()]))
+                        .await
+                        .unwrap();
                     flawed += 1;
                 }
                 // The same call twice: reward 1 but redundant.
@@ -167,7 +192,10 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
     let (good, flawed) = demonstrations(&server.client()).await;
     let bin = tokio::task::spawn_blocking(trainer_release).await.unwrap();
     let model = tiny_model(dir.path());
-    let seed = std::env::var("LEARNING_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0u64);
+    let seed = std::env::var("LEARNING_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0u64);
     let cfg = config(dir.path(), &server.url, &model, seed);
     let cfg = cfg.to_str().unwrap();
     let runs = dir.path().join("runs");
@@ -176,39 +204,137 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
     let bin2 = bin.clone();
     let run = move |args: Vec<String>| {
         let bin = bin2.clone();
-        async move { tokio::task::spawn_blocking(move || run_trainer(&bin, &args.iter().map(String::as_str).collect::<Vec<_>>())).await.unwrap() }
+        async move {
+            tokio::task::spawn_blocking(move || {
+                run_trainer(&bin, &args.iter().map(String::as_str).collect::<Vec<_>>())
+            })
+            .await
+            .unwrap()
+        }
     };
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
 
     let before = reward_of(&run(s(&["evaluate", "--config", cfg, "--episodes", "32"])).await);
 
     run(s(&["rft", "--config", cfg, "--trajectories", traj])).await;
-    let filter: Value = serde_json::from_str(&std::fs::read_to_string(runs.join("rft/filter.json")).unwrap()).unwrap();
+    let filter: Value =
+        serde_json::from_str(&std::fs::read_to_string(runs.join("rft/filter.json")).unwrap())
+            .unwrap();
     assert_eq!(filter["kept"].as_u64().unwrap() as usize, good, "{filter}");
-    assert_eq!(filter["rejected"]["low_reward"].as_u64().unwrap() + filter["rejected"]["repeated_call"].as_u64().unwrap(), flawed as u64, "{filter}");
+    assert_eq!(
+        filter["rejected"]["low_reward"].as_u64().unwrap()
+            + filter["rejected"]["repeated_call"].as_u64().unwrap(),
+        flawed as u64,
+        "{filter}"
+    );
     let rft_final = runs.join("rft/final");
-    let after_rft = reward_of(&run(s(&["evaluate", "--config", cfg, "--episodes", "32", "--init", rft_final.to_str().unwrap()])).await);
+    let after_rft = reward_of(
+        &run(s(&[
+            "evaluate",
+            "--config",
+            cfg,
+            "--episodes",
+            "32",
+            "--init",
+            rft_final.to_str().unwrap(),
+        ]))
+        .await,
+    );
 
-    run(s(&["value-pretrain", "--config", cfg, "--trajectories", traj, "--init", rft_final.to_str().unwrap()])).await;
+    run(s(&[
+        "value-pretrain",
+        "--config",
+        cfg,
+        "--trajectories",
+        traj,
+        "--init",
+        rft_final.to_str().unwrap(),
+    ]))
+    .await;
     let value_final = runs.join("value/final");
-    run(s(&["ppo", "--config", cfg, "--init", value_final.to_str().unwrap()])).await;
+    run(s(&[
+        "ppo",
+        "--config",
+        cfg,
+        "--init",
+        value_final.to_str().unwrap(),
+    ]))
+    .await;
     let ppo_final = runs.join("ppo/final");
-    let after = reward_of(&run(s(&["evaluate", "--config", cfg, "--episodes", "32", "--init", ppo_final.to_str().unwrap()])).await);
+    let after = reward_of(
+        &run(s(&[
+            "evaluate",
+            "--config",
+            cfg,
+            "--episodes",
+            "32",
+            "--init",
+            ppo_final.to_str().unwrap(),
+        ]))
+        .await,
+    );
 
     // The warm-up stage runs on the same family (single-turn answers, /v1/evaluate rewards).
-    run(s(&["warmup", "--config", cfg, "--steps", "1", "--init", ppo_final.to_str().unwrap()])).await;
+    run(s(&[
+        "warmup",
+        "--config",
+        cfg,
+        "--steps",
+        "1",
+        "--init",
+        ppo_final.to_str().unwrap(),
+    ]))
+    .await;
 
     let ppo_metrics = runs.join("ppo/metrics.jsonl");
-    let lines: Vec<Value> = std::fs::read_to_string(&ppo_metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = std::fs::read_to_string(&ppo_metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 6);
-    for key in ["reward_mean", "entropy", "approx_kl", "clip_fraction", "value_loss", "turns_per_episode", "valid_call_share", "episodes_per_min"] {
-        assert!(lines.iter().all(|l| l[key].is_number()), "{key} missing in {}", lines[0]);
+    for key in [
+        "reward_mean",
+        "entropy",
+        "approx_kl",
+        "clip_fraction",
+        "value_loss",
+        "turns_per_episode",
+        "valid_call_share",
+        "episodes_per_min",
+    ] {
+        assert!(
+            lines.iter().all(|l| l[key].is_number()),
+            "{key} missing in {}",
+            lines[0]
+        );
     }
-    assert!(runs.join("ppo/step-000006/actor_optim.mpk").exists() && runs.join("ppo/step-000006/state.json").exists());
-    let rft_steps = std::fs::read_dir(runs.join("rft")).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("step-")).count();
-    assert_eq!(rft_steps, 2, "keep_checkpoints bounds what a stage leaves on disk");
+    assert!(
+        runs.join("ppo/step-000006/actor_optim.mpk").exists()
+            && runs.join("ppo/step-000006/state.json").exists()
+    );
+    let rft_steps = std::fs::read_dir(runs.join("rft"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("step-")
+        })
+        .count();
+    assert_eq!(
+        rft_steps, 2,
+        "keep_checkpoints bounds what a stage leaves on disk"
+    );
     let png = runs.join("ppo/metrics.png");
-    run(s(&["plot", ppo_metrics.to_str().unwrap(), "--out", png.to_str().unwrap()])).await;
+    run(s(&[
+        "plot",
+        ppo_metrics.to_str().unwrap(),
+        "--out",
+        png.to_str().unwrap(),
+    ]))
+    .await;
     assert!(std::fs::metadata(&png).unwrap().len() > 1000);
 
     eprintln!("seed {seed}: mean reward random {before:.3}, after RFT {after_rft:.3}, after PPO {after:.3}");
@@ -217,11 +343,30 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
     // right word in some episodes; how many depends on when the tiny model learns to copy the
     // word out of its prompt (measured: mean reward -0.81 to 1.0 over data orders and seeds),
     // so the bar is a few solved episodes, not a rate. PPO must keep them.
-    let nll: Vec<f64> = std::fs::read_to_string(runs.join("rft/metrics.jsonl")).unwrap().lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["nll"].as_f64().unwrap()).collect();
+    let nll: Vec<f64> = std::fs::read_to_string(runs.join("rft/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["nll"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
     let (first, last) = (nll[0], nll[nll.len() - 1]);
-    assert!(last < first / 10.0, "RFT fits its demonstrations: NLL {first} -> {last}");
-    assert!(before < -0.5, "a random policy does not solve the tiny tasks (got {before})");
-    assert!(after_rft > before + 0.1, "mean reward after RFT is {after_rft} (random {before})");
-    assert!(after > before + 0.1, "mean reward after the four stages is {after} (random {before}, after RFT {after_rft})");
+    assert!(
+        last < first / 10.0,
+        "RFT fits its demonstrations: NLL {first} -> {last}"
+    );
+    assert!(
+        before < -0.5,
+        "a random policy does not solve the tiny tasks (got {before})"
+    );
+    assert!(
+        after_rft > before + 0.1,
+        "mean reward after RFT is {after_rft} (random {before})"
+    );
+    assert!(
+        after > before + 0.1,
+        "mean reward after the four stages is {after} (random {before}, after RFT {after_rft})"
+    );
 }

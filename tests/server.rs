@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use env_client::EnvClient;
 
 pub fn python() -> PathBuf {
-    std::env::var_os("CUDA_AGENT_PYTHON").map(Into::into).unwrap_or_else(|| "python3".into())
+    std::env::var_os("CUDA_AGENT_PYTHON")
+        .map(Into::into)
+        .unwrap_or_else(|| "python3".into())
 }
 
 /// The path of a workspace binary, built first: Cargo does not rebuild another package's
@@ -17,7 +19,11 @@ pub fn python() -> PathBuf {
 pub fn binary_of(package: &str, name: &str) -> PathBuf {
     // target/<profile>/deps/<test> -> target/<profile>/<name>
     let exe = std::env::current_exe().expect("test exe");
-    let bin = exe.parent().and_then(Path::parent).expect("target dir").join(name);
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join(name);
     let mut cmd = Command::new(env!("CARGO"));
     cmd.args(["build", "-p", package, "--bin", name]);
     if bin.parent().is_some_and(|d| d.ends_with("release")) {
@@ -30,7 +36,8 @@ pub fn binary_of(package: &str, name: &str) -> PathBuf {
 
 fn binary() -> PathBuf {
     static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BIN.get_or_init(|| binary_of("env-server", "env-server")).clone()
+    BIN.get_or_init(|| binary_of("env-server", "env-server"))
+        .clone()
 }
 
 pub struct Server {
@@ -41,7 +48,11 @@ pub struct Server {
 
 impl Server {
     pub fn start(data_dir: &Path, extra: &[&str]) -> Self {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let url = format!("http://127.0.0.1:{port}");
         let log = std::fs::File::create(data_dir.with_extension("log")).unwrap();
         let child = Command::new(binary())
@@ -55,7 +66,11 @@ impl Server {
             .stderr(log)
             .spawn()
             .expect("start env-server");
-        let s = Self { child, url, data_dir: data_dir.to_path_buf() };
+        let s = Self {
+            child,
+            url,
+            data_dir: data_dir.to_path_buf(),
+        };
         s.wait_ready();
         s
     }
@@ -68,7 +83,10 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("env-server did not come up; see {}", self.data_dir.with_extension("log").display());
+        panic!(
+            "env-server did not come up; see {}",
+            self.data_dir.with_extension("log").display()
+        );
     }
 
     pub fn client(&self) -> EnvClient {

@@ -9,6 +9,10 @@ pub mod sandbox;
 pub mod tools;
 pub mod workspace;
 
-pub use sandbox::{create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, SandboxError, SandboxStatus};
-pub use tools::{tool_names, tool_schemas, CallError, ToolCall, ToolError, ToolLimits, ToolOutput, Toolbox};
+pub use sandbox::{
+    create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, SandboxError, SandboxStatus,
+};
+pub use tools::{
+    tool_names, tool_schemas, CallError, ToolCall, ToolError, ToolLimits, ToolOutput, Toolbox,
+};
 pub use workspace::Workspace;

@@ -69,8 +69,15 @@ impl Solution {
         if self.skipped.is_empty() {
             return None;
         }
-        let items: Vec<String> = self.skipped.iter().map(|s| format!("{} ({})", s.path, s.reason)).collect();
-        Some(format!("not collected for evaluation: {}", items.join(", ")))
+        let items: Vec<String> = self
+            .skipped
+            .iter()
+            .map(|s| format!("{} ({})", s.path, s.reason))
+            .collect();
+        Some(format!(
+            "not collected for evaluation: {}",
+            items.join(", ")
+        ))
     }
 }
 
@@ -82,13 +89,24 @@ impl Workspace {
         let c = CString::new(root.as_os_str().as_bytes())
             .map_err(|_| ToolError::InvalidArgument("workspace path contains a NUL byte".into()))?;
         // SAFETY: a valid C string; the fd returned is owned below.
-        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
         if fd < 0 {
             return Err(ToolError::io(&root, std::io::Error::last_os_error()));
         }
         // SAFETY: a fresh fd nothing else owns.
         let dir = Arc::new(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
-        Ok(Self { root, dir, resolver: Resolver::detect(), protected: Arc::default(), owner })
+        Ok(Self {
+            root,
+            dir,
+            resolver: Resolver::detect(),
+            protected: Arc::default(),
+            owner,
+        })
     }
 
     /// The same workspace resolving paths with `resolver` (to exercise the fallback walk).
@@ -117,8 +135,10 @@ impl Workspace {
     pub fn add_protected(&mut self, rel: &str, contents: &[u8]) -> Result<(), ToolError> {
         let rel = self.rel_path(rel)?;
         let (parent, name) = split(&rel)?;
-        let dir = fsops::make_dirs(&self.dir, parent, None, false).map_err(|e| self.fs_error(parent, e))?;
-        fsops::write_replace(&dir, &name, contents, 0o444, None).map_err(|e| self.fs_error(&rel, e))?;
+        let dir = fsops::make_dirs(&self.dir, parent, None, false)
+            .map_err(|e| self.fs_error(parent, e))?;
+        fsops::write_replace(&dir, &name, contents, 0o444, None)
+            .map_err(|e| self.fs_error(&rel, e))?;
         Arc::make_mut(&mut self.protected).insert(rel, contents.to_vec());
         Ok(())
     }
@@ -141,12 +161,21 @@ impl Workspace {
             return Err(ToolError::InvalidArgument("path is empty".into()));
         }
         if given.contains('\0') {
-            return Err(ToolError::InvalidArgument("path contains a NUL byte".into()));
+            return Err(ToolError::InvalidArgument(
+                "path contains a NUL byte".into(),
+            ));
         }
         if given.len() > MAX_PATH_BYTES {
-            return Err(ToolError::InvalidArgument(format!("path is {} bytes long, over the limit of {MAX_PATH_BYTES}", given.len())));
+            return Err(ToolError::InvalidArgument(format!(
+                "path is {} bytes long, over the limit of {MAX_PATH_BYTES}",
+                given.len()
+            )));
         }
-        let joined = if Path::new(given).is_absolute() { PathBuf::from(given) } else { base.join(given) };
+        let joined = if Path::new(given).is_absolute() {
+            PathBuf::from(given)
+        } else {
+            base.join(given)
+        };
         let lexical = normalize(&joined);
         if !lexical.starts_with(&self.root) {
             return Err(ToolError::OutsideWorkspace(given.to_string()));
@@ -157,7 +186,10 @@ impl Workspace {
     /// The path a tool was given, relative to the root and normalised (empty for the root).
     pub(crate) fn rel_path(&self, given: &str) -> Result<PathBuf, ToolError> {
         let abs = self.resolve(given)?;
-        Ok(abs.strip_prefix(&self.root).map(Path::to_path_buf).unwrap_or_default())
+        Ok(abs
+            .strip_prefix(&self.root)
+            .map(Path::to_path_buf)
+            .unwrap_or_default())
     }
 
     /// The path relative to the root, for messages.
@@ -183,7 +215,9 @@ impl Workspace {
     /// keeping an existing file's permission bits and giving new files and directories to
     /// the workspace owner. Links are never followed, nor replaced.
     pub fn write_atomic(&self, path: &Path, contents: &[u8]) -> Result<(), ToolError> {
-        let given = path.to_str().ok_or_else(|| ToolError::InvalidArgument("path is not UTF-8".into()))?;
+        let given = path
+            .to_str()
+            .ok_or_else(|| ToolError::InvalidArgument("path is not UTF-8".into()))?;
         self.write_rel(&self.rel_path(given)?, contents).map(|_| ())
     }
 
@@ -191,22 +225,31 @@ impl Workspace {
     pub(crate) fn write_rel(&self, rel: &Path, contents: &[u8]) -> Result<bool, ToolError> {
         self.check_writable(rel)?;
         let (parent, name) = split(rel)?;
-        let dir = fsops::make_dirs(&self.dir, parent, self.owner, false).map_err(|e| self.fs_error(parent, e))?;
+        let dir = fsops::make_dirs(&self.dir, parent, self.owner, false)
+            .map_err(|e| self.fs_error(parent, e))?;
         let existing = fsops::stat_at(&dir, &name).map_err(|e| self.fs_error(rel, e))?;
         let mode = match existing.map(|st| (Kind::of_mode(st.st_mode), st.st_mode)) {
             None => 0o644,
             Some((Kind::Regular, mode)) => mode & 0o777,
             Some((Kind::Symlink, _)) => return Err(ToolError::Link(rel.display().to_string())),
-            Some((kind, _)) => return Err(ToolError::NotRegular { path: rel.display().to_string(), kind: kind.describe() }),
+            Some((kind, _)) => {
+                return Err(ToolError::NotRegular {
+                    path: rel.display().to_string(),
+                    kind: kind.describe(),
+                })
+            }
         };
-        fsops::write_replace(&dir, &name, contents, mode, self.owner).map_err(|e| self.fs_error(rel, e))?;
+        fsops::write_replace(&dir, &name, contents, mode, self.owner)
+            .map_err(|e| self.fs_error(rel, e))?;
         Ok(existing.is_none())
     }
 
     /// Opens a regular file for reading (never through a link, never a FIFO or device).
     pub(crate) fn open_file(&self, rel: &Path) -> Result<(File, u64), ToolError> {
         match fsops::open_regular(self.resolver, &self.dir, rel) {
-            Ok((_, st)) if self.foreign_hard_link(&st) => Err(ToolError::HardLink(self.display(rel))),
+            Ok((_, st)) if self.foreign_hard_link(&st) => {
+                Err(ToolError::HardLink(self.display(rel)))
+            }
             Ok((file, st)) => Ok((file, st.st_size as u64)),
             Err(e) => Err(self.open_error(rel, e)),
         }
@@ -217,17 +260,26 @@ impl Workspace {
     /// otherwise be read as root. Files the agent or the tools made are the owner's, and
     /// protected files have a single name.
     fn foreign_hard_link(&self, st: &libc::stat) -> bool {
-        self.owner.is_some_and(|(uid, _)| st.st_nlink > 1 && st.st_uid != uid)
+        self.owner
+            .is_some_and(|(uid, _)| st.st_nlink > 1 && st.st_uid != uid)
     }
 
     /// Reads at most `cap` bytes of a regular file; `None` when it does not exist.
-    pub(crate) fn read_capped(&self, rel: &Path, cap: u64) -> Result<Option<fsops::Capped>, ToolError> {
+    pub(crate) fn read_capped(
+        &self,
+        rel: &Path,
+        cap: u64,
+    ) -> Result<Option<fsops::Capped>, ToolError> {
         let (mut file, size) = match self.open_file(rel) {
             Ok(f) => f,
-            Err(ToolError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(ToolError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(None)
+            }
             Err(e) => return Err(e),
         };
-        fsops::read_capped(&mut file, size, cap).map(Some).map_err(|e| self.fs_error(rel, e))
+        fsops::read_capped(&mut file, size, cap)
+            .map(Some)
+            .map_err(|e| self.fs_error(rel, e))
     }
 
     /// Opens a directory beneath the root (never through a link).
@@ -243,9 +295,19 @@ impl Workspace {
     fn open_error(&self, rel: &Path, e: OpenError) -> ToolError {
         let path = self.display(rel);
         match e {
-            OpenError::Missing => ToolError::Io { path, source: std::io::ErrorKind::NotFound.into() },
-            OpenError::Link => ToolError::Link(self.first_link(rel).map(|l| self.display(&l)).unwrap_or(path)),
-            OpenError::NotRegular(kind) => ToolError::NotRegular { path, kind: kind.describe() },
+            OpenError::Missing => ToolError::Io {
+                path,
+                source: std::io::ErrorKind::NotFound.into(),
+            },
+            OpenError::Link => ToolError::Link(
+                self.first_link(rel)
+                    .map(|l| self.display(&l))
+                    .unwrap_or(path),
+            ),
+            OpenError::NotRegular(kind) => ToolError::NotRegular {
+                path,
+                kind: kind.describe(),
+            },
             OpenError::Io(e) => self.fs_error(rel, e),
         }
     }
@@ -257,10 +319,16 @@ impl Workspace {
             Some(libc::ELOOP | libc::ENOTDIR) => match self.first_link(rel) {
                 Some(link) => ToolError::Link(self.display(&link)),
                 None if e.raw_os_error() == Some(libc::ELOOP) => ToolError::Link(self.display(rel)),
-                None => ToolError::Io { path: self.display(rel), source: e },
+                None => ToolError::Io {
+                    path: self.display(rel),
+                    source: e,
+                },
             },
             Some(libc::EXDEV) => ToolError::OutsideWorkspace(self.display(rel)),
-            _ => ToolError::Io { path: self.display(rel), source: e },
+            _ => ToolError::Io {
+                path: self.display(rel),
+                source: e,
+            },
         }
     }
 
@@ -274,7 +342,9 @@ impl Workspace {
             let st = fsops::stat_at(&cur, &name).ok()??;
             match Kind::of_mode(st.st_mode) {
                 Kind::Symlink => return Some(prefix),
-                Kind::Directory => cur = fsops::open_dir(self.resolver, &cur, Path::new(part)).ok()?,
+                Kind::Directory => {
+                    cur = fsops::open_dir(self.resolver, &cur, Path::new(part)).ok()?
+                }
                 _ => return None,
             }
         }
@@ -288,15 +358,21 @@ impl Workspace {
         let mut restored = Vec::new();
         for (rel, pristine) in self.protected.iter() {
             let (parent, name) = split(rel)?;
-            let dir = fsops::make_dirs(&self.dir, parent, None, true).map_err(|e| self.fs_error(parent, e))?;
+            let dir = fsops::make_dirs(&self.dir, parent, None, true)
+                .map_err(|e| self.fs_error(parent, e))?;
             if self.is_intact(&dir, &name, pristine) {
                 continue;
             }
-            if fsops::stat_at(&dir, &name).ok().flatten().is_some_and(|st| Kind::of_mode(st.st_mode) == Kind::Directory) {
+            if fsops::stat_at(&dir, &name)
+                .ok()
+                .flatten()
+                .is_some_and(|st| Kind::of_mode(st.st_mode) == Kind::Directory)
+            {
                 let aside = fsops::move_aside(&dir, &name).map_err(|e| self.fs_error(rel, e))?;
                 tracing::debug!(file = %rel.display(), moved_to = %aside, "a directory stood in place of a protected file");
             }
-            fsops::write_replace(&dir, &name, pristine, 0o444, None).map_err(|e| self.fs_error(rel, e))?;
+            fsops::write_replace(&dir, &name, pristine, 0o444, None)
+                .map_err(|e| self.fs_error(rel, e))?;
             restored.push(rel.display().to_string());
         }
         Ok(restored)
@@ -304,15 +380,23 @@ impl Workspace {
 
     /// The protected file is the server's own regular 0444 file with the pristine bytes.
     fn is_intact(&self, dir: &OwnedFd, name: &std::ffi::CStr, pristine: &[u8]) -> bool {
-        let Ok((mut file, st)) = fsops::open_regular(self.resolver, dir, Path::new(OsStr::from_bytes(name.to_bytes()))) else {
+        let Ok((mut file, st)) = fsops::open_regular(
+            self.resolver,
+            dir,
+            Path::new(OsStr::from_bytes(name.to_bytes())),
+        ) else {
             return false;
         };
         // SAFETY: geteuid has no preconditions.
         let server = unsafe { libc::geteuid() };
-        if st.st_mode & 0o7777 != 0o444 || st.st_uid != server || st.st_size as usize != pristine.len() {
+        if st.st_mode & 0o7777 != 0o444
+            || st.st_uid != server
+            || st.st_size as usize != pristine.len()
+        {
             return false;
         }
-        fsops::read_capped(&mut file, st.st_size as u64, pristine.len() as u64).is_ok_and(|c| !c.truncated && c.bytes == pristine)
+        fsops::read_capped(&mut file, st.st_size as u64, pristine.len() as u64)
+            .is_ok_and(|c| !c.truncated && c.bytes == pristine)
     }
 
     /// The candidate's files for evaluation: `model_new.py` and everything under `kernels/`,
@@ -325,8 +409,19 @@ impl Workspace {
 
     /// Like [`Workspace::collect_solution`] for any files and directories (relative to the
     /// root): a recall task's answer file, say.
-    pub fn collect(&self, files: &[&str], dirs: &[&str], max_bytes: u64) -> Result<Solution, ToolError> {
-        let mut c = Collector { ws: self, solution: Solution::default(), left: max_bytes, limit: max_bytes, entries: 0 };
+    pub fn collect(
+        &self,
+        files: &[&str],
+        dirs: &[&str],
+        max_bytes: u64,
+    ) -> Result<Solution, ToolError> {
+        let mut c = Collector {
+            ws: self,
+            solution: Solution::default(),
+            left: max_bytes,
+            limit: max_bytes,
+            entries: 0,
+        };
         for f in files {
             let rel = self.rel_path(f)?;
             let (parent, name) = split(&rel)?;
@@ -368,16 +463,26 @@ struct Collector<'a> {
 
 impl Collector<'_> {
     fn skip(&mut self, rel: &Path, reason: impl Into<String>) {
-        self.solution.skipped.push(SkippedFile { path: rel.display().to_string(), reason: reason.into() });
+        self.solution.skipped.push(SkippedFile {
+            path: rel.display().to_string(),
+            reason: reason.into(),
+        });
     }
 
     /// Records why `rel` (or the directory it is in) could not be opened.
     fn skip_dir_error(&mut self, rel: &Path, e: std::io::Error) {
         match self.ws.fs_error(rel, e) {
             ToolError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {}
-            ToolError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOTDIR) => self.skip(rel, "not a directory"),
-            ToolError::Link(link) if link == rel.display().to_string() => self.skip(rel, "a symbolic link (links are not followed)"),
-            ToolError::Link(link) => self.skip(rel, format!("{link} is a symbolic link (links are not followed)")),
+            ToolError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOTDIR) => {
+                self.skip(rel, "not a directory")
+            }
+            ToolError::Link(link) if link == rel.display().to_string() => {
+                self.skip(rel, "a symbolic link (links are not followed)")
+            }
+            ToolError::Link(link) => self.skip(
+                rel,
+                format!("{link} is a symbolic link (links are not followed)"),
+            ),
             other => self.skip(rel, other.to_string()),
         }
     }
@@ -404,11 +509,15 @@ impl Collector<'_> {
             self.skip(rel, "a hard link to a file the agent does not own");
             return Ok(());
         }
-        let too_large = || ToolError::TooLarge { what: format!("the solution's files (at {})", rel.display()), limit: self.limit };
+        let too_large = || ToolError::TooLarge {
+            what: format!("the solution's files (at {})", rel.display()),
+            limit: self.limit,
+        };
         if st.st_size as u64 > self.left {
             return Err(too_large());
         }
-        let capped = fsops::read_capped(&mut file, st.st_size as u64, self.left).map_err(|e| self.ws.fs_error(rel, e))?;
+        let capped = fsops::read_capped(&mut file, st.st_size as u64, self.left)
+            .map_err(|e| self.ws.fs_error(rel, e))?;
         if capped.truncated {
             return Err(too_large());
         }
@@ -424,7 +533,8 @@ impl Collector<'_> {
 
     fn dir(&mut self, dir: &OwnedFd, rel: &Path, depth: usize) -> Result<(), ToolError> {
         let room = SOLUTION_MAX_ENTRIES.saturating_sub(self.entries);
-        let (mut entries, stopped) = fsops::list_dir(dir, room).map_err(|e| self.ws.fs_error(rel, e))?;
+        let (mut entries, stopped) =
+            fsops::list_dir(dir, room).map_err(|e| self.ws.fs_error(rel, e))?;
         self.entries += entries.len();
         entries.sort_by(|a, b| a.name.cmp(&b.name));
         for e in entries {
@@ -434,7 +544,8 @@ impl Collector<'_> {
                 Kind::Directory if depth >= SOLUTION_MAX_DEPTH => {
                     self.skip(&child, format!("deeper than {SOLUTION_MAX_DEPTH} levels"));
                 }
-                Kind::Directory => match fsops::open_dir(self.ws.resolver, dir, Path::new(&e.name)) {
+                Kind::Directory => match fsops::open_dir(self.ws.resolver, dir, Path::new(&e.name))
+                {
                     Ok(sub) => self.dir(&sub, &child, depth + 1)?,
                     Err(err) => self.skip_dir_error(&child, err),
                 },
@@ -443,7 +554,10 @@ impl Collector<'_> {
             }
         }
         if stopped {
-            self.skip(rel, format!("more than {SOLUTION_MAX_ENTRIES} entries; the rest were not looked at"));
+            self.skip(
+                rel,
+                format!("more than {SOLUTION_MAX_ENTRIES} entries; the rest were not looked at"),
+            );
         }
         Ok(())
     }
@@ -451,8 +565,11 @@ impl Collector<'_> {
 
 /// Splits a normalised relative path into its parent and its last name.
 fn split(rel: &Path) -> Result<(&Path, CString), ToolError> {
-    let name = rel.file_name().ok_or_else(|| ToolError::InvalidArgument("the path names the workspace itself, not a file".into()))?;
-    let name = CString::new(name.as_bytes()).map_err(|_| ToolError::InvalidArgument("path contains a NUL byte".into()))?;
+    let name = rel.file_name().ok_or_else(|| {
+        ToolError::InvalidArgument("the path names the workspace itself, not a file".into())
+    })?;
+    let name = CString::new(name.as_bytes())
+        .map_err(|_| ToolError::InvalidArgument("path contains a NUL byte".into()))?;
     Ok((rel.parent().unwrap_or(Path::new("")), name))
 }
 

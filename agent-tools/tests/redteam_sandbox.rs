@@ -14,7 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_tools::sandbox::{KernelFeatures, ProcessView, UidLease, UidPool, Volume, VolumeLimits};
-use agent_tools::{create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits, ToolOutput, Toolbox, Workspace};
+use agent_tools::{
+    create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits,
+    ToolOutput, Toolbox, Workspace,
+};
 use serde_json::json;
 
 fn features() -> KernelFeatures {
@@ -25,12 +28,24 @@ fn features() -> KernelFeatures {
 fn with_marker(marker: &str) -> Vec<i32> {
     let mut found = Vec::new();
     for e in std::fs::read_dir("/proc").expect("proc").flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .map(|s| {
+                s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
             .unwrap_or(true);
-        if !zombie && String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(marker) {
+        if !zombie
+            && String::from_utf8_lossy(&cmdline)
+                .replace('\0', " ")
+                .contains(marker)
+        {
             found.push(pid);
         }
     }
@@ -76,7 +91,12 @@ fn episode(limits: ResourceLimits, quota: VolumeLimits, view: ProcessView) -> Ep
 }
 
 /// An episode whose sandbox uses cgroups or not (to exercise the fallbacks).
-fn episode_with(limits: ResourceLimits, quota: VolumeLimits, view: ProcessView, cgroups: bool) -> Episode {
+fn episode_with(
+    limits: ResourceLimits,
+    quota: VolumeLimits,
+    view: ProcessView,
+    cgroups: bool,
+) -> Episode {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
     let (py_bin, py_prefixes) = common::python_dirs();
@@ -92,18 +112,41 @@ fn episode_with(limits: ResourceLimits, quota: VolumeLimits, view: ProcessView, 
     create_private_dir(&root, owner).expect("workspace");
     create_private_dir(&tmp, owner).expect("tmp");
     let ws = Workspace::open(&root, owner).expect("workspace");
-    let path = vec![py_bin, PathBuf::from("/usr/local/bin"), PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
+    let path = vec![
+        py_bin,
+        PathBuf::from("/usr/local/bin"),
+        PathBuf::from("/usr/bin"),
+        PathBuf::from("/bin"),
+    ];
     let mut jail = Jail::standard(ws.root(), &tmp, &path, &[], owner);
     jail.process_view = view;
     jail.volume = Some(volume.clone());
-    let toolbox = Toolbox::new(sandbox.clone(), ws, jail, tmp.clone(), ToolLimits::default());
+    let toolbox = Toolbox::new(
+        sandbox.clone(),
+        ws,
+        jail,
+        tmp.clone(),
+        ToolLimits::default(),
+    );
     let root = toolbox.workspace().root().to_path_buf();
-    Episode { toolbox, sandbox, root, tmp, volume, lease, dir }
+    Episode {
+        toolbox,
+        sandbox,
+        root,
+        tmp,
+        volume,
+        lease,
+        dir,
+    }
 }
 
 impl Episode {
     fn new() -> Self {
-        episode(ResourceLimits::default(), VolumeLimits::bytes(256 << 20), ProcessView::Private)
+        episode(
+            ResourceLimits::default(),
+            VolumeLimits::bytes(256 << 20),
+            ProcessView::Private,
+        )
     }
 
     async fn call(&mut self, tool: &str, args: serde_json::Value) -> ToolOutput {
@@ -125,12 +168,21 @@ impl Episode {
 /// offers no pid namespace or cgroup (the fallbacks).
 #[tokio::test]
 async fn a_dropped_step_takes_every_process_with_it() {
-    for (i, (view, cgroups)) in
-        [(ProcessView::Private, true), (ProcessView::OwnUid, false), (ProcessView::Host, false), (ProcessView::Host, true)]
-            .into_iter()
-            .enumerate()
+    for (i, (view, cgroups)) in [
+        (ProcessView::Private, true),
+        (ProcessView::OwnUid, false),
+        (ProcessView::Host, false),
+        (ProcessView::Host, true),
+    ]
+    .into_iter()
+    .enumerate()
     {
-        let mut ep = episode_with(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), view, cgroups);
+        let mut ep = episode_with(
+            ResourceLimits::default(),
+            VolumeLimits::bytes(64 << 20),
+            view,
+            cgroups,
+        );
         let marker = format!("7001.{i}151");
         let cmd = format!("sleep {marker} & setsid sleep {marker} 2>/dev/null & nohup sleep {marker} >/dev/null 2>&1 & (trap '' TERM; sleep {marker}) & sleep {marker}");
         let call = ToolCall::parse("Bash", &json!({"command": cmd})).expect("call");
@@ -143,7 +195,11 @@ async fn a_dropped_step_takes_every_process_with_it() {
             }
             // The step's future is dropped here, as axum drops a handler whose client left.
         }
-        assert_eq!(gone(&marker).await, Vec::<i32>::new(), "{view:?}, cgroups {cgroups}: processes of a dropped step survived it");
+        assert_eq!(
+            gone(&marker).await,
+            Vec::<i32>::new(),
+            "{view:?}, cgroups {cgroups}: processes of a dropped step survived it"
+        );
     }
 }
 
@@ -152,8 +208,11 @@ async fn a_dropped_step_takes_every_process_with_it() {
 #[tokio::test]
 async fn processes_die_with_the_server() {
     let uid = (400_000 + std::process::id() % 1000 * 4).to_string();
-    let variants: Vec<Vec<&str>> =
-        vec![vec![], vec!["--view", "host", "--no-cgroups", "--uid", &uid], vec!["--view", "own-uid", "--no-cgroups", "--uid", &uid]];
+    let variants: Vec<Vec<&str>> = vec![
+        vec![],
+        vec!["--view", "host", "--no-cgroups", "--uid", &uid],
+        vec!["--view", "own-uid", "--no-cgroups", "--uid", &uid],
+    ];
     for (i, flags) in variants.into_iter().enumerate() {
         if !features().can_switch_uid && !flags.is_empty() {
             continue;
@@ -173,7 +232,11 @@ async fn processes_die_with_the_server() {
         started(&marker, 4).await;
         server.start_kill().expect("kill");
         let _ = server.wait().await;
-        assert_eq!(gone(&marker).await, Vec::<i32>::new(), "{flags:?}: processes outlived the server that started them");
+        assert_eq!(
+            gone(&marker).await,
+            Vec::<i32>::new(),
+            "{flags:?}: processes outlived the server that started them"
+        );
     }
 }
 
@@ -211,13 +274,19 @@ async fn a_uid_with_a_live_process_or_another_servers_lock_is_never_leased() {
         held.push(pool.acquire().expect("a free uid"));
     }
     let uids: Vec<u32> = held.iter().map(UidLease::uid).collect();
-    assert!(!uids.contains(&base), "leased a uid a live process runs as: {uids:?}");
+    assert!(
+        !uids.contains(&base),
+        "leased a uid a live process runs as: {uids:?}"
+    );
     let mut sorted = uids.clone();
     sorted.sort_unstable();
     sorted.dedup();
     assert_eq!(sorted.len(), 3, "two leases share a uid: {uids:?}");
     // The range is exhausted: neither server gets one, rather than a shared one.
-    assert!(matches!(b.acquire(), Err(agent_tools::SandboxError::NoFreeUid { .. })));
+    assert!(matches!(
+        b.acquire(),
+        Err(agent_tools::SandboxError::NoFreeUid { .. })
+    ));
     let _ = leftover.kill();
     let _ = leftover.wait();
 }
@@ -237,7 +306,11 @@ async fn an_evaluation_gets_two_distinct_uids_and_a_released_uid_is_emptied() {
     let mut child = leftover_as(worker.uid(), marker);
     drop(worker);
     let _ = child.wait();
-    assert_eq!(gone(marker).await, Vec::<i32>::new(), "a process outlived its uid's lease");
+    assert_eq!(
+        gone(marker).await,
+        Vec::<i32>::new(),
+        "a process outlived its uid's lease"
+    );
 }
 
 /// What a crashed server left (processes under unleased uids of the range) is killed by the
@@ -255,15 +328,25 @@ async fn the_start_sweep_kills_what_a_previous_run_left() {
     config.uid_range = base..base + 4;
     let other_server = UidPool::new(locks.path(), base..base + 4).expect("pool");
     let held = other_server.acquire().expect("uid");
-    let orphan_uid = (base..base + 4).find(|u| *u != held.uid()).expect("another uid");
+    let orphan_uid = (base..base + 4)
+        .find(|u| *u != held.uid())
+        .expect("another uid");
     let mut orphan = leftover_as(orphan_uid, "7006.5151");
     let mut live = leftover_as(held.uid(), "7006.6161");
     let sandbox = Sandbox::new(config).expect("sandbox");
     let report = sandbox.sweep_leftovers();
     assert!(report.processes_killed >= 1, "{report:?}");
     let _ = orphan.wait();
-    assert_eq!(gone("7006.5151").await, Vec::<i32>::new(), "a previous run's process survived the sweep");
-    assert_eq!(with_marker("7006.6161").len(), 1, "the sweep killed a live server's process");
+    assert_eq!(
+        gone("7006.5151").await,
+        Vec::<i32>::new(),
+        "a previous run's process survived the sweep"
+    );
+    assert_eq!(
+        with_marker("7006.6161").len(),
+        1,
+        "the sweep killed a live server's process"
+    );
     let _ = live.kill();
     let _ = live.wait();
 }
@@ -316,10 +399,20 @@ print("pair-stream", b.recv(1))
     std::fs::write(ep.root.join("probe.py"), script).expect("write");
     let out = ep.bash("python3 probe.py").await;
     assert!(!out.text.contains("REACHED"), "{}", out.text);
-    assert!(out.text.contains("pair-stream b'x'"), "socketpair must keep working: {}", out.text);
-    assert!(listener.accept().is_err(), "the host accepted a connection from inside");
+    assert!(
+        out.text.contains("pair-stream b'x'"),
+        "socketpair must keep working: {}",
+        out.text
+    );
+    assert!(
+        listener.accept().is_err(),
+        "the host accepted a connection from inside"
+    );
     let mut buf = [0u8; 16];
-    assert!(dgram.recv(&mut buf).is_err(), "the host received a datagram from inside");
+    assert!(
+        dgram.recv(&mut buf).is_err(),
+        "the host received a datagram from inside"
+    );
 }
 
 /// The server's command line (with whatever secret it was given) and other episodes'
@@ -327,7 +420,11 @@ print("pair-stream", b.recv(1))
 #[tokio::test]
 async fn other_processes_and_their_command_lines_are_invisible() {
     for view in [ProcessView::Private, ProcessView::OwnUid] {
-        let mut ep = episode(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), view);
+        let mut ep = episode(
+            ResourceLimits::default(),
+            VolumeLimits::bytes(64 << 20),
+            view,
+        );
         if ep.sandbox.effective_view(view) != view {
             eprintln!("skipped {view:?}: not available on this host");
             continue;
@@ -345,16 +442,37 @@ async fn other_processes_and_their_command_lines_are_invisible() {
         let other = Episode::new();
         let mut neighbour = other
             .sandbox
-            .command(&other.toolbox_jail(), Path::new("/bin/sleep"), &["7007.6161".into()], &other.root)
+            .command(
+                &other.toolbox_jail(),
+                Path::new("/bin/sleep"),
+                &["7007.6161".into()],
+                &other.root,
+            )
             .expect("command")
             .spawn()
             .expect("spawn");
         started("7007.6161", 1).await;
         let out = ep.bash("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; echo; ls /proc | grep -c '^[0-9]'").await;
-        assert!(!out.text.contains("s3cret"), "{view:?}: the server's argv is readable: {}", out.text);
-        assert!(!out.text.contains("7007.5151"), "{view:?}: a host process is visible: {}", out.text);
-        assert!(!out.text.contains("7007.6161"), "{view:?}: another episode's process is visible: {}", out.text);
-        assert!(out.text.contains("cat /proc"), "{view:?}: its own processes must stay visible: {}", out.text);
+        assert!(
+            !out.text.contains("s3cret"),
+            "{view:?}: the server's argv is readable: {}",
+            out.text
+        );
+        assert!(
+            !out.text.contains("7007.5151"),
+            "{view:?}: a host process is visible: {}",
+            out.text
+        );
+        assert!(
+            !out.text.contains("7007.6161"),
+            "{view:?}: another episode's process is visible: {}",
+            out.text
+        );
+        assert!(
+            out.text.contains("cat /proc"),
+            "{view:?}: its own processes must stay visible: {}",
+            out.text
+        );
         let _ = host.kill();
         let _ = host.wait();
         neighbour.kill_all().await;
@@ -367,8 +485,16 @@ async fn other_processes_and_their_command_lines_are_invisible() {
 #[tokio::test]
 async fn fifos_and_proc_stat_work_between_jails() {
     let ep_private = Episode::new();
-    let ep_worker = episode(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), ProcessView::OwnUid);
-    let ep_judge = episode(ResourceLimits::default(), VolumeLimits::bytes(64 << 20), ProcessView::Host);
+    let ep_worker = episode(
+        ResourceLimits::default(),
+        VolumeLimits::bytes(64 << 20),
+        ProcessView::OwnUid,
+    );
+    let ep_judge = episode(
+        ResourceLimits::default(),
+        VolumeLimits::bytes(64 << 20),
+        ProcessView::Host,
+    );
     let shared = ep_judge.dir.path().join("shared");
     std::fs::create_dir(&shared).expect("shared");
     std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -388,7 +514,11 @@ async fn fifos_and_proc_stat_work_between_jails() {
             "import os\nwith open('{}', 'w') as f: f.write(str(os.getpid()) + ' hello')\nimport time\ntime.sleep(0.5)",
             fifo.display()
         );
-        ep.sandbox.command(&jail, &python, &["-c".into(), code.into()], &ep.root).expect("command").spawn().expect("spawn")
+        ep.sandbox
+            .command(&jail, &python, &["-c".into(), code.into()], &ep.root)
+            .expect("command")
+            .spawn()
+            .expect("spawn")
     };
     let mut judge_jail = ep_judge.toolbox_jail();
     judge_jail.read_only.push(shared.clone());
@@ -399,7 +529,12 @@ async fn fifos_and_proc_stat_work_between_jails() {
     );
     let mut judge = ep_judge
         .sandbox
-        .command(&judge_jail, &python, &["-c".into(), judge_code.into()], &ep_judge.root)
+        .command(
+            &judge_jail,
+            &python,
+            &["-c".into(), judge_code.into()],
+            &ep_judge.root,
+        )
         .expect("command")
         .spawn()
         .expect("judge");
@@ -426,7 +561,13 @@ async fn fifos_and_proc_stat_work_between_jails() {
 impl Episode {
     fn toolbox_jail(&self) -> Jail {
         let path = vec![PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
-        let mut j = Jail::standard(&self.root, &self.tmp, &path, &[], self.lease.as_ref().map(UidLease::owner));
+        let mut j = Jail::standard(
+            &self.root,
+            &self.tmp,
+            &path,
+            &[],
+            self.lease.as_ref().map(UidLease::owner),
+        );
         j.volume = Some(self.volume.clone());
         j
     }
@@ -440,15 +581,24 @@ impl Episode {
 /// after the step; the result says why.
 #[tokio::test]
 async fn the_temp_dir_counts_and_a_full_quota_ends_the_command() {
-    let mut ep = episode(ResourceLimits::default(), VolumeLimits::bytes(32 << 20), ProcessView::Private);
+    let mut ep = episode(
+        ResourceLimits::default(),
+        VolumeLimits::bytes(32 << 20),
+        ProcessView::Private,
+    );
     let out = ep
         .call("Bash", json!({"command": "head -c 200000000 /dev/zero > \"$TMPDIR/fill\"; echo wrote; sleep 7008.5151", "timeout": 300000}))
         .await;
     assert_eq!(out.data["breach"], "disk_quota", "{}", out.text);
     assert_eq!(out.data["timed_out"], false, "{}", out.text);
     assert!(out.text.contains("disk quota"), "{}", out.text);
-    let size = std::fs::metadata(ep.tmp.join("fill")).map(|m| m.len()).unwrap_or(0);
-    assert!(size <= 32 << 20, "{size} bytes written against a 32 MiB quota");
+    let size = std::fs::metadata(ep.tmp.join("fill"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    assert!(
+        size <= 32 << 20,
+        "{size} bytes written against a 32 MiB quota"
+    );
     assert!(ep.volume.usage().bytes <= 32 << 20);
     assert_eq!(gone("7008.5151").await, Vec::<i32>::new());
 }
@@ -456,7 +606,14 @@ async fn the_temp_dir_counts_and_a_full_quota_ends_the_command() {
 /// Many empty files (which slow every later walk of the workspace) hit the inode quota.
 #[tokio::test]
 async fn empty_files_hit_the_inode_quota() {
-    let mut ep = episode(ResourceLimits::default(), VolumeLimits { bytes: 64 << 20, inodes: 500 }, ProcessView::Private);
+    let mut ep = episode(
+        ResourceLimits::default(),
+        VolumeLimits {
+            bytes: 64 << 20,
+            inodes: 500,
+        },
+        ProcessView::Private,
+    );
     let out = ep.bash("python3 -c 'import os\nfor i in range(5000): open(\"f%d\" % i, \"w\").close()'; ls | wc -l").await;
     assert_eq!(out.data["breach"], "inode_quota", "{}", out.text);
     assert!(ep.volume.usage().inodes <= 500);
@@ -470,11 +627,19 @@ async fn memory_across_all_processes_is_bounded() {
         eprintln!("skipped: no memory cgroup on this host");
         return;
     }
-    let limits = ResourceLimits { total_memory_bytes: 256 << 20, ..ResourceLimits::default() };
+    let limits = ResourceLimits {
+        total_memory_bytes: 256 << 20,
+        ..ResourceLimits::default()
+    };
     let mut ep = episode(limits, VolumeLimits::bytes(64 << 20), ProcessView::Private);
     // Bytes built by repetition are written, so their pages are really used.
     let hog = "python3 -c 'x = b\"y\" * (120 << 20); import time; time.sleep(7009.5151)'";
-    let out = ep.call("Bash", json!({"command": format!("{hog} & {hog} & {hog} & {hog} & wait"), "timeout": 300000})).await;
+    let out = ep
+        .call(
+            "Bash",
+            json!({"command": format!("{hog} & {hog} & {hog} & {hog} & wait"), "timeout": 300000}),
+        )
+        .await;
     assert_eq!(out.data["breach"], "memory_limit", "{}", out.text);
     assert_eq!(gone("7009.5151").await, Vec::<i32>::new());
 }
@@ -487,7 +652,10 @@ async fn processes_across_the_command_are_bounded() {
         eprintln!("skipped: no pids cgroup on this host");
         return;
     }
-    let limits = ResourceLimits { total_processes: 32, ..ResourceLimits::default() };
+    let limits = ResourceLimits {
+        total_processes: 32,
+        ..ResourceLimits::default()
+    };
     let mut ep = episode(limits, VolumeLimits::bytes(64 << 20), ProcessView::Private);
     let out = ep.call("Bash", json!({"command": "for i in $(seq 1 100); do sleep 7010.5151 & done; wait", "timeout": 300000})).await;
     assert_eq!(out.data["breach"], "process_limit", "{}", out.text);
@@ -499,7 +667,15 @@ async fn processes_across_the_command_are_bounded() {
 fn the_status_names_every_layer() {
     let sandbox = Sandbox::new(SandboxConfig::with_toolchains(Vec::new())).expect("sandbox");
     let status = serde_json::to_value(sandbox.status()).expect("json");
-    for key in ["process_view", "kill_method", "die_with_server", "unix_sockets", "cgroups", "disk_quota", "uid_pool"] {
+    for key in [
+        "process_view",
+        "kill_method",
+        "die_with_server",
+        "unix_sockets",
+        "cgroups",
+        "disk_quota",
+        "uid_pool",
+    ] {
         assert!(status.get(key).is_some(), "{key} missing from {status}");
     }
     assert_eq!(status["unix_sockets"], "socketpair_only");

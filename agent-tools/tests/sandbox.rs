@@ -25,14 +25,18 @@ async fn writing_outside_the_workspace_is_denied() {
     assert!(out.text.contains("Permission denied"), "{}", out.text);
     assert!(!std::path::Path::new("/tmp/cuda-agent-escape-test").exists());
     // The temp dir is writable, as is the workspace.
-    let out = f.bash("echo ok > \"$TMPDIR/t\" && echo ok > w && cat \"$TMPDIR/t\" w").await;
+    let out = f
+        .bash("echo ok > \"$TMPDIR/t\" && echo ok > w && cat \"$TMPDIR/t\" w")
+        .await;
     assert_eq!(out.text, "ok\nok\n", "{}", out.text);
 }
 
 #[tokio::test]
 async fn other_workspaces_and_server_files_are_unreadable() {
     let mut f = fixture();
-    let out = f.bash(&format!("cat {}/model_new.py", f.other_workspace.display())).await;
+    let out = f
+        .bash(&format!("cat {}/model_new.py", f.other_workspace.display()))
+        .await;
     assert!(out.text.contains("Permission denied"), "{}", out.text);
     assert!(!out.text.contains("secret kernel"));
     let out = f.bash(&format!("ls {}", f.other_workspace.display())).await;
@@ -47,14 +51,24 @@ async fn other_workspaces_and_server_files_are_unreadable() {
 #[tokio::test]
 async fn proc_is_writable_only_for_the_process_itself() {
     let mut f = fixture();
-    let out = f.bash("echo mine > /proc/self/comm && echo wrote; echo evil > /proc/1/comm").await;
+    let out = f
+        .bash("echo mine > /proc/self/comm && echo wrote; echo evil > /proc/1/comm")
+        .await;
     assert!(out.text.starts_with("wrote\n"), "{}", out.text);
     // pid 1 is the command's namespace's init, hidden from it, or (without a pid namespace)
     // the host's, whose entries are not the command's to write.
-    assert!(out.text.contains("Permission denied") || out.text.contains("No such file"), "{}", out.text);
+    assert!(
+        out.text.contains("Permission denied") || out.text.contains("No such file"),
+        "{}",
+        out.text
+    );
     let out = f.bash("echo evil > /proc/sys/kernel/hostname").await;
     assert!(out.is_error, "{}", out.text);
-    assert!(out.text.contains("Permission denied") || out.text.contains("Read-only"), "{}", out.text);
+    assert!(
+        out.text.contains("Permission denied") || out.text.contains("Read-only"),
+        "{}",
+        out.text
+    );
     let out = f.bash("touch /proc/newfile").await;
     assert!(out.is_error, "{}", out.text);
 }
@@ -62,9 +76,16 @@ async fn proc_is_writable_only_for_the_process_itself() {
 #[tokio::test]
 async fn a_planted_symlink_does_not_lead_out() {
     let mut f = fixture();
-    let out = f.bash(&format!("ln -s {} leak && cat leak/model_new.py", f.other_workspace.display())).await;
+    let out = f
+        .bash(&format!(
+            "ln -s {} leak && cat leak/model_new.py",
+            f.other_workspace.display()
+        ))
+        .await;
     assert!(out.text.contains("Permission denied"), "{}", out.text);
-    let out = f.bash(&format!("ln -s {} seeds && cat seeds", f.secret.display())).await;
+    let out = f
+        .bash(&format!("ln -s {} seeds && cat seeds", f.secret.display()))
+        .await;
     assert!(out.text.contains("Permission denied"), "{}", out.text);
     let out = f.call("Read", json!({"file_path": "seeds"})).await;
     assert!(out.is_error, "{}", out.text);
@@ -90,19 +111,32 @@ async fn tcp_to_localhost_is_denied_from_python_bash_and_curl() {
     let out =
         f.bash(&format!("python3 -c 'import socket; s=socket.socket(); s.connect((\"127.0.0.1\", {port})); print(\"connected\")'")).await;
     assert!(out.text.contains("PermissionError"), "{}", out.text);
-    let out = f.bash("python3 -c 'import socket; socket.socket(socket.AF_INET6)'").await;
+    let out = f
+        .bash("python3 -c 'import socket; socket.socket(socket.AF_INET6)'")
+        .await;
     assert!(out.text.contains("PermissionError"), "{}", out.text);
-    let out = f.bash(&format!("echo hi > /dev/tcp/127.0.0.1/{port}")).await;
+    let out = f
+        .bash(&format!("echo hi > /dev/tcp/127.0.0.1/{port}"))
+        .await;
     assert!(out.text.contains("Operation not permitted"), "{}", out.text);
     if std::path::Path::new("/usr/bin/curl").exists() {
-        let out = f.bash(&format!("curl -sS --max-time 3 http://127.0.0.1:{port}/")).await;
+        let out = f
+            .bash(&format!("curl -sS --max-time 3 http://127.0.0.1:{port}/"))
+            .await;
         assert!(out.is_error, "{}", out.text);
         assert!(out.text.contains("curl: ("), "{}", out.text);
     }
     std::thread::sleep(Duration::from_millis(50));
-    assert!(nobody_connected(&l), "a sandboxed process reached the listener");
+    assert!(
+        nobody_connected(&l),
+        "a sandboxed process reached the listener"
+    );
     // Unix sockets still work (toolchains use socketpairs).
-    let out = f.bash("python3 -c 'import socket; a,b=socket.socketpair(); a.send(b\"x\"); print(b.recv(1))'").await;
+    let out = f
+        .bash(
+            "python3 -c 'import socket; a,b=socket.socketpair(); a.send(b\"x\"); print(b.recv(1))'",
+        )
+        .await;
     assert_eq!(out.text.trim(), "b'x'", "{}", out.text);
 }
 
@@ -124,8 +158,16 @@ print("setsid", *call("setsid"))
     std::fs::write(f.root.join("probe.py"), script).unwrap();
     let out = f.bash("python3 probe.py").await;
     for name in ["ptrace", "mount", "unshare", "io_uring", "setsid"] {
-        let line = out.text.lines().find(|l| l.starts_with(name)).unwrap_or_default();
-        assert!(line.contains("-1 Operation not permitted"), "{name}: {}", out.text);
+        let line = out
+            .text
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_default();
+        assert!(
+            line.contains("-1 Operation not permitted"),
+            "{name}: {}",
+            out.text
+        );
     }
     if std::path::Path::new("/usr/bin/strace").exists() {
         let out = f.bash("strace -f true").await;
@@ -137,7 +179,9 @@ print("setsid", *call("setsid"))
 #[tokio::test]
 async fn no_new_privs_and_seccomp_are_set() {
     let mut f = fixture();
-    let out = f.bash("grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status").await;
+    let out = f
+        .bash("grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status")
+        .await;
     assert!(out.text.contains("NoNewPrivs:\t1"), "{}", out.text);
     assert!(out.text.contains("Seccomp:\t2"), "{}", out.text);
     if features().can_switch_uid {
@@ -149,12 +193,21 @@ async fn no_new_privs_and_seccomp_are_set() {
 #[tokio::test]
 async fn a_fork_bomb_is_bounded_by_the_process_limit() {
     if !features().can_switch_uid {
-        eprintln!("skipped: RLIMIT_NPROC only binds a non-root uid, and this server cannot switch uids");
+        eprintln!(
+            "skipped: RLIMIT_NPROC only binds a non-root uid, and this server cannot switch uids"
+        );
         return;
     }
-    let mut f = fixture_with(ResourceLimits { processes: 64, ..ResourceLimits::default() });
+    let mut f = fixture_with(ResourceLimits {
+        processes: 64,
+        ..ResourceLimits::default()
+    });
     let out = f.call("Bash", json!({"command": "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", "timeout": 8000})).await;
-    assert!(out.text.contains("Resource temporarily unavailable") || out.text.contains("retry"), "{}", out.text);
+    assert!(
+        out.text.contains("Resource temporarily unavailable") || out.text.contains("retry"),
+        "{}",
+        out.text
+    );
     // Nothing of it is left after the step.
     let out = f.bash("ps -u $(id -u) -o pid= | wc -l").await;
     let procs: usize = out.text.trim().parse().unwrap_or(usize::MAX);
@@ -163,19 +216,33 @@ async fn a_fork_bomb_is_bounded_by_the_process_limit() {
 
 #[tokio::test]
 async fn memory_past_the_limit_fails_to_allocate() {
-    let mut f = fixture_with(ResourceLimits { memory_bytes: 512 << 20, ..ResourceLimits::default() });
-    let out = f.bash("python3 -c 'x = bytearray(2 << 30); print(len(x))'").await;
+    let mut f = fixture_with(ResourceLimits {
+        memory_bytes: 512 << 20,
+        ..ResourceLimits::default()
+    });
+    let out = f
+        .bash("python3 -c 'x = bytearray(2 << 30); print(len(x))'")
+        .await;
     assert!(out.text.contains("MemoryError"), "{}", out.text);
-    let out = f.bash("python3 -c 'x = bytearray(64 << 20); print(len(x))'").await;
+    let out = f
+        .bash("python3 -c 'x = bytearray(64 << 20); print(len(x))'")
+        .await;
     assert_eq!(out.text.trim(), "67108864", "{}", out.text);
 }
 
 #[tokio::test]
 async fn a_huge_file_is_cut_at_the_file_size_limit() {
-    let mut f = fixture_with(ResourceLimits { file_size_bytes: 8 << 20, ..ResourceLimits::default() });
+    let mut f = fixture_with(ResourceLimits {
+        file_size_bytes: 8 << 20,
+        ..ResourceLimits::default()
+    });
     let out = f.bash("head -c 100000000 /dev/zero > big.bin").await;
     assert!(out.is_error);
-    assert!(out.text.contains("File size limit exceeded") || out.data["exit_code"] == 153, "{}", out.text);
+    assert!(
+        out.text.contains("File size limit exceeded") || out.data["exit_code"] == 153,
+        "{}",
+        out.text
+    );
     let size = std::fs::metadata(f.root.join("big.bin")).unwrap().len();
     assert!(size <= 8 << 20, "{size}");
 }
@@ -184,12 +251,24 @@ async fn a_huge_file_is_cut_at_the_file_size_limit() {
 fn with_marker(marker: &str) -> Vec<i32> {
     let mut found = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .map(|s| {
+                s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
             .unwrap_or(true);
-        if !zombie && String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(marker) {
+        if !zombie
+            && String::from_utf8_lossy(&cmdline)
+                .replace('\0', " ")
+                .contains(marker)
+        {
             found.push(pid);
         }
     }
@@ -203,14 +282,22 @@ async fn nothing_outlives_a_timeout_or_the_end_of_a_command() {
         f.call("Bash", json!({"command": "sleep 1000.4711 & nohup sleep 1001.4711 >/dev/null 2>&1 & sleep 100", "timeout": 1000})).await;
     assert_eq!(out.data["timed_out"], true, "{}", out.text);
     assert!(out.text.contains("timed out"), "{}", out.text);
-    assert_eq!(with_marker(".4711"), Vec::<i32>::new(), "background processes survived the timeout");
+    assert_eq!(
+        with_marker(".4711"),
+        Vec::<i32>::new(),
+        "background processes survived the timeout"
+    );
     // A background process of a command that ended normally is gone too, also one that left
     // its process group.
     let out = f
         .bash("python3 -c 'import os,time\nif os.fork()==0:\n  os.setpgid(0,0); time.sleep(1000.4712)\nelse: print(\"parent done\")' ; sleep 0.2; true")
         .await;
     assert!(out.text.contains("parent done"), "{}", out.text);
-    assert_eq!(with_marker("1000.4712"), Vec::<i32>::new(), "a process in its own group survived");
+    assert_eq!(
+        with_marker("1000.4712"),
+        Vec::<i32>::new(),
+        "a process in its own group survived"
+    );
 }
 
 #[tokio::test]
@@ -221,21 +308,36 @@ async fn verify_py_cannot_be_changed_from_bash() {
     assert!(out.text.contains("Permission denied"), "{}", out.text);
     // Whatever the agent manages (chmod as owner, delete and re-create), the pristine file is put back.
     let out = f.bash("chmod u+w verify.py 2>/dev/null; rm -f verify.py; echo 'print(\"hacked\")' > verify.py; cat verify.py").await;
-    assert_eq!(std::fs::read_to_string(f.root.join("verify.py")).unwrap(), "print('pristine verify')\n");
+    assert_eq!(
+        std::fs::read_to_string(f.root.join("verify.py")).unwrap(),
+        "print('pristine verify')\n"
+    );
     assert!(out.text.contains("restored: verify.py"), "{}", out.text);
 }
 
 #[tokio::test]
 async fn toolchains_still_work_inside() {
     let mut f = fixture();
-    let out = f.bash("python3 -c 'import sys; print(sys.version_info[0])'").await;
+    let out = f
+        .bash("python3 -c 'import sys; print(sys.version_info[0])'")
+        .await;
     assert_eq!(out.text.trim(), "3", "{}", out.text);
-    std::fs::write(f.root.join("hello.cpp"), "#include <cstdio>\nint main(){std::puts(\"hello from g++\");}\n").unwrap();
+    std::fs::write(
+        f.root.join("hello.cpp"),
+        "#include <cstdio>\nint main(){std::puts(\"hello from g++\");}\n",
+    )
+    .unwrap();
     let out = f.bash("g++ -O2 -o hello hello.cpp && ./hello").await;
     assert_eq!(out.text.trim(), "hello from g++", "{}", out.text);
     if std::path::Path::new("/usr/local/cuda/bin/nvcc").exists() {
-        std::fs::write(f.root.join("k.cu"), "__global__ void k(){}\nint main(){k<<<1,1>>>(); return 0;}\n").unwrap();
-        let out = f.bash("/usr/local/cuda/bin/nvcc -o k k.cu && ./k && echo nvcc-ok").await;
+        std::fs::write(
+            f.root.join("k.cu"),
+            "__global__ void k(){}\nint main(){k<<<1,1>>>(); return 0;}\n",
+        )
+        .unwrap();
+        let out = f
+            .bash("/usr/local/cuda/bin/nvcc -o k k.cu && ./k && echo nvcc-ok")
+            .await;
         assert!(out.text.contains("nvcc-ok"), "{}", out.text);
     }
 }

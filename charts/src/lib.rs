@@ -21,7 +21,14 @@ pub enum ChartError {
 pub type Rgb = [u8; 3];
 
 /// Colours given to series in order.
-pub const PALETTE: [Rgb; 6] = [[31, 119, 180], [255, 127, 14], [44, 160, 44], [214, 39, 40], [148, 103, 189], [140, 86, 75]];
+pub const PALETTE: [Rgb; 6] = [
+    [31, 119, 180],
+    [255, 127, 14],
+    [44, 160, 44],
+    [214, 39, 40],
+    [148, 103, 189],
+    [140, 86, 75],
+];
 
 const INK: Rgb = [40, 40, 40];
 const GRID: Rgb = [225, 225, 225];
@@ -37,7 +44,11 @@ pub struct Canvas {
 impl Canvas {
     /// A white canvas.
     pub fn new(width: usize, height: usize) -> Self {
-        Self { width, height, pixels: vec![255; width * height * 3] }
+        Self {
+            width,
+            height,
+            pixels: vec![255; width * height * 3],
+        }
     }
 
     /// Width in pixels.
@@ -105,7 +116,13 @@ impl Canvas {
                     for (r, row) in rows.iter().enumerate() {
                         for (col, b) in row.bytes().enumerate() {
                             if b == b'#' {
-                                self.fill_rect(ox + col as i64 * scale, y + r as i64 * scale, scale, scale, c);
+                                self.fill_rect(
+                                    ox + col as i64 * scale,
+                                    y + r as i64 * scale,
+                                    scale,
+                                    scale,
+                                    c,
+                                );
                             }
                         }
                     }
@@ -176,7 +193,12 @@ pub struct LineChart {
 
 /// Bounds that include every finite point, padded so flat curves still show.
 fn bounds(points: impl Iterator<Item = (f64, f64)>) -> Option<(f64, f64, f64, f64)> {
-    let (mut x0, mut x1, mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, f64::NEG_INFINITY);
+    let (mut x0, mut x1, mut y0, mut y1) = (
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+    );
     let mut any = false;
     for (x, y) in points.filter(|(x, y)| x.is_finite() && y.is_finite()) {
         any = true;
@@ -222,7 +244,9 @@ impl LineChart {
         let (left, right, top, bottom) = (70i64, 12i64, 30i64, 34i64);
         let (pw, ph) = (width as i64 - left - right, height as i64 - top - bottom);
         c.text(left, 8, &self.title, INK, 2);
-        let Some((x0, x1, y0, y1)) = bounds(self.series.iter().flat_map(|s| s.points.iter().copied())) else {
+        let Some((x0, x1, y0, y1)) =
+            bounds(self.series.iter().flat_map(|s| s.points.iter().copied()))
+        else {
             c.text(left, top + ph / 2, "NO DATA", INK, 2);
             return c;
         };
@@ -234,19 +258,42 @@ impl LineChart {
             let y = py(yv);
             c.line((left, y), (left + pw, y), GRID, 1);
             let label = tick_label(yv);
-            c.text(left - 6 - Canvas::text_width(&label, 1), y - 3, &label, INK, 1);
+            c.text(
+                left - 6 - Canvas::text_width(&label, 1),
+                y - 3,
+                &label,
+                INK,
+                1,
+            );
             let xv = x0 + (x1 - x0) * t;
             let x = px(xv);
             c.line((x, top), (x, top + ph), GRID, 1);
             let label = tick_label(xv);
-            c.text(x - Canvas::text_width(&label, 1) / 2, top + ph + 6, &label, INK, 1);
+            c.text(
+                x - Canvas::text_width(&label, 1) / 2,
+                top + ph + 6,
+                &label,
+                INK,
+                1,
+            );
         }
         c.line((left, top), (left, top + ph), INK, 1);
         c.line((left, top + ph), (left + pw, top + ph), INK, 1);
-        c.text(left + pw / 2 - Canvas::text_width(&self.x_label, 1) / 2, top + ph + 20, &self.x_label, INK, 1);
+        c.text(
+            left + pw / 2 - Canvas::text_width(&self.x_label, 1) / 2,
+            top + ph + 20,
+            &self.x_label,
+            INK,
+            1,
+        );
         for (k, s) in self.series.iter().enumerate() {
             let color = PALETTE[k % PALETTE.len()];
-            let pts: Vec<(i64, i64)> = s.points.iter().filter(|(x, y)| x.is_finite() && y.is_finite()).map(|&(x, y)| (px(x), py(y))).collect();
+            let pts: Vec<(i64, i64)> = s
+                .points
+                .iter()
+                .filter(|(x, y)| x.is_finite() && y.is_finite())
+                .map(|&(x, y)| (px(x), py(y)))
+                .collect();
             for w in pts.windows(2) {
                 c.line(w[0], w[1], color, 2);
             }
@@ -266,7 +313,10 @@ impl LineChart {
 /// Several panels in a grid, `cols` wide, each `panel_w` x `panel_h`.
 pub fn grid(panels: &[Canvas], cols: usize) -> Canvas {
     let cols = cols.max(1);
-    let (pw, ph) = panels.first().map(|p| (p.width(), p.height())).unwrap_or((1, 1));
+    let (pw, ph) = panels
+        .first()
+        .map(|p| (p.width(), p.height()))
+        .unwrap_or((1, 1));
     let rows = panels.len().div_ceil(cols).max(1);
     let mut c = Canvas::new(pw * cols.min(panels.len().max(1)), ph * rows);
     for (i, p) in panels.iter().enumerate() {
@@ -296,7 +346,11 @@ impl BarChart {
         let (pw, ph) = (width as i64 - left - right, height as i64 - top - bottom);
         c.text(left, 8, &self.title, INK, 2);
         c.text(left, 28, &self.y_label, INK, 1);
-        let vals = self.series.iter().flat_map(|(_, v)| v.iter().copied()).filter(|v| v.is_finite());
+        let vals = self
+            .series
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .filter(|v| v.is_finite());
         let ymax = vals.fold(0.0f64, f64::max).max(1e-12) * 1.1;
         let py = |y: f64| top + ph - (y / ymax * ph as f64).round() as i64;
         for k in 0..=4 {
@@ -304,7 +358,13 @@ impl BarChart {
             let y = py(yv);
             c.line((left, y), (left + pw, y), GRID, 1);
             let label = tick_label(yv);
-            c.text(left - 6 - Canvas::text_width(&label, 1), y - 3, &label, INK, 1);
+            c.text(
+                left - 6 - Canvas::text_width(&label, 1),
+                y - 3,
+                &label,
+                INK,
+                1,
+            );
         }
         let n = self.categories.len().max(1) as i64;
         let group = pw / n;
@@ -318,7 +378,13 @@ impl BarChart {
                     continue;
                 }
                 let y = py(val);
-                c.fill_rect(gx + si as i64 * bar, y, bar - 1, top + ph - y, PALETTE[si % PALETTE.len()]);
+                c.fill_rect(
+                    gx + si as i64 * bar,
+                    y,
+                    bar - 1,
+                    top + ph - y,
+                    PALETTE[si % PALETTE.len()],
+                );
             }
             let lw = Canvas::text_width(cat, 1);
             if lw <= group {
@@ -347,10 +413,16 @@ mod tests {
         let chart = LineChart {
             title: "reward".into(),
             x_label: "step".into(),
-            series: vec![Series { name: "mean".into(), points: (0..10).map(|i| (i as f64, (i * i) as f64)).collect() }],
+            series: vec![Series {
+                name: "mean".into(),
+                points: (0..10).map(|i| (i as f64, (i * i) as f64)).collect(),
+            }],
         };
         let c = chart.render(320, 200);
-        let colored = (0..c.height()).flat_map(|y| (0..c.width()).map(move |x| (x, y))).filter(|&(x, y)| c.pixel(x, y) == PALETTE[0]).count();
+        let colored = (0..c.height())
+            .flat_map(|y| (0..c.width()).map(move |x| (x, y)))
+            .filter(|&(x, y)| c.pixel(x, y) == PALETTE[0])
+            .count();
         assert!(colored > 100, "the curve is drawn ({colored} pixels)");
         let png = c.to_png().unwrap();
         assert_eq!(&png[1..4], b"PNG");
@@ -358,22 +430,46 @@ mod tests {
 
     #[test]
     fn empty_and_flat_data_do_not_panic() {
-        let empty = LineChart { title: "x".into(), ..Default::default() };
+        let empty = LineChart {
+            title: "x".into(),
+            ..Default::default()
+        };
         empty.render(200, 120);
-        let flat = LineChart { series: vec![Series { name: "a".into(), points: vec![(1.0, 2.0)] }], ..Default::default() };
+        let flat = LineChart {
+            series: vec![Series {
+                name: "a".into(),
+                points: vec![(1.0, 2.0)],
+            }],
+            ..Default::default()
+        };
         flat.render(200, 120);
-        let bars = BarChart { categories: vec!["L1".into()], series: vec![("s".into(), vec![f64::NAN])], ..Default::default() };
+        let bars = BarChart {
+            categories: vec!["L1".into()],
+            series: vec![("s".into(), vec![f64::NAN])],
+            ..Default::default()
+        };
         bars.render(200, 120);
     }
 
     #[test]
     fn bars_scale_to_the_largest_value() {
-        let bars = BarChart { categories: vec!["a".into(), "b".into()], series: vec![("s".into(), vec![1.0, 2.0])], ..Default::default() };
+        let bars = BarChart {
+            categories: vec!["a".into(), "b".into()],
+            series: vec![("s".into(), vec![1.0, 2.0])],
+            ..Default::default()
+        };
         let c = bars.render(300, 200);
-        let height_of = |x: usize| (0..c.height()).filter(|&y| c.pixel(x, y) == PALETTE[0]).count();
+        let height_of = |x: usize| {
+            (0..c.height())
+                .filter(|&y| c.pixel(x, y) == PALETTE[0])
+                .count()
+        };
         let group = (300 - 70 - 12) / 2;
         let a = height_of(70 + 4 + 5);
         let b = height_of(70 + group + 4 + 5);
-        assert!(b > a && (b as f64 / a as f64 - 2.0).abs() < 0.1, "bar heights {a} and {b}");
+        assert!(
+            b > a && (b as f64 / a as f64 - 2.0).abs() < 0.1,
+            "bar heights {a} and {b}"
+        );
     }
 }

@@ -412,7 +412,11 @@ pub struct FieldTooLong {
 
 impl std::fmt::Display for FieldTooLong {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} is {} long; the most accepted is {}", self.field, self.len, self.max)
+        write!(
+            f,
+            "{} is {} long; the most accepted is {}",
+            self.field, self.len, self.max
+        )
     }
 }
 
@@ -426,7 +430,11 @@ pub trait Capped {
 
 fn cap(field: impl FnOnce() -> String, len: usize, max: usize) -> Result<(), FieldTooLong> {
     if len > max {
-        return Err(FieldTooLong { field: field(), len, max });
+        return Err(FieldTooLong {
+            field: field(),
+            len,
+            max,
+        });
     }
     Ok(())
 }
@@ -464,7 +472,11 @@ impl Capped for ResetRequest {
         cap_opt("task", self.task.as_ref(), caps::ID)?;
         cap_opt("split", self.split.as_ref(), caps::NAME)?;
         let turns = self.options.as_ref().and_then(|o| o.max_turns).unwrap_or(0);
-        cap(|| "options.max_turns".into(), turns as usize, caps::MAX_TURNS as usize)
+        cap(
+            || "options.max_turns".into(),
+            turns as usize,
+            caps::MAX_TURNS as usize,
+        )
     }
 }
 
@@ -477,7 +489,11 @@ impl Capped for StepRequest {
         }
         let (tool, arguments) = self.action.parts();
         cap(|| "action.tool".into(), tool.len(), caps::TOOL_NAME)?;
-        cap(|| "action.arguments".into(), json_len(arguments, caps::ARGUMENTS_BYTES), caps::ARGUMENTS_BYTES)
+        cap(
+            || "action.arguments".into(),
+            json_len(arguments, caps::ARGUMENTS_BYTES),
+            caps::ARGUMENTS_BYTES,
+        )
     }
 }
 
@@ -485,15 +501,31 @@ impl Capped for EvaluateRequest {
     fn check_caps(&self) -> Result<(), FieldTooLong> {
         match &self.task {
             TaskRef::Id(id) => cap(|| "task".into(), id.len(), caps::ID)?,
-            TaskRef::Source { source } => cap(|| "task.source".into(), source.len(), caps::TASK_SOURCE_BYTES)?,
+            TaskRef::Source { source } => cap(
+                || "task.source".into(),
+                source.len(),
+                caps::TASK_SOURCE_BYTES,
+            )?,
         }
         match &self.solution {
             SolutionRef::Text(t) => cap(|| "solution".into(), t.len(), caps::SOLUTION_FILE_BYTES)?,
             SolutionRef::Files { files } => {
-                cap(|| "solution.files".into(), files.len(), caps::SOLUTION_FILES)?;
+                cap(
+                    || "solution.files".into(),
+                    files.len(),
+                    caps::SOLUTION_FILES,
+                )?;
                 for (path, text) in files {
-                    cap(|| "solution.files (a path)".into(), path.len(), caps::SOLUTION_PATH)?;
-                    cap(|| format!("solution.files[{path:?}]"), text.len(), caps::SOLUTION_FILE_BYTES)?;
+                    cap(
+                        || "solution.files (a path)".into(),
+                        path.len(),
+                        caps::SOLUTION_PATH,
+                    )?;
+                    cap(
+                        || format!("solution.files[{path:?}]"),
+                        text.len(),
+                        caps::SOLUTION_FILE_BYTES,
+                    )?;
                 }
             }
         }

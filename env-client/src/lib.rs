@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use env_api::{
-    Action, EpisodeState, ErrorBody, EvaluateRequest, EvaluationResult, PlainAction, ResetRequest, ResetResponse,
-    StepRequest, StepResponse, TaskList, Trajectory,
+    Action, EpisodeState, ErrorBody, EvaluateRequest, EvaluationResult, PlainAction, ResetRequest,
+    ResetResponse, StepRequest, StepResponse, TaskList, Trajectory,
 };
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -51,8 +51,16 @@ impl EnvClient {
     /// A client of `base` (such as `http://127.0.0.1:8080`). Requests time out after `timeout`
     /// (which must cover a final evaluation).
     pub fn new(base: &str, timeout: Duration) -> Result<Self, ClientError> {
-        let http = reqwest::Client::builder().timeout(timeout).pool_max_idle_per_host(1024).build()?;
-        Ok(Self { base: base.trim_end_matches('/').to_string(), http, api_key: None, retries: 3 })
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .pool_max_idle_per_host(1024)
+            .build()?;
+        Ok(Self {
+            base: base.trim_end_matches('/').to_string(),
+            http,
+            api_key: None,
+            retries: 3,
+        })
     }
 
     /// Sends `Authorization: Bearer KEY`.
@@ -75,7 +83,10 @@ impl EnvClient {
         }
     }
 
-    async fn send<T: DeserializeOwned>(&self, rb: reqwest::RequestBuilder) -> Result<T, ClientError> {
+    async fn send<T: DeserializeOwned>(
+        &self,
+        rb: reqwest::RequestBuilder,
+    ) -> Result<T, ClientError> {
         let resp = rb.send().await?;
         let status = resp.status();
         if status.is_success() {
@@ -86,12 +97,17 @@ impl EnvClient {
             Ok(e) => (e.error.code, e.error.message),
             Err(_) => ("http_error".into(), text),
         };
-        Err(ClientError::Api { status: status.as_u16(), code, message })
+        Err(ClientError::Api {
+            status: status.as_u16(),
+            code,
+            message,
+        })
     }
 
     /// `GET /v1/health`.
     pub async fn health(&self) -> Result<Value, ClientError> {
-        self.send(self.req(reqwest::Method::GET, "/v1/health")).await
+        self.send(self.req(reqwest::Method::GET, "/v1/health"))
+            .await
     }
 
     /// `GET /v1/info`.
@@ -106,24 +122,44 @@ impl EnvClient {
 
     /// `POST /v1/episodes`.
     pub async fn reset(&self, req: &ResetRequest) -> Result<ResetResponse, ClientError> {
-        self.send(self.req(reqwest::Method::POST, "/v1/episodes").json(req)).await
+        self.send(self.req(reqwest::Method::POST, "/v1/episodes").json(req))
+            .await
     }
 
     /// `POST /v1/episodes/{id}/step` with a fresh request_id, retried on retryable errors.
-    pub async fn step(&self, id: &str, tool: &str, arguments: Value) -> Result<StepResponse, ClientError> {
+    pub async fn step(
+        &self,
+        id: &str,
+        tool: &str,
+        arguments: Value,
+    ) -> Result<StepResponse, ClientError> {
         let request_id = format!("{:016x}{:016x}", rand_u64(), rand_u64());
         self.step_with_id(id, tool, arguments, &request_id).await
     }
 
     /// A step with a given request_id (the server answers a repeat with the first answer).
-    pub async fn step_with_id(&self, id: &str, tool: &str, arguments: Value, request_id: &str) -> Result<StepResponse, ClientError> {
+    pub async fn step_with_id(
+        &self,
+        id: &str,
+        tool: &str,
+        arguments: Value,
+        request_id: &str,
+    ) -> Result<StepResponse, ClientError> {
         let body = StepRequest {
-            action: Action::Plain(PlainAction { tool: tool.into(), arguments }),
+            action: Action::Plain(PlainAction {
+                tool: tool.into(),
+                arguments,
+            }),
             request_id: Some(request_id.into()),
         };
         let mut attempt = 0;
         loop {
-            let r = self.send(self.req(reqwest::Method::POST, &format!("/v1/episodes/{id}/step")).json(&body)).await;
+            let r = self
+                .send(
+                    self.req(reqwest::Method::POST, &format!("/v1/episodes/{id}/step"))
+                        .json(&body),
+                )
+                .await;
             match r {
                 Err(e) if e.is_retryable() && attempt < self.retries => {
                     attempt += 1;
@@ -136,22 +172,29 @@ impl EnvClient {
 
     /// `GET /v1/episodes/{id}`.
     pub async fn state(&self, id: &str) -> Result<EpisodeState, ClientError> {
-        self.send(self.req(reqwest::Method::GET, &format!("/v1/episodes/{id}"))).await
+        self.send(self.req(reqwest::Method::GET, &format!("/v1/episodes/{id}")))
+            .await
     }
 
     /// `GET /v1/episodes/{id}/trajectory`.
     pub async fn trajectory(&self, id: &str) -> Result<Trajectory, ClientError> {
-        self.send(self.req(reqwest::Method::GET, &format!("/v1/episodes/{id}/trajectory"))).await
+        self.send(self.req(
+            reqwest::Method::GET,
+            &format!("/v1/episodes/{id}/trajectory"),
+        ))
+        .await
     }
 
     /// `DELETE /v1/episodes/{id}`.
     pub async fn close(&self, id: &str) -> Result<EpisodeState, ClientError> {
-        self.send(self.req(reqwest::Method::DELETE, &format!("/v1/episodes/{id}"))).await
+        self.send(self.req(reqwest::Method::DELETE, &format!("/v1/episodes/{id}")))
+            .await
     }
 
     /// `POST /v1/evaluate`.
     pub async fn evaluate(&self, req: &EvaluateRequest) -> Result<EvaluationResult, ClientError> {
-        self.send(self.req(reqwest::Method::POST, "/v1/evaluate").json(req)).await
+        self.send(self.req(reqwest::Method::POST, "/v1/evaluate").json(req))
+            .await
     }
 }
 

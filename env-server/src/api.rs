@@ -56,16 +56,29 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = ErrorBody { error: ErrorDetail { code: self.code.into(), message: self.message } };
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code.into(),
+                message: self.message,
+            },
+        };
         let mut resp = (self.status, Json(body)).into_response();
-        if matches!(self.status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        if matches!(
+            self.status,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        ) {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
         }
         resp
     }
@@ -76,16 +89,25 @@ impl From<EpisodeError> for ApiError {
         let msg = e.to_string();
         match e {
             EpisodeError::Unknown(_) => Self::new(StatusCode::NOT_FOUND, "unknown_episode", msg),
-            EpisodeError::Task(kernelbench::TaskError::Unknown(_)) | EpisodeError::Task(kernelbench::TaskError::EmptySplit(_)) => {
+            EpisodeError::Task(kernelbench::TaskError::Unknown(_))
+            | EpisodeError::Task(kernelbench::TaskError::EmptySplit(_)) => {
                 Self::new(StatusCode::NOT_FOUND, "unknown_task", msg)
             }
             EpisodeError::Task(_) => Self::new(StatusCode::BAD_REQUEST, "bad_task", msg),
-            EpisodeError::Call(agent_tools::CallError::UnknownTool { .. }) => Self::new(StatusCode::BAD_REQUEST, "unknown_tool", msg),
-            EpisodeError::Call(_) => Self::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_arguments", msg),
+            EpisodeError::Call(agent_tools::CallError::UnknownTool { .. }) => {
+                Self::new(StatusCode::BAD_REQUEST, "unknown_tool", msg)
+            }
+            EpisodeError::Call(_) => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_arguments", msg)
+            }
             EpisodeError::Ended(_) => Self::new(StatusCode::CONFLICT, "episode_ended", msg),
-            EpisodeError::AtCapacity(_) | EpisodeError::Exhausted(_) => Self::new(StatusCode::SERVICE_UNAVAILABLE, "at_capacity", msg),
+            EpisodeError::AtCapacity(_) | EpisodeError::Exhausted(_) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "at_capacity", msg)
+            }
             EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
-            EpisodeError::Internal(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg),
+            EpisodeError::Internal(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg)
+            }
         }
     }
 }
@@ -102,7 +124,9 @@ impl From<EvalError> for ApiError {
         match e {
             EvalError::BadSolution(_) => Self::new(StatusCode::BAD_REQUEST, "bad_solution", msg),
             EvalError::QueueFull(_) => Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", msg),
-            EvalError::Harness(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "harness_error", msg),
+            EvalError::Harness(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "harness_error", msg)
+            }
         }
     }
 }
@@ -145,10 +169,17 @@ where
 {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
         match Path::<T>::from_request_parts(parts, state).await {
             Ok(Path(v)) => Ok(Self(v)),
-            Err(rej) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_path", rej.body_text())),
+            Err(rej) => Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_path",
+                rej.body_text(),
+            )),
         }
     }
 }
@@ -174,8 +205,20 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/info", get(info))
         .route("/metrics", get(metrics))
         .route("/v1/openapi.json", get(openapi))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route; see /v1/openapi.json") })
-        .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this route") })
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no such route; see /v1/openapi.json",
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "method not allowed on this route",
+            )
+        })
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
@@ -193,7 +236,14 @@ async fn detach(State(state): State<Arc<AppState>>, req: Request, next: Next) ->
     } else {
         match state.in_flight.clone().try_acquire_owned() {
             Ok(p) => Some(p),
-            Err(_) => return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "busy", "too many requests in flight").into_response(),
+            Err(_) => {
+                return ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "busy",
+                    "too many requests in flight",
+                )
+                .into_response()
+            }
         }
     };
     let run = async move {
@@ -205,7 +255,12 @@ async fn detach(State(state): State<Arc<AppState>>, req: Request, next: Next) ->
         Ok(resp) => resp,
         Err(e) => {
             tracing::error!(%method, %path, error = %e, "request handler failed");
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the request failed inside the server").into_response()
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "the request failed inside the server",
+            )
+            .into_response()
         }
     }
 }
@@ -215,9 +270,19 @@ async fn detach(State(state): State<Arc<AppState>>, req: Request, next: Next) ->
 async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     use http_body_util::BodyExt as _;
     let (parts, body) = req.into_parts();
-    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    let too_large =
-        || ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("the request body is over {} bytes", state.max_body_bytes)).into_response();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the request body is over {} bytes", state.max_body_bytes),
+        )
+        .into_response()
+    };
     if declared.is_some_and(|n| n > state.max_body_bytes as u64) {
         return too_large();
     }
@@ -225,15 +290,28 @@ async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next)
     let bytes = match tokio::time::timeout(state.body_timeout, limited.collect()).await {
         Ok(Ok(collected)) => collected.to_bytes(),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
-        Ok(Err(e)) => return ApiError::new(StatusCode::BAD_REQUEST, "bad_body", format!("reading the request body: {e}")).into_response(),
+        Ok(Err(e)) => {
+            return ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_body",
+                format!("reading the request body: {e}"),
+            )
+            .into_response()
+        }
         Err(_) => {
-            let msg = format!("the request body did not arrive within {} s", state.body_timeout.as_secs_f64());
-            let mut resp = ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_timeout", msg).into_response();
-            resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            let msg = format!(
+                "the request body did not arrive within {} s",
+                state.body_timeout.as_secs_f64()
+            );
+            let mut resp =
+                ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_timeout", msg).into_response();
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
             return resp;
         }
     };
-    next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await
 }
 
 async fn auth(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
@@ -248,7 +326,12 @@ async fn auth(State(state): State<Arc<AppState>>, req: Request, next: Next) -> R
             .and_then(|v| v.strip_prefix("Bearer "))
             .is_some_and(|given| constant_time_eq(given.as_bytes(), key.as_bytes()));
         if !ok {
-            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token").into_response();
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong bearer token",
+            )
+            .into_response();
         }
     }
     next.run(req).await
@@ -260,13 +343,20 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 #[utoipa::path(post, path = "/v1/episodes", request_body = ResetRequest,
     responses((status = 200, body = ResetResponse), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-async fn reset(State(s): State<Arc<AppState>>, body: axum::body::Bytes) -> ApiResult<ResetResponse> {
+async fn reset(
+    State(s): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> ApiResult<ResetResponse> {
     // An empty body is a reset with every default.
     let req: ResetRequest = if body.iter().all(u8::is_ascii_whitespace) {
         ResetRequest::default()
     } else {
         serde_json::from_slice(&body).map_err(|e| {
-            let code = if e.is_syntax() || e.is_eof() { "malformed_json" } else { "bad_request" };
+            let code = if e.is_syntax() || e.is_eof() {
+                "malformed_json"
+            } else {
+                "bad_request"
+            };
             ApiError::new(StatusCode::BAD_REQUEST, code, format!("reset body: {e}"))
         })?
     };
@@ -277,38 +367,68 @@ async fn reset(State(s): State<Arc<AppState>>, body: axum::body::Bytes) -> ApiRe
 #[utoipa::path(post, path = "/v1/episodes/{id}/step", request_body = StepRequest,
     params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = StepResponse), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
-async fn step(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>, ApiJson(req): ApiJson<StepRequest>) -> ApiResult<StepResponse> {
+async fn step(
+    State(s): State<Arc<AppState>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(req): ApiJson<StepRequest>,
+) -> ApiResult<StepResponse> {
     req.check_caps()?;
     let (tool, args) = req.action.parts();
-    Ok(Json(s.episodes.step(&id, tool, args, req.request_id.clone()).await?))
+    Ok(Json(
+        s.episodes
+            .step(&id, tool, args, req.request_id.clone())
+            .await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/episodes/{id}", params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = EpisodeState), (status = 404, body = ErrorBody)))]
-async fn episode_state(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> ApiResult<EpisodeState> {
+async fn episode_state(
+    State(s): State<Arc<AppState>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<EpisodeState> {
     Ok(Json(s.episodes.state(&id).await?))
 }
 
 #[utoipa::path(get, path = "/v1/episodes/{id}/trajectory", params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = Trajectory), (status = 404, body = ErrorBody)))]
-async fn trajectory(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> ApiResult<Trajectory> {
+async fn trajectory(
+    State(s): State<Arc<AppState>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Trajectory> {
     let records = s.episodes.trajectory(&id).await?;
-    Ok(Json(Trajectory { episode_id: id, records }))
+    Ok(Json(Trajectory {
+        episode_id: id,
+        records,
+    }))
 }
 
 #[utoipa::path(delete, path = "/v1/episodes/{id}", params(("id" = String, Path, description = "episode id")),
     responses((status = 200, body = EpisodeState), (status = 404, body = ErrorBody)))]
-async fn close(State(s): State<Arc<AppState>>, ApiPath(id): ApiPath<String>) -> ApiResult<EpisodeState> {
+async fn close(
+    State(s): State<Arc<AppState>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<EpisodeState> {
     Ok(Json(s.episodes.close(&id).await?))
 }
 
 #[utoipa::path(post, path = "/v1/evaluate", request_body = EvaluateRequest,
     responses((status = 200, body = EvaluationResult), (status = 400, body = ErrorBody), (status = 429, body = ErrorBody)))]
-async fn evaluate(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<EvaluateRequest>) -> ApiResult<EvaluationResult> {
+async fn evaluate(
+    State(s): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<EvaluateRequest>,
+) -> ApiResult<EvaluationResult> {
     req.check_caps()?;
     let task = match &req.task {
-        TaskRef::Id(id) => s.episodes.tasks().get(id).map_err(EpisodeError::from)?.clone(),
-        TaskRef::Source { source } => kernelbench::Task::inline(source).map_err(EpisodeError::from)?,
+        TaskRef::Id(id) => s
+            .episodes
+            .tasks()
+            .get(id)
+            .map_err(EpisodeError::from)?
+            .clone(),
+        TaskRef::Source { source } => {
+            kernelbench::Task::inline(source).map_err(EpisodeError::from)?
+        }
     };
     let files: BTreeMap<String, String> = match req.solution {
         SolutionRef::Text(t) => match &task.kind {
@@ -320,19 +440,42 @@ async fn evaluate(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<Evaluate
     let opts = req.options.unwrap_or_default();
     if let Some(d) = &opts.device {
         if d != s.evaluator.device().as_str() {
-            return Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_device", format!("this server evaluates on {}, not {d}", s.evaluator.device().as_str())));
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_device",
+                format!(
+                    "this server evaluates on {}, not {d}",
+                    s.evaluator.device().as_str()
+                ),
+            ));
         }
     }
     if opts.tolerance.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", "tolerance must be a positive number"));
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "tolerance must be a positive number",
+        ));
     }
-    Ok(Json(s.evaluator.evaluate(&task, &files, opts.tolerance).await?))
+    Ok(Json(
+        s.evaluator.evaluate(&task, &files, opts.tolerance).await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/tasks", responses((status = 200, body = TaskList)))]
 async fn tasks(State(s): State<Arc<AppState>>) -> Json<TaskList> {
     let t = s.episodes.tasks();
-    Json(TaskList { tasks: t.iter().map(|t| TaskInfo { id: t.id.clone(), level: t.level, hash: t.hash.clone() }).collect(), splits: t.splits() })
+    Json(TaskList {
+        tasks: t
+            .iter()
+            .map(|t| TaskInfo {
+                id: t.id.clone(),
+                level: t.level,
+                hash: t.hash.clone(),
+            })
+            .collect(),
+        splits: t.splits(),
+    })
 }
 
 #[utoipa::path(get, path = "/v1/health", responses((status = 200, description = "alive")))]
@@ -357,13 +500,25 @@ async fn info(State(s): State<Arc<AppState>>) -> Json<Value> {
 async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     let c = &s.episodes.counters;
     let mut out = String::new();
-    let _ = writeln!(out, "# TYPE cuda_agent_resets_total counter\ncuda_agent_resets_total {}", c.resets.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_resets_total counter\ncuda_agent_resets_total {}",
+        c.resets.load(Ordering::Relaxed)
+    );
     let _ = writeln!(out, "# TYPE cuda_agent_steps_total counter");
     for (tool, n) in c.steps.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         let _ = writeln!(out, "cuda_agent_steps_total{{tool=\"{tool}\"}} {n}");
     }
-    let _ = writeln!(out, "# TYPE cuda_agent_tool_errors_total counter\ncuda_agent_tool_errors_total {}", c.tool_errors.load(Ordering::Relaxed));
-    let _ = writeln!(out, "# TYPE cuda_agent_step_replays_total counter\ncuda_agent_step_replays_total {}", c.replays.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_tool_errors_total counter\ncuda_agent_tool_errors_total {}",
+        c.tool_errors.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_step_replays_total counter\ncuda_agent_step_replays_total {}",
+        c.replays.load(Ordering::Relaxed)
+    );
     let _ = writeln!(out, "# TYPE cuda_agent_episodes_ended_total counter");
     for (how, n) in c.ended.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         let _ = writeln!(out, "cuda_agent_episodes_ended_total{{how=\"{how}\"}} {n}");
@@ -372,16 +527,33 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     for (r, n) in c.rewards.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         let _ = writeln!(out, "cuda_agent_final_rewards_total{{reward=\"{r}\"}} {n}");
     }
-    let _ = writeln!(out, "# TYPE cuda_agent_open_episodes gauge\ncuda_agent_open_episodes {}", s.episodes.open_count());
-    let _ = writeln!(out, "# TYPE cuda_agent_episodes_in_memory gauge\ncuda_agent_episodes_in_memory {}", s.episodes.in_memory());
-    let _ = writeln!(out, "# TYPE cuda_agent_episodes_evicted_total counter\ncuda_agent_episodes_evicted_total {}", c.evicted.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_open_episodes gauge\ncuda_agent_open_episodes {}",
+        s.episodes.open_count()
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_episodes_in_memory gauge\ncuda_agent_episodes_in_memory {}",
+        s.episodes.in_memory()
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_episodes_evicted_total counter\ncuda_agent_episodes_evicted_total {}",
+        c.evicted.load(Ordering::Relaxed)
+    );
     let h = &s.http;
     let _ = writeln!(
         out,
         "# TYPE cuda_agent_requests_in_flight gauge\ncuda_agent_requests_in_flight {}",
-        s.max_in_flight.saturating_sub(s.in_flight.available_permits())
+        s.max_in_flight
+            .saturating_sub(s.in_flight.available_permits())
     );
-    let _ = writeln!(out, "# TYPE cuda_agent_http_connections gauge\ncuda_agent_http_connections {}", h.open.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_http_connections gauge\ncuda_agent_http_connections {}",
+        h.open.load(Ordering::Relaxed)
+    );
     let _ = writeln!(
         out,
         "# TYPE cuda_agent_http_connections_accepted_total counter\ncuda_agent_http_connections_accepted_total {}",
@@ -392,15 +564,33 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         "# TYPE cuda_agent_http_connections_refused_total counter\ncuda_agent_http_connections_refused_total {}",
         h.refused.load(Ordering::Relaxed)
     );
-    let _ = writeln!(out, "# TYPE cuda_agent_evaluations_in_flight gauge\ncuda_agent_evaluations_in_flight {}", s.evaluator.in_flight());
-    let _ = writeln!(out, "# TYPE cuda_agent_evaluations_total counter\ncuda_agent_evaluations_total {}", s.evaluator.finished.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_evaluations_in_flight gauge\ncuda_agent_evaluations_in_flight {}",
+        s.evaluator.in_flight()
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_evaluations_total counter\ncuda_agent_evaluations_total {}",
+        s.evaluator.finished.load(Ordering::Relaxed)
+    );
     let _ = writeln!(out, "# TYPE cuda_agent_device_leases_total counter");
     for d in s.evaluator.slots() {
-        let _ = writeln!(out, "cuda_agent_device_leases_total{{device=\"{}\"}} {}", d.index, d.leases.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "cuda_agent_device_leases_total{{device=\"{}\"}} {}",
+            d.index,
+            d.leases.load(Ordering::Relaxed)
+        );
     }
     let _ = writeln!(out, "# TYPE cuda_agent_device_busy_seconds_total counter");
     for d in s.evaluator.slots() {
-        let _ = writeln!(out, "cuda_agent_device_busy_seconds_total{{device=\"{}\"}} {}", d.index, d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3);
+        let _ = writeln!(
+            out,
+            "cuda_agent_device_busy_seconds_total{{device=\"{}\"}} {}",
+            d.index,
+            d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3
+        );
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }
@@ -408,8 +598,21 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
 /// The OpenAPI document, generated from the wire types and handlers.
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "cuda-agent environment", description = "Gym-style episodes for writing fast CUDA kernels."),
-    paths(reset, step, episode_state, trajectory, close, evaluate, tasks, health, info),
+    info(
+        title = "cuda-agent environment",
+        description = "Gym-style episodes for writing fast CUDA kernels."
+    ),
+    paths(
+        reset,
+        step,
+        episode_state,
+        trajectory,
+        close,
+        evaluate,
+        tasks,
+        health,
+        info
+    ),
     components(schemas(
         ResetRequest,
         ResetOptions,

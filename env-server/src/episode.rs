@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex as SyncMutex, RwLock};
 use std::time::{Duration, Instant};
 
 use agent_tools::sandbox::{UidLease, Volume, VolumeLimits};
-use agent_tools::{create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace};
+use agent_tools::{
+    create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace,
+};
 use env_api::{
-    EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationResult, Observation, ResetInfo, ResetRequest, ResetResponse, StepInfo, StepResponse, TaskInfo,
-    TrajectoryRecord,
+    EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationResult, Observation, ResetInfo,
+    ResetRequest, ResetResponse, StepInfo, StepResponse, TaskInfo, TrajectoryRecord,
 };
 use kernelbench::{Task, TaskSet};
 use serde_json::{json, Value};
@@ -128,13 +130,20 @@ struct Slot {
 impl Slot {
     fn new(ep: Episode) -> Self {
         let state = ep.state();
-        Self { episode: Mutex::new(ep), snapshot: SyncMutex::new(state), ended_at: SyncMutex::new(None) }
+        Self {
+            episode: Mutex::new(ep),
+            snapshot: SyncMutex::new(state),
+            ended_at: SyncMutex::new(None),
+        }
     }
 
     fn publish(&self, ep: &Episode) {
         *self.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = ep.state();
         if ep.is_done() {
-            self.ended_at.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Instant::now);
+            self.ended_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(Instant::now);
         }
     }
 }
@@ -195,12 +204,19 @@ pub struct Counters {
 }
 
 fn task_info(t: &Task) -> TaskInfo {
-    TaskInfo { id: t.id.clone(), level: t.level, hash: t.hash.clone() }
+    TaskInfo {
+        id: t.id.clone(),
+        level: t.level,
+        hash: t.hash.clone(),
+    }
 }
 
 fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
     if !task.is_kernel() {
-        return format!("Task {}: {} Limits: {} tool calls.", task.id, task.source, limits.max_turns);
+        return format!(
+            "Task {}: {} Limits: {} tool calls.",
+            task.id, task.source, limits.max_turns
+        );
     }
     format!(
         "Task {id}: write ModelNew in model_new.py, a faster drop-in replacement for Model in model.py, using your own {lang} kernels (device: {device}).\n\
@@ -217,11 +233,18 @@ fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
 
 /// Runs blocking file work on a blocking thread, waiting at most `timeout` for it (the work
 /// itself cannot be cancelled and finishes in the background).
-async fn blocking<T: Send + 'static>(timeout: Duration, what: &str, f: impl FnOnce() -> T + Send + 'static) -> Result<T, EpisodeError> {
+async fn blocking<T: Send + 'static>(
+    timeout: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, EpisodeError> {
     match tokio::time::timeout(timeout, tokio::task::spawn_blocking(f)).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(EpisodeError::Internal(format!("{what}: {e}"))),
-        Err(_) => Err(EpisodeError::Internal(format!("{what} took longer than {} s", timeout.as_secs_f64()))),
+        Err(_) => Err(EpisodeError::Internal(format!(
+            "{what} took longer than {} s",
+            timeout.as_secs_f64()
+        ))),
     }
 }
 
@@ -233,37 +256,70 @@ fn internal(e: impl std::fmt::Display) -> EpisodeError {
 fn answer_in(records: &[TrajectoryRecord], request_id: &str) -> Option<StepResponse> {
     records
         .iter()
-        .filter(|r| r.kind == "step" && r.body.get("request_id").and_then(Value::as_str) == Some(request_id))
+        .filter(|r| {
+            r.kind == "step" && r.body.get("request_id").and_then(Value::as_str) == Some(request_id)
+        })
         .find_map(|r| serde_json::from_value(r.body["response"].clone()).ok())
 }
 
 /// Rebuilds an episode from its log; None when the log lacks a usable reset record.
-fn replay(id: &str, records: &[TrajectoryRecord], tasks: &TaskSet, data_dir: &Path) -> Option<(Episode, bool)> {
+fn replay(
+    id: &str,
+    records: &[TrajectoryRecord],
+    tasks: &TaskSet,
+    data_dir: &Path,
+) -> Option<(Episode, bool)> {
     let reset = records.iter().find(|r| r.kind == "reset")?;
-    let task_id = reset.body.pointer("/response/info/task/id").and_then(Value::as_str).unwrap_or_default();
-    let hash = reset.body.pointer("/response/info/task/hash").and_then(Value::as_str).unwrap_or_default();
+    let task_id = reset
+        .body
+        .pointer("/response/info/task/id")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let hash = reset
+        .body
+        .pointer("/response/info/task/hash")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     let known = tasks.get(task_id).ok().filter(|t| t.hash == hash).cloned();
     let task = match (known, reset.body.get("task_source").and_then(Value::as_str)) {
         (Some(t), _) => t,
-        (None, Some(src)) => {
-            Task { id: task_id.into(), level: 0, name: task_id.into(), source: src.into(), hash: hash.into(), kind: kernelbench::TaskKind::Kernel }
-        }
+        (None, Some(src)) => Task {
+            id: task_id.into(),
+            level: 0,
+            name: task_id.into(),
+            source: src.into(),
+            hash: hash.into(),
+            kind: kernelbench::TaskKind::Kernel,
+        },
         (None, None) => return None,
     };
-    let limits: EpisodeLimits = serde_json::from_value(reset.body.pointer("/response/info/limits").cloned()?).ok()?;
-    let mut ep = Episode::new(id.to_string(), task, data_dir.join("episodes").join(id), limits, None, None);
+    let limits: EpisodeLimits =
+        serde_json::from_value(reset.body.pointer("/response/info/limits").cloned()?).ok()?;
+    let mut ep = Episode::new(
+        id.to_string(),
+        task,
+        data_dir.join("episodes").join(id),
+        limits,
+        None,
+        None,
+    );
     let mut closed = false;
     for r in records {
         match r.kind.as_str() {
             "step" => {
-                if let Ok(resp) = serde_json::from_value::<StepResponse>(r.body["response"].clone()) {
+                if let Ok(resp) = serde_json::from_value::<StepResponse>(r.body["response"].clone())
+                {
                     ep.turn = resp.info.turn;
                     ep.tool_time = Duration::from_secs_f64(resp.info.tool_time_s);
                     if let Some(rid) = r.body.get("request_id").and_then(Value::as_str) {
                         ep.answered.insert(rid.to_string());
                     }
                     if resp.done {
-                        ep.status = if resp.terminated { EpisodeStatus::Terminated } else { EpisodeStatus::Truncated };
+                        ep.status = if resp.terminated {
+                            EpisodeStatus::Terminated
+                        } else {
+                            EpisodeStatus::Truncated
+                        };
                         ep.truncation_reason = resp.info.truncation_reason.clone();
                         ep.result = resp.info.evaluation.clone();
                     }
@@ -271,7 +327,11 @@ fn replay(id: &str, records: &[TrajectoryRecord], tasks: &TaskSet, data_dir: &Pa
             }
             "truncated" => {
                 ep.status = EpisodeStatus::Truncated;
-                ep.truncation_reason = r.body.get("reason").and_then(Value::as_str).map(str::to_string);
+                ep.truncation_reason = r
+                    .body
+                    .get("reason")
+                    .and_then(Value::as_str)
+                    .map(str::to_string);
             }
             "closed" => {
                 closed = true;
@@ -287,7 +347,10 @@ fn replay(id: &str, records: &[TrajectoryRecord], tasks: &TaskSet, data_dir: &Pa
 
 /// The candidate's files from a workspace: model_new.py and kernels/ (or a recall task's
 /// answer file), never through a link, at most the evaluator's size cap.
-fn solution_files(ws: &Workspace, kind: &kernelbench::TaskKind) -> Result<agent_tools::workspace::Solution, String> {
+fn solution_files(
+    ws: &Workspace,
+    kind: &kernelbench::TaskKind,
+) -> Result<agent_tools::workspace::Solution, String> {
     let max = crate::evaluation::MAX_SOLUTION_BYTES as u64;
     let collected = match kind {
         kernelbench::TaskKind::Recall { file, .. } => ws.collect(&[file.as_str()], &[], max),
@@ -298,7 +361,14 @@ fn solution_files(ws: &Workspace, kind: &kernelbench::TaskKind) -> Result<agent_
 
 impl Episode {
     /// A running episode at turn 0 (`toolbox` and `log` are None for one rebuilt from its log).
-    fn new(id: String, task: Task, dir: PathBuf, limits: EpisodeLimits, toolbox: Option<Toolbox>, log: Option<TrajectoryLog>) -> Self {
+    fn new(
+        id: String,
+        task: Task,
+        dir: PathBuf,
+        limits: EpisodeLimits,
+        toolbox: Option<Toolbox>,
+        log: Option<TrajectoryLog>,
+    ) -> Self {
         Self {
             id,
             task,
@@ -327,14 +397,26 @@ impl Episode {
             turn: self.turn,
             tool_time_s: self.tool_time.as_secs_f64(),
             limits: self.limits.clone(),
-            todos: self.toolbox.as_ref().map(|t| t.todos().iter().filter_map(|x| serde_json::to_value(x).ok()).collect()).unwrap_or_default(),
+            todos: self
+                .toolbox
+                .as_ref()
+                .map(|t| {
+                    t.todos()
+                        .iter()
+                        .filter_map(|x| serde_json::to_value(x).ok())
+                        .collect()
+                })
+                .unwrap_or_default(),
             truncation_reason: self.truncation_reason.clone(),
             result: self.result.clone(),
         }
     }
 
     fn is_done(&self) -> bool {
-        !matches!(self.status, EpisodeStatus::Running | EpisodeStatus::Evaluating)
+        !matches!(
+            self.status,
+            EpisodeStatus::Running | EpisodeStatus::Evaluating
+        )
     }
 }
 
@@ -345,22 +427,55 @@ impl Setup {
 
     /// Creates the workspace, opens the log and writes the reset record: everything a reset
     /// does on disk, on a blocking thread.
-    fn start_episode(&self, id: &str, task: &Task, limits: &EpisodeLimits, req: &ResetRequest, n: u64) -> Result<Started, EpisodeError> {
-        let uid = self.sandbox.lease_uid().map_err(|e| EpisodeError::Exhausted(format!("no uid for a new episode: {e}")))?;
+    fn start_episode(
+        &self,
+        id: &str,
+        task: &Task,
+        limits: &EpisodeLimits,
+        req: &ResetRequest,
+        n: u64,
+    ) -> Result<Started, EpisodeError> {
+        let uid = self
+            .sandbox
+            .lease_uid()
+            .map_err(|e| EpisodeError::Exhausted(format!("no uid for a new episode: {e}")))?;
         let owner = uid.as_ref().map(UidLease::owner);
         let dir = self.cfg.data_dir.join("episodes").join(id);
-        let made = self.make_workspace(&dir, task, owner, n).and_then(|(toolbox, listing, volume)| {
-            let device = self.device.as_str().to_string();
-            let observation = Observation { text: prompt(task, limits, &device), tool: None, is_error: false, data: json!({"files": listing}) };
-            let resp = ResetResponse {
-                episode_id: id.to_string(),
-                observation,
-                info: ResetInfo { task: task_info(task), tools: agent_tools::tool_schemas(), limits: limits.clone(), device },
-            };
-            let log = TrajectoryLog::open(&self.trajectories_dir(), id).map_err(|e| e.to_string())?;
-            log.append("reset", json!({"request": req, "response": resp, "task_source": task.source})).map_err(|e| e.to_string())?;
-            Ok(Started { toolbox, log, response: resp, volume, uid: None })
-        });
+        let made =
+            self.make_workspace(&dir, task, owner, n)
+                .and_then(|(toolbox, listing, volume)| {
+                    let device = self.device.as_str().to_string();
+                    let observation = Observation {
+                        text: prompt(task, limits, &device),
+                        tool: None,
+                        is_error: false,
+                        data: json!({"files": listing}),
+                    };
+                    let resp = ResetResponse {
+                        episode_id: id.to_string(),
+                        observation,
+                        info: ResetInfo {
+                            task: task_info(task),
+                            tools: agent_tools::tool_schemas(),
+                            limits: limits.clone(),
+                            device,
+                        },
+                    };
+                    let log = TrajectoryLog::open(&self.trajectories_dir(), id)
+                        .map_err(|e| e.to_string())?;
+                    log.append(
+                        "reset",
+                        json!({"request": req, "response": resp, "task_source": task.source}),
+                    )
+                    .map_err(|e| e.to_string())?;
+                    Ok(Started {
+                        toolbox,
+                        log,
+                        response: resp,
+                        volume,
+                        uid: None,
+                    })
+                });
         match made {
             Ok(started) => Ok(Started { uid, ..started }),
             Err(e) => {
@@ -370,43 +485,81 @@ impl Setup {
         }
     }
 
-    fn make_workspace(&self, dir: &Path, task: &Task, owner: Option<(u32, u32)>, n: u64) -> Result<(Toolbox, Vec<String>, Arc<Volume>), String> {
+    fn make_workspace(
+        &self,
+        dir: &Path,
+        task: &Task,
+        owner: Option<(u32, u32)>,
+        n: u64,
+    ) -> Result<(Toolbox, Vec<String>, Arc<Volume>), String> {
         let root = dir.join("workspace");
         let tmp = dir.join("tmp");
         // Everything the episode may write (workspace and temp dir) lives on one volume
         // bounded by the disk quota.
-        let volume = Arc::new(Volume::create(dir, VolumeLimits::bytes(self.cfg.disk_quota_bytes)).map_err(|e| e.to_string())?);
+        let volume = Arc::new(
+            Volume::create(dir, VolumeLimits::bytes(self.cfg.disk_quota_bytes))
+                .map_err(|e| e.to_string())?,
+        );
         create_private_dir(&root, owner).map_err(|e| e.to_string())?;
         create_private_dir(&tmp, owner).map_err(|e| e.to_string())?;
         let mut ws = Workspace::open(&root, owner).map_err(|e| e.to_string())?;
         let mut listing: Vec<String> = Vec::new();
         if task.is_kernel() {
-            ws.add_protected("model.py", task.source.as_bytes()).map_err(|e| e.to_string())?;
+            ws.add_protected("model.py", task.source.as_bytes())
+                .map_err(|e| e.to_string())?;
             for name in WORKSPACE_FILES {
-                let text = std::fs::read(self.harness_dir.join(name)).map_err(|e| format!("harness file {name}: {e}"))?;
+                let text = std::fs::read(self.harness_dir.join(name))
+                    .map_err(|e| format!("harness file {name}: {e}"))?;
                 ws.add_protected(name, &text).map_err(|e| e.to_string())?;
             }
-            ws.write_atomic(&ws.root().join("model_new.py"), b"").map_err(|e| e.to_string())?;
+            ws.write_atomic(&ws.root().join("model_new.py"), b"")
+                .map_err(|e| e.to_string())?;
             listing.extend(WORKSPACE_FILES.iter().map(|s| s.to_string()));
             listing.extend(["model.py".to_string(), "model_new.py".to_string()]);
         }
         let mut env = self.cfg.extra_env.clone();
         if self.cfg.gpus > 0 {
-            env.push(("CUDA_VISIBLE_DEVICES".into(), (n % self.cfg.gpus as u64).to_string()));
+            env.push((
+                "CUDA_VISIBLE_DEVICES".into(),
+                (n % self.cfg.gpus as u64).to_string(),
+            ));
         }
         env.push(("CUDA_AGENT_DEVICE".into(), self.device.as_str().into()));
         let mut jail = Jail::standard(ws.root(), &tmp, &self.path_dirs, &env, owner);
         jail.volume = Some(volume.clone());
         listing.sort();
-        Ok((Toolbox::new(self.sandbox.clone(), ws, jail, tmp, self.cfg.tool_limits.clone()), listing, volume))
+        Ok((
+            Toolbox::new(
+                self.sandbox.clone(),
+                ws,
+                jail,
+                tmp,
+                self.cfg.tool_limits.clone(),
+            ),
+            listing,
+            volume,
+        ))
     }
 }
 
 impl EpisodeManager {
     /// A manager; call [`EpisodeManager::recover`] once before serving.
-    pub fn new(cfg: EpisodeConfig, tasks: Arc<TaskSet>, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf, evaluator: Arc<Evaluator>) -> Self {
+    pub fn new(
+        cfg: EpisodeConfig,
+        tasks: Arc<TaskSet>,
+        sandbox: Sandbox,
+        python: PythonInfo,
+        harness_dir: PathBuf,
+        evaluator: Arc<Evaluator>,
+    ) -> Self {
         let cfg_commands = cfg.max_commands.max(1);
-        let setup = Setup { path_dirs: python.path_dirs(), device: evaluator.device(), cfg, sandbox, harness_dir };
+        let setup = Setup {
+            path_dirs: python.path_dirs(),
+            device: evaluator.device(),
+            cfg,
+            sandbox,
+            harness_dir,
+        };
         Self {
             setup: Arc::new(setup),
             tasks,
@@ -437,19 +590,32 @@ impl EpisodeManager {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .values()
-            .filter(|s| matches!(s.snapshot.lock().unwrap_or_else(|e| e.into_inner()).status, EpisodeStatus::Running | EpisodeStatus::Evaluating))
+            .filter(|s| {
+                matches!(
+                    s.snapshot.lock().unwrap_or_else(|e| e.into_inner()).status,
+                    EpisodeStatus::Running | EpisodeStatus::Evaluating
+                )
+            })
             .count()
     }
 
     /// Number of episodes held in memory (open ones and those finished within the grace
     /// period).
     pub fn in_memory(&self) -> usize {
-        self.episodes.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.episodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// Ids of the episodes in memory (their logs are never pruned).
     pub fn live_ids(&self) -> HashSet<String> {
-        self.episodes.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+        self.episodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect()
     }
 
     /// After a restart: marks every episode that was mid-flight truncated (`server_restart`)
@@ -463,20 +629,39 @@ impl EpisodeManager {
         let mut n = 0;
         for e in std::fs::read_dir(&dir).map_err(internal)?.flatten() {
             let path = e.path();
-            let Some(id) = path.file_stem().and_then(|s| s.to_str()).filter(|s| is_episode_id(s)).map(str::to_string) else { continue };
+            let Some(id) = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .filter(|s| is_episode_id(s))
+                .map(str::to_string)
+            else {
+                continue;
+            };
             if path.extension().is_none_or(|x| x != "jsonl") {
                 continue;
             }
-            if matches!(trajectory::last_kind(&path).ok().flatten().as_deref(), Some("final" | "truncated" | "closed")) {
+            if matches!(
+                trajectory::last_kind(&path).ok().flatten().as_deref(),
+                Some("final" | "truncated" | "closed")
+            ) {
                 continue;
             }
-            let Ok(records) = trajectory::read(&path) else { continue };
-            let Some((ep, closed)) = replay(&id, &records, &self.tasks, &self.cfg().data_dir) else { continue };
+            let Ok(records) = trajectory::read(&path) else {
+                continue;
+            };
+            let Some((ep, closed)) = replay(&id, &records, &self.tasks, &self.cfg().data_dir)
+            else {
+                continue;
+            };
             if closed || ep.is_done() {
                 continue;
             }
             let log = TrajectoryLog::open(&dir, &id).map_err(internal)?;
-            log.append("truncated", json!({"reason": "server_restart", "turn": ep.turn})).map_err(internal)?;
+            log.append(
+                "truncated",
+                json!({"reason": "server_restart", "turn": ep.turn}),
+            )
+            .map_err(internal)?;
             n += 1;
         }
         Ok(n)
@@ -487,16 +672,34 @@ impl EpisodeManager {
         if !is_episode_id(id) {
             return Err(EpisodeError::Unknown(id.to_string()));
         }
-        if let Some(slot) = self.episodes.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned() {
+        if let Some(slot) = self
+            .episodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
+        {
             return Ok(Found::Live(slot));
         }
         let path = trajectory::path_of(&self.trajectories_dir(), id);
-        let (tasks, data_dir, owned_id) = (self.tasks.clone(), self.cfg().data_dir.clone(), id.to_string());
-        let logged = blocking(self.cfg().io_timeout, "reading a trajectory log", move || {
-            let records = trajectory::read(&path).ok()?;
-            let (episode, closed) = replay(&owned_id, &records, &tasks, &data_dir)?;
-            Some(Logged { episode, closed, records })
-        })
+        let (tasks, data_dir, owned_id) = (
+            self.tasks.clone(),
+            self.cfg().data_dir.clone(),
+            id.to_string(),
+        );
+        let logged = blocking(
+            self.cfg().io_timeout,
+            "reading a trajectory log",
+            move || {
+                let records = trajectory::read(&path).ok()?;
+                let (episode, closed) = replay(&owned_id, &records, &tasks, &data_dir)?;
+                Some(Logged {
+                    episode,
+                    closed,
+                    records,
+                })
+            },
+        )
         .await?;
         match logged {
             Some(l) if !l.closed => Ok(Found::Logged(Box::new(l))),
@@ -505,17 +708,41 @@ impl EpisodeManager {
     }
 
     /// Appends a record to the episode's log on a blocking thread.
-    async fn log(&self, ep: &mut Episode, kind: &'static str, body: Value) -> Result<(), EpisodeError> {
-        let Some(log) = ep.log.clone() else { return Ok(()) };
-        let n = blocking(self.cfg().io_timeout, "writing the trajectory log", move || log.append(kind, body)).await?.map_err(internal)?;
+    async fn log(
+        &self,
+        ep: &mut Episode,
+        kind: &'static str,
+        body: Value,
+    ) -> Result<(), EpisodeError> {
+        let Some(log) = ep.log.clone() else {
+            return Ok(());
+        };
+        let n = blocking(
+            self.cfg().io_timeout,
+            "writing the trajectory log",
+            move || log.append(kind, body),
+        )
+        .await?
+        .map_err(internal)?;
         ep.log_bytes += n;
         Ok(())
     }
 
     /// Appends a record to a log that is not held open (an ended episode's).
-    async fn log_detached(&self, id: &str, kind: &'static str, body: Value) -> Result<(), EpisodeError> {
+    async fn log_detached(
+        &self,
+        id: &str,
+        kind: &'static str,
+        body: Value,
+    ) -> Result<(), EpisodeError> {
         let (dir, id) = (self.trajectories_dir(), id.to_string());
-        blocking(self.cfg().io_timeout, "writing the trajectory log", move || TrajectoryLog::open(&dir, &id)?.append(kind, body)).await?.map_err(internal)?;
+        blocking(
+            self.cfg().io_timeout,
+            "writing the trajectory log",
+            move || TrajectoryLog::open(&dir, &id)?.append(kind, body),
+        )
+        .await?
+        .map_err(internal)?;
         Ok(())
     }
 
@@ -527,13 +754,27 @@ impl EpisodeManager {
         }
         let task = match &req.task {
             Some(id) => self.tasks.get(id)?.clone(),
-            None => self.tasks.sample(req.split.as_deref().unwrap_or("all"), req.seed.unwrap_or_else(crate::evaluation::random_u64))?.clone(),
+            None => self
+                .tasks
+                .sample(
+                    req.split.as_deref().unwrap_or("all"),
+                    req.seed.unwrap_or_else(crate::evaluation::random_u64),
+                )?
+                .clone(),
         };
         let opts = req.options.clone().unwrap_or_default();
         let max_turns = opts.max_turns.unwrap_or(self.cfg().max_turns);
-        let budget = opts.time_budget_s.unwrap_or(self.cfg().time_budget.as_secs_f64());
-        if max_turns == 0 || max_turns > env_api::caps::MAX_TURNS || !(budget.is_finite() && budget > 0.0 && budget <= 86_400.0) {
-            return Err(EpisodeError::BadRequest(format!("options: max_turns must be in 1..={} and time_budget_s in (0, 86400]", env_api::caps::MAX_TURNS)));
+        let budget = opts
+            .time_budget_s
+            .unwrap_or(self.cfg().time_budget.as_secs_f64());
+        if max_turns == 0
+            || max_turns > env_api::caps::MAX_TURNS
+            || !(budget.is_finite() && budget > 0.0 && budget <= 86_400.0)
+        {
+            return Err(EpisodeError::BadRequest(format!(
+                "options: max_turns must be in 1..={} and time_budget_s in (0, 86400]",
+                env_api::caps::MAX_TURNS
+            )));
         }
         let limits = EpisodeLimits {
             max_turns,
@@ -544,28 +785,49 @@ impl EpisodeManager {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let dir = self.cfg().data_dir.join("episodes").join(&id);
         let n = self.next_episode.fetch_add(1, Ordering::Relaxed);
-        let (setup, owned) = (self.setup.clone(), (id.clone(), task.clone(), limits.clone(), req));
+        let (setup, owned) = (
+            self.setup.clone(),
+            (id.clone(), task.clone(), limits.clone(), req),
+        );
         let started = blocking(self.cfg().io_timeout, "creating the workspace", move || {
             let (id, task, limits, req) = owned;
             setup.start_episode(&id, &task, &limits, &req, n)
         })
         .await??;
-        let mut ep = Episode::new(id.clone(), task, dir, limits, Some(started.toolbox), Some(started.log));
+        let mut ep = Episode::new(
+            id.clone(),
+            task,
+            dir,
+            limits,
+            Some(started.toolbox),
+            Some(started.log),
+        );
         ep.volume = Some(started.volume);
         ep.uid = started.uid;
         let resp = started.response;
-        self.episodes.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(Slot::new(ep)));
+        self.episodes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Arc::new(Slot::new(ep)));
         self.counters.resets.fetch_add(1, Ordering::Relaxed);
         Ok(resp)
     }
 
     /// Runs one step. Replays the first answer for a request_id seen before.
-    pub async fn step(&self, id: &str, tool: &str, arguments: &Value, request_id: Option<String>) -> Result<StepResponse, EpisodeError> {
+    pub async fn step(
+        &self,
+        id: &str,
+        tool: &str,
+        arguments: &Value,
+        request_id: Option<String>,
+    ) -> Result<StepResponse, EpisodeError> {
         let slot = match self.find(id).await? {
             Found::Live(slot) => slot,
             Found::Logged(l) => {
                 // Ended and out of memory: only a retry of an answered step has an answer.
-                let prev = request_id.as_deref().and_then(|rid| answer_in(&l.records, rid));
+                let prev = request_id
+                    .as_deref()
+                    .and_then(|rid| answer_in(&l.records, rid));
                 return match prev {
                     Some(mut prev) => {
                         self.counters.replays.fetch_add(1, Ordering::Relaxed);
@@ -577,7 +839,10 @@ impl EpisodeManager {
             }
         };
         let mut ep = slot.episode.lock().await;
-        if let Some(rid) = request_id.as_deref().filter(|rid| ep.answered.contains(*rid)) {
+        if let Some(rid) = request_id
+            .as_deref()
+            .filter(|rid| ep.answered.contains(*rid))
+        {
             let mut prev = self.logged_answer(id, rid).await?;
             self.counters.replays.fetch_add(1, Ordering::Relaxed);
             prev.info.replayed = true;
@@ -606,13 +871,22 @@ impl EpisodeManager {
         }
         ep.turn += 1;
         {
-            let mut steps = self.counters.steps.lock().unwrap_or_else(|e| e.into_inner());
+            let mut steps = self
+                .counters
+                .steps
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             *steps.entry(call.name().to_string()).or_default() += 1;
         }
         if out.is_error {
             self.counters.tool_errors.fetch_add(1, Ordering::Relaxed);
         }
-        let mut observation = Observation { text: out.text, tool: Some(call.name().into()), is_error: out.is_error, data: out.data };
+        let mut observation = Observation {
+            text: out.text,
+            tool: Some(call.name().into()),
+            is_error: out.is_error,
+            data: out.data,
+        };
         let terminated = matches!(call, ToolCall::Submit(_));
         let mut truncation_reason = None;
         if !terminated {
@@ -620,17 +894,31 @@ impl EpisodeManager {
             // A measurement that does not finish in time (a tree of millions of files on a
             // measured volume) counts as over the quota.
             let breach = match ep.volume.clone() {
-                Some(v) => blocking(self.cfg().io_timeout, "measuring the workspace", move || v.breach().map(|b| (b.reason(), b.to_string())))
-                    .await
-                    .unwrap_or_else(|_| Some(("disk_quota", "the workspace could not be measured in time".into()))),
+                Some(v) => blocking(
+                    self.cfg().io_timeout,
+                    "measuring the workspace",
+                    move || v.breach().map(|b| (b.reason(), b.to_string())),
+                )
+                .await
+                .unwrap_or_else(|_| {
+                    Some((
+                        "disk_quota",
+                        "the workspace could not be measured in time".into(),
+                    ))
+                }),
                 None => None,
             };
             if let Some((reason, what)) = breach {
                 truncation_reason = Some(reason.to_string());
-                observation.text.push_str(&format!("\n[{what} (quota {quota} bytes): episode ended]"));
+                observation
+                    .text
+                    .push_str(&format!("\n[{what} (quota {quota} bytes): episode ended]"));
             } else if ep.log_bytes >= self.cfg().max_log_bytes {
                 truncation_reason = Some("log_quota".to_string());
-                observation.text.push_str(&format!("\n[the episode's log is over {} bytes: episode ended]", self.cfg().max_log_bytes));
+                observation.text.push_str(&format!(
+                    "\n[the episode's log is over {} bytes: episode ended]",
+                    self.cfg().max_log_bytes
+                ));
             } else if ep.turn >= ep.limits.max_turns {
                 truncation_reason = Some("max_turns".to_string());
             } else if ep.tool_time.as_secs_f64() >= ep.limits.time_budget_s {
@@ -647,7 +935,13 @@ impl EpisodeManager {
             let collected = match ep.toolbox.as_ref().map(|t| t.workspace().clone()) {
                 Some(ws) => {
                     let kind = ep.task.kind.clone();
-                    blocking(self.cfg().io_timeout, "collecting the solution", move || solution_files(&ws, &kind)).await.unwrap_or_else(|e| Err(e.to_string()))
+                    blocking(
+                        self.cfg().io_timeout,
+                        "collecting the solution",
+                        move || solution_files(&ws, &kind),
+                    )
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
                 }
                 None => Err("the workspace is gone".to_string()),
             };
@@ -671,11 +965,31 @@ impl EpisodeManager {
             reward = result.reward;
             evaluation = Some(result.clone());
             ep.result = Some(result);
-            ep.status = if terminated { EpisodeStatus::Terminated } else { EpisodeStatus::Truncated };
+            ep.status = if terminated {
+                EpisodeStatus::Terminated
+            } else {
+                EpisodeStatus::Truncated
+            };
             ep.truncation_reason = truncation_reason.clone();
-            let how = if terminated { "terminated".to_string() } else { format!("truncated_{}", truncation_reason.as_deref().unwrap_or("")) };
-            *self.counters.ended.lock().unwrap_or_else(|e| e.into_inner()).entry(how).or_default() += 1;
-            *self.counters.rewards.lock().unwrap_or_else(|e| e.into_inner()).entry(format!("{reward}")).or_default() += 1;
+            let how = if terminated {
+                "terminated".to_string()
+            } else {
+                format!("truncated_{}", truncation_reason.as_deref().unwrap_or(""))
+            };
+            *self
+                .counters
+                .ended
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(how)
+                .or_default() += 1;
+            *self
+                .counters
+                .rewards
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(format!("{reward}"))
+                .or_default() += 1;
         }
         let resp = StepResponse {
             observation,
@@ -683,10 +997,21 @@ impl EpisodeManager {
             terminated,
             truncated,
             done: terminated || truncated,
-            info: StepInfo { turn: ep.turn, tool_time_s: ep.tool_time.as_secs_f64(), truncation_reason, evaluation, replayed: false },
+            info: StepInfo {
+                turn: ep.turn,
+                tool_time_s: ep.tool_time.as_secs_f64(),
+                truncation_reason,
+                evaluation,
+                replayed: false,
+            },
         };
         let action = json!({"tool": tool, "arguments": arguments});
-        self.log(&mut ep, "step", json!({"request_id": request_id, "action": action, "response": resp})).await?;
+        self.log(
+            &mut ep,
+            "step",
+            json!({"request_id": request_id, "action": action, "response": resp}),
+        )
+        .await?;
         if let Some(rid) = request_id {
             ep.answered.insert(rid);
         }
@@ -701,14 +1026,35 @@ impl EpisodeManager {
     }
 
     /// The answer first given to `request_id`, from the trajectory log.
-    async fn logged_answer(&self, id: &str, request_id: &str) -> Result<StepResponse, EpisodeError> {
+    async fn logged_answer(
+        &self,
+        id: &str,
+        request_id: &str,
+    ) -> Result<StepResponse, EpisodeError> {
         let path = trajectory::path_of(&self.trajectories_dir(), id);
-        let records = blocking(self.cfg().io_timeout, "reading the trajectory log", move || trajectory::read(&path)).await?.map_err(internal)?;
-        answer_in(&records, request_id).ok_or_else(|| EpisodeError::Internal(format!("request {request_id} is answered but not in the log")))
+        let records = blocking(
+            self.cfg().io_timeout,
+            "reading the trajectory log",
+            move || trajectory::read(&path),
+        )
+        .await?
+        .map_err(internal)?;
+        answer_in(&records, request_id).ok_or_else(|| {
+            EpisodeError::Internal(format!(
+                "request {request_id} is answered but not in the log"
+            ))
+        })
     }
 
-    async fn final_evaluation(&self, task: &Task, files: &BTreeMap<String, String>) -> EvaluationResult {
-        let missing = task.is_kernel() && files.get("model_new.py").is_none_or(|t| t.trim().is_empty());
+    async fn final_evaluation(
+        &self,
+        task: &Task,
+        files: &BTreeMap<String, String>,
+    ) -> EvaluationResult {
+        let missing = task.is_kernel()
+            && files
+                .get("model_new.py")
+                .is_none_or(|t| t.trim().is_empty());
         if missing {
             return EvaluationResult {
                 reward: -1.0,
@@ -738,7 +1084,12 @@ impl EpisodeManager {
         ep.log = None;
         // The uid's release kills whatever still runs under it; the volume's drop unmounts
         // it. Both block, so they go with the removal to a blocking thread.
-        let (toolbox, volume, uid, dir) = (ep.toolbox.take(), ep.volume.take(), ep.uid.take(), ep.dir.clone());
+        let (toolbox, volume, uid, dir) = (
+            ep.toolbox.take(),
+            ep.volume.take(),
+            ep.uid.take(),
+            ep.dir.clone(),
+        );
         let removal = move || {
             drop(toolbox);
             drop(uid);
@@ -756,7 +1107,11 @@ impl EpisodeManager {
     /// The state of an episode (answers even while a step runs).
     pub async fn state(&self, id: &str) -> Result<EpisodeState, EpisodeError> {
         match self.find(id).await? {
-            Found::Live(slot) => Ok(slot.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+            Found::Live(slot) => Ok(slot
+                .snapshot
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()),
             Found::Logged(l) => Ok(l.episode.state()),
         }
     }
@@ -766,7 +1121,13 @@ impl EpisodeManager {
         match self.find(id).await? {
             Found::Live(_) => {
                 let path = trajectory::path_of(&self.trajectories_dir(), id);
-                blocking(self.cfg().io_timeout, "reading the trajectory log", move || trajectory::read(&path)).await?.map_err(internal)
+                blocking(
+                    self.cfg().io_timeout,
+                    "reading the trajectory log",
+                    move || trajectory::read(&path),
+                )
+                .await?
+                .map_err(internal)
             }
             Found::Logged(l) => Ok(l.records),
         }
@@ -779,14 +1140,21 @@ impl EpisodeManager {
         let slot = match self.find(id).await? {
             Found::Live(slot) => slot,
             Found::Logged(l) => {
-                self.log_detached(id, "closed", json!({"turn": l.episode.turn})).await?;
+                self.log_detached(id, "closed", json!({"turn": l.episode.turn}))
+                    .await?;
                 return Ok(l.episode.state());
             }
         };
         let mut ep = slot.episode.lock().await;
         if !ep.is_done() {
             ep.status = EpisodeStatus::Closed;
-            *self.counters.ended.lock().unwrap_or_else(|e| e.into_inner()).entry("closed".into()).or_default() += 1;
+            *self
+                .counters
+                .ended
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry("closed".into())
+                .or_default() += 1;
         }
         let body = json!({"turn": ep.turn});
         if ep.log.is_some() {
@@ -797,16 +1165,27 @@ impl EpisodeManager {
         self.cleanup(&mut ep).await;
         let state = ep.state();
         drop(ep);
-        self.episodes.write().unwrap_or_else(|e| e.into_inner()).remove(id);
+        self.episodes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
         Ok(state)
     }
 
     /// Truncates and cleans up episodes idle past the timeout; returns how many.
     pub async fn expire_idle(&self) -> usize {
-        let slots: Vec<Arc<Slot>> = self.episodes.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let slots: Vec<Arc<Slot>> = self
+            .episodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
         let mut n = 0;
         for slot in slots {
-            let Ok(mut ep) = slot.episode.try_lock() else { continue };
+            let Ok(mut ep) = slot.episode.try_lock() else {
+                continue;
+            };
             if ep.is_done() || ep.last_active.elapsed() < self.cfg().idle_timeout {
                 continue;
             }
@@ -816,7 +1195,13 @@ impl EpisodeManager {
             if let Err(e) = self.log(&mut ep, "truncated", body).await {
                 tracing::warn!(episode = %ep.id, error = %e, "logging an idle timeout");
             }
-            *self.counters.ended.lock().unwrap_or_else(|e| e.into_inner()).entry("truncated_idle_timeout".into()).or_default() += 1;
+            *self
+                .counters
+                .ended
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry("truncated_idle_timeout".into())
+                .or_default() += 1;
             self.cleanup(&mut ep).await;
             slot.publish(&ep);
             n += 1;
@@ -830,7 +1215,12 @@ impl EpisodeManager {
         let grace = self.cfg().finished_grace;
         let mut map = self.episodes.write().unwrap_or_else(|e| e.into_inner());
         let before = map.len();
-        map.retain(|_, s| s.ended_at.lock().unwrap_or_else(|e| e.into_inner()).is_none_or(|t| t.elapsed() < grace));
+        map.retain(|_, s| {
+            s.ended_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none_or(|t| t.elapsed() < grace)
+        });
         // A map that held thousands of episodes keeps its table otherwise.
         if map.capacity() > 2 * map.len() + 64 {
             map.shrink_to_fit();

@@ -101,9 +101,20 @@ fn io_err(p: &Path, e: std::io::Error) -> EvalError {
 
 impl Evaluator {
     /// An evaluator over an installed harness.
-    pub fn new(cfg: EvaluatorConfig, sandbox: Sandbox, python: PythonInfo, harness_dir: PathBuf) -> Self {
-        let slots =
-            (0..cfg.devices.max(1)).map(|index| DeviceSlot { index, lock: Semaphore::new(1), leases: AtomicU64::new(0), busy_ms: AtomicU64::new(0) }).collect();
+    pub fn new(
+        cfg: EvaluatorConfig,
+        sandbox: Sandbox,
+        python: PythonInfo,
+        harness_dir: PathBuf,
+    ) -> Self {
+        let slots = (0..cfg.devices.max(1))
+            .map(|index| DeviceSlot {
+                index,
+                lock: Semaphore::new(1),
+                leases: AtomicU64::new(0),
+                busy_ms: AtomicU64::new(0),
+            })
+            .collect();
         Self {
             builds: Semaphore::new(cfg.max_builds.max(1)),
             cfg,
@@ -137,16 +148,21 @@ impl Evaluator {
     pub fn check_files(files: &BTreeMap<String, String>) -> Result<(), EvalError> {
         check_size(files)?;
         if !files.contains_key("model_new.py") {
-            return Err(EvalError::BadSolution("solution has no model_new.py".into()));
+            return Err(EvalError::BadSolution(
+                "solution has no model_new.py".into(),
+            ));
         }
         for name in files.keys() {
             let p = Path::new(name);
             let ok = !name.is_empty()
                 && p.is_relative()
-                && p.components().all(|c| matches!(c, std::path::Component::Normal(_)))
+                && p.components()
+                    .all(|c| matches!(c, std::path::Component::Normal(_)))
                 && (name == "model_new.py" || name.starts_with("kernels/"));
             if !ok {
-                return Err(EvalError::BadSolution(format!("bad solution path {name:?}: use model_new.py and kernels/...")));
+                return Err(EvalError::BadSolution(format!(
+                    "bad solution path {name:?}: use model_new.py and kernels/..."
+                )));
             }
         }
         Ok(())
@@ -154,7 +170,12 @@ impl Evaluator {
 
     /// Evaluates `files` (model_new.py plus kernels/...) against `task`. A broken candidate
     /// is a result with reward -1, not an error.
-    pub async fn evaluate(&self, task: &Task, files: &BTreeMap<String, String>, tolerance: Option<f64>) -> Result<EvaluationResult, EvalError> {
+    pub async fn evaluate(
+        &self,
+        task: &Task,
+        files: &BTreeMap<String, String>,
+        tolerance: Option<f64>,
+    ) -> Result<EvaluationResult, EvalError> {
         if let kernelbench::TaskKind::Recall { file, value } = &task.kind {
             check_size(files)?;
             self.finished.fetch_add(1, Ordering::Relaxed);
@@ -175,11 +196,20 @@ impl Evaluator {
         result
     }
 
-    async fn evaluate_in(&self, dir: &Path, task: &Task, files: &BTreeMap<String, String>, tolerance: Option<f64>) -> Result<EvaluationResult, EvalError> {
+    async fn evaluate_in(
+        &self,
+        dir: &Path,
+        task: &Task,
+        files: &BTreeMap<String, String>,
+        tolerance: Option<f64>,
+    ) -> Result<EvaluationResult, EvalError> {
         let started = Instant::now();
         // Two uids: the judge's and the candidate worker's. Neither can read or signal the
         // other's processes, and only the judge's can read the reference's outputs.
-        let leases = self.sandbox.lease_uid_pair().map_err(|e| EvalError::Harness(format!("no uids for the evaluation: {e}")))?;
+        let leases = self
+            .sandbox
+            .lease_uid_pair()
+            .map_err(|e| EvalError::Harness(format!("no uids for the evaluation: {e}")))?;
         let (judge_owner, worker_owner) = match &leases {
             Some((j, w)) => (Some(j.owner()), Some(w.owner())),
             None => (None, None),
@@ -187,9 +217,12 @@ impl Evaluator {
         let layout = {
             let (dir, source, files) = (dir.to_path_buf(), task.source.clone(), files.clone());
             // Directory set-up is blocking file work: off the async workers.
-            tokio::task::spawn_blocking(move || EvalDirs::create(&dir, &source, &files, judge_owner, worker_owner).map_err(|e| io_err(&dir, e)))
-                .await
-                .map_err(|e| EvalError::Harness(e.to_string()))??
+            tokio::task::spawn_blocking(move || {
+                EvalDirs::create(&dir, &source, &files, judge_owner, worker_owner)
+                    .map_err(|e| io_err(&dir, e))
+            })
+            .await
+            .map_err(|e| EvalError::Harness(e.to_string()))??
         };
 
         // Build: off the device, bounded, as the worker's uid. Extensions build into a
@@ -203,7 +236,11 @@ impl Evaluator {
         let build = {
             let digest_lock = self.build_lock(&digest);
             let _same_sources = digest_lock.lock().await;
-            let _permit = self.builds.acquire().await.map_err(|e| EvalError::Harness(e.to_string()))?;
+            let _permit = self
+                .builds
+                .acquire()
+                .await
+                .map_err(|e| EvalError::Harness(e.to_string()))?;
             prepare_build_dir(&ext, worker_owner).map_err(|e| io_err(&ext, e))?;
             // Least recently used entries are pruned first (retention.rs).
             let _ = crate::retention::touch(&ext);
@@ -219,15 +256,32 @@ impl Evaluator {
             details,
         };
         if !build.built {
-            let reason = build.reason.clone().unwrap_or_else(|| "compile: the build failed".into());
+            let reason = build
+                .reason
+                .clone()
+                .unwrap_or_else(|| "compile: the build failed".into());
             return Ok(fail(reason, details));
         }
 
         // Check and time: on a leased device, with seeds the agent never saw; the judge and
         // the candidate's worker in two sandboxes under two uids, talking over two FIFOs.
-        let seeds: Vec<String> = (0..5).map(|_| (random_u64() % 1_000_000_007).to_string()).collect();
+        let seeds: Vec<String> = (0..5)
+            .map(|_| (random_u64() % 1_000_000_007).to_string())
+            .collect();
         let seeds = seeds.join(",");
-        let (verdict, worker_log) = self.with_lease(|slot| self.judge_run(&layout, &worker_jail, judge_owner, worker_owner, &seeds, tolerance, slot)).await?;
+        let (verdict, worker_log) = self
+            .with_lease(|slot| {
+                self.judge_run(
+                    &layout,
+                    &worker_jail,
+                    judge_owner,
+                    worker_owner,
+                    &seeds,
+                    tolerance,
+                    slot,
+                )
+            })
+            .await?;
         drop(leases);
         details["elapsed_s"] = json!(started.elapsed().as_secs_f64());
         details["confined"] = json!(self.sandbox.is_confined());
@@ -255,8 +309,15 @@ impl Evaluator {
             reward: milestone(true, times.candidate, times.eager, times.compile),
             correct: true,
             reason: None,
-            times_ms: Times { eager: times.eager, compile: times.compile, candidate: times.candidate },
-            speedup: Speedups { eager: ratio(times.eager), compile: ratio(times.compile) },
+            times_ms: Times {
+                eager: times.eager,
+                compile: times.compile,
+                candidate: times.candidate,
+            },
+            speedup: Speedups {
+                eager: ratio(times.eager),
+                compile: ratio(times.compile),
+            },
             details,
         })
     }
@@ -264,9 +325,22 @@ impl Evaluator {
     /// The candidate worker's jail: its sources, its temp dir, the build cache entry, its
     /// output directory and the reply FIFO; the task and the harness read-only.
     fn worker_jail(&self, d: &EvalDirs, ext: &Path, owner: Option<(u32, u32)>) -> Jail {
-        let mut j = Jail::standard(&d.candidate, &d.tmp, &self.python.path_dirs(), &self.cfg.extra_env, owner);
-        j.writable = vec![d.candidate.clone(), d.tmp.clone(), ext.to_path_buf(), d.out.clone(), d.rep.clone()];
-        j.read_only.extend([d.root.clone(), self.harness_dir.clone()]);
+        let mut j = Jail::standard(
+            &d.candidate,
+            &d.tmp,
+            &self.python.path_dirs(),
+            &self.cfg.extra_env,
+            owner,
+        );
+        j.writable = vec![
+            d.candidate.clone(),
+            d.tmp.clone(),
+            ext.to_path_buf(),
+            d.out.clone(),
+            d.rep.clone(),
+        ];
+        j.read_only
+            .extend([d.root.clone(), self.harness_dir.clone()]);
         // The judge finds the worker's processes by uid in the host's process table; the
         // worker sees only its own.
         j.process_view = ProcessView::OwnUid;
@@ -293,7 +367,10 @@ impl Evaluator {
         }
         let (out, err, outcome) = self.run_sandboxed(&jail, &argv, &d.candidate).await?;
         if outcome.timed_out {
-            return Ok(BuildReport::failed(format!("time_limit: the build ran past {} s", self.cfg.phase_timeout.as_secs())));
+            return Ok(BuildReport::failed(format!(
+                "time_limit: the build ran past {} s",
+                self.cfg.phase_timeout.as_secs()
+            )));
         }
         // The build's own report can only claim a failure (which counts against it) or a
         // success that the run phase checks again: it decides nothing else.
@@ -302,7 +379,13 @@ impl Evaluator {
             .lines()
             .rev()
             .find_map(|l| serde_json::from_str::<BuildReport>(l).ok())
-            .unwrap_or_else(|| BuildReport::failed(format!("compile: the build process died ({}): {}", describe_exit(&outcome), tail(&err, 2000)))))
+            .unwrap_or_else(|| {
+                BuildReport::failed(format!(
+                    "compile: the build process died ({}): {}",
+                    describe_exit(&outcome),
+                    tail(&err, 2000)
+                ))
+            }))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -318,50 +401,130 @@ impl Evaluator {
     ) -> Result<(Verdict, String), EvalError> {
         let visible = slot.to_string();
         let mut worker_jail = worker_jail.clone();
-        let mut judge_jail = Jail::standard(&d.judge, &d.judge, &self.python.path_dirs(), &self.cfg.extra_env, judge_owner);
+        let mut judge_jail = Jail::standard(
+            &d.judge,
+            &d.judge,
+            &self.python.path_dirs(),
+            &self.cfg.extra_env,
+            judge_owner,
+        );
         // torch.compile's caches persist across evaluations, so the compile baseline's
         // compilation is paid once per task and device. One directory per device slot: the
         // slot's lease serialises its judges, and only judges (never a worker) can write it.
-        let compile_cache = self.cfg.data_dir.join("judge-cache").join(format!("slot{slot}"));
+        let compile_cache = self
+            .cfg
+            .data_dir
+            .join("judge-cache")
+            .join(format!("slot{slot}"));
         hand_over(&compile_cache, judge_owner).map_err(|e| io_err(&compile_cache, e))?;
-        judge_jail.env.push(("TORCHINDUCTOR_CACHE_DIR".into(), compile_cache.join("inductor").into()));
-        judge_jail.env.push(("TRITON_CACHE_DIR".into(), compile_cache.join("triton").into()));
-        judge_jail.writable = vec![d.judge.clone(), d.inputs.clone(), d.req.clone(), compile_cache.clone()];
-        judge_jail.read_only.extend([d.root.clone(), self.harness_dir.clone()]);
+        judge_jail.env.push((
+            "TORCHINDUCTOR_CACHE_DIR".into(),
+            compile_cache.join("inductor").into(),
+        ));
+        judge_jail.env.push((
+            "TRITON_CACHE_DIR".into(),
+            compile_cache.join("triton").into(),
+        ));
+        judge_jail.writable = vec![
+            d.judge.clone(),
+            d.inputs.clone(),
+            d.req.clone(),
+            compile_cache.clone(),
+        ];
+        judge_jail
+            .read_only
+            .extend([d.root.clone(), self.harness_dir.clone()]);
         judge_jail.process_view = ProcessView::Host;
-        judge_jail.env.push(("OMP_WAIT_POLICY".into(), "PASSIVE".into()));
+        judge_jail
+            .env
+            .push(("OMP_WAIT_POLICY".into(), "PASSIVE".into()));
         if self.cfg.device == Device::Cuda {
-            worker_jail.env.push(("CUDA_VISIBLE_DEVICES".into(), visible.clone().into()));
-            judge_jail.env.push(("CUDA_VISIBLE_DEVICES".into(), visible.into()));
+            worker_jail
+                .env
+                .push(("CUDA_VISIBLE_DEVICES".into(), visible.clone().into()));
+            judge_jail
+                .env
+                .push(("CUDA_VISIBLE_DEVICES".into(), visible.into()));
         }
         let device = self.cfg.device.as_str();
         let mut wargv: Vec<OsString> = vec![self.harness_dir.join("cuda_agent_worker.py").into()];
         wargv.extend(["serve", "--role", "candidate", "--device", device].map(OsString::from));
-        wargv.extend(["--task".into(), d.task.clone().into(), "--candidate".into(), d.candidate.clone().into()]);
-        wargv.extend(["--req".into(), d.req.clone().into(), "--rep".into(), d.rep.clone().into(), "--out-dir".into(), d.out.clone().into()]);
+        wargv.extend([
+            "--task".into(),
+            d.task.clone().into(),
+            "--candidate".into(),
+            d.candidate.clone().into(),
+        ]);
+        wargv.extend([
+            "--req".into(),
+            d.req.clone().into(),
+            "--rep".into(),
+            d.rep.clone().into(),
+            "--out-dir".into(),
+            d.out.clone().into(),
+        ]);
         if !self.cfg.allow_ops.is_empty() {
             wargv.extend(["--allow-ops".into(), self.cfg.allow_ops.join(",").into()]);
         }
-        let wcmd = self.sandbox.command(&worker_jail, &self.python.executable, &wargv, &d.candidate).map_err(|e| EvalError::Harness(e.to_string()))?;
-        let mut worker = wcmd.spawn().map_err(|e| EvalError::Harness(format!("spawn the worker: {e}")))?;
+        let wcmd = self
+            .sandbox
+            .command(&worker_jail, &self.python.executable, &wargv, &d.candidate)
+            .map_err(|e| EvalError::Harness(e.to_string()))?;
+        let mut worker = wcmd
+            .spawn()
+            .map_err(|e| EvalError::Harness(format!("spawn the worker: {e}")))?;
         let worker_pid = worker.id().unwrap_or(0);
         // The worker's prints go nowhere the verdict is read from: drained (so it never blocks
         // on a full pipe) and kept as a capped tail for the diagnostics.
         let wout = drain(worker.stdout.take(), 64 << 10);
         let werr = drain(worker.stderr.take(), 64 << 10);
 
-        let mut jargv: Vec<OsString> = vec![self.harness_dir.join("evaluate.py").into(), "candidate".into()];
-        jargv.extend(["--task".into(), d.task.clone().into(), "--candidate".into(), d.source.clone().into(), "--device".into(), device.into()]);
-        jargv.extend(["--seeds".into(), seeds.into(), "--workdir".into(), d.judge.clone().into(), "--inputs-dir".into(), d.inputs.clone().into()]);
-        jargv.extend(["--worker-req".into(), d.req.clone().into(), "--worker-rep".into(), d.rep.clone().into(), "--worker-out".into(), d.out.clone().into()]);
+        let mut jargv: Vec<OsString> = vec![
+            self.harness_dir.join("evaluate.py").into(),
+            "candidate".into(),
+        ];
+        jargv.extend([
+            "--task".into(),
+            d.task.clone().into(),
+            "--candidate".into(),
+            d.source.clone().into(),
+            "--device".into(),
+            device.into(),
+        ]);
+        jargv.extend([
+            "--seeds".into(),
+            seeds.into(),
+            "--workdir".into(),
+            d.judge.clone().into(),
+            "--inputs-dir".into(),
+            d.inputs.clone().into(),
+        ]);
+        jargv.extend([
+            "--worker-req".into(),
+            d.req.clone().into(),
+            "--worker-rep".into(),
+            d.rep.clone().into(),
+            "--worker-out".into(),
+            d.out.clone().into(),
+        ]);
         jargv.extend(["--worker-pid".into(), worker_pid.to_string().into()]);
         if let Some((uid, _)) = worker_owner {
             jargv.extend(["--worker-uid".into(), uid.to_string().into()]);
         }
         let secs = self.cfg.phase_timeout.as_secs_f64();
-        jargv.extend(["--setup-timeout".into(), format!("{secs}").into(), "--call-timeout".into(), format!("{}", secs.min(120.0)).into()]);
+        jargv.extend([
+            "--setup-timeout".into(),
+            format!("{secs}").into(),
+            "--call-timeout".into(),
+            format!("{}", secs.min(120.0)).into(),
+        ]);
         if let Some(t) = tolerance {
-            jargv.extend(["--atol".into(), t.to_string().into(), "--rtol".into(), t.to_string().into()]);
+            jargv.extend([
+                "--atol".into(),
+                t.to_string().into(),
+                "--rtol".into(),
+                t.to_string().into(),
+            ]);
         }
         if self.cfg.skip_compile {
             jargv.push("--no-compile".into());
@@ -376,26 +539,51 @@ impl Evaluator {
         };
         let (out, err, outcome) = judged?;
         if outcome.timed_out {
-            let v = Verdict::failed("time_limit", format!("time_limit: the evaluation ran past {secs} s"));
+            let v = Verdict::failed(
+                "time_limit",
+                format!("time_limit: the evaluation ran past {secs} s"),
+            );
             return Ok((v, log));
         }
         // The judge is trusted code in its own sandbox; the worker cannot reach its stdout.
         let text = String::from_utf8_lossy(&out);
-        match text.lines().rev().find_map(|l| serde_json::from_str::<Verdict>(l).ok()) {
+        match text
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str::<Verdict>(l).ok())
+        {
             Some(v) => Ok((v, log)),
-            None => Err(EvalError::Harness(format!("the judge gave no verdict ({}): {}", describe_exit(&outcome), tail(&err, 2000)))),
+            None => Err(EvalError::Harness(format!(
+                "the judge gave no verdict ({}): {}",
+                describe_exit(&outcome),
+                tail(&err, 2000)
+            ))),
         }
     }
 
     /// Runs one sandboxed process to its end or the phase time limit; returns its stdout,
     /// stderr (both capped) and how it ended.
-    async fn run_sandboxed(&self, jail: &Jail, argv: &[OsString], cwd: &Path) -> Result<(Vec<u8>, Vec<u8>, Outcome), EvalError> {
-        let sc = self.sandbox.command(jail, &self.python.executable, argv, cwd).map_err(|e| EvalError::Harness(e.to_string()))?;
-        let mut child = sc.spawn().map_err(|e| EvalError::Harness(format!("spawn python: {e}")))?;
+    async fn run_sandboxed(
+        &self,
+        jail: &Jail,
+        argv: &[OsString],
+        cwd: &Path,
+    ) -> Result<(Vec<u8>, Vec<u8>, Outcome), EvalError> {
+        let sc = self
+            .sandbox
+            .command(jail, &self.python.executable, argv, cwd)
+            .map_err(|e| EvalError::Harness(e.to_string()))?;
+        let mut child = sc
+            .spawn()
+            .map_err(|e| EvalError::Harness(format!("spawn python: {e}")))?;
         let out = drain(child.stdout.take(), 8 << 20);
         let err = drain(child.stderr.take(), 1 << 20);
         let outcome = child.wait_within(self.cfg.phase_timeout).await;
-        Ok((out.await.unwrap_or_default(), err.await.unwrap_or_default(), outcome))
+        Ok((
+            out.await.unwrap_or_default(),
+            err.await.unwrap_or_default(),
+            outcome,
+        ))
     }
 
     fn build_lock(&self, digest: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {
@@ -439,14 +627,21 @@ impl Evaluator {
             Some(c) => c,
             None => {
                 let slot = &self.slots[start];
-                (slot, slot.lock.acquire().await.map_err(|e| EvalError::Harness(e.to_string()))?)
+                (
+                    slot,
+                    slot.lock
+                        .acquire()
+                        .await
+                        .map_err(|e| EvalError::Harness(e.to_string()))?,
+                )
             }
         };
         let t0 = Instant::now();
         slot.leases.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(slot = slot.index, "device lease taken");
         let out = f(slot.index).await;
-        slot.busy_ms.fetch_add(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
+        slot.busy_ms
+            .fetch_add(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
         drop(permit);
         out
     }
@@ -466,7 +661,11 @@ struct BuildReport {
 
 impl BuildReport {
     fn failed(reason: String) -> Self {
-        Self { built: false, reason: Some(reason), ..Self::default() }
+        Self {
+            built: false,
+            reason: Some(reason),
+            ..Self::default()
+        }
     }
 }
 
@@ -492,7 +691,12 @@ struct Verdict {
 
 impl Verdict {
     fn failed(rule: &str, reason: String) -> Self {
-        Self { correct: false, rule: Some(rule.into()), reason: Some(reason), ..Self::default() }
+        Self {
+            correct: false,
+            rule: Some(rule.into()),
+            reason: Some(reason),
+            ..Self::default()
+        }
     }
 }
 
@@ -525,7 +729,13 @@ struct EvalDirs {
 }
 
 impl EvalDirs {
-    fn create(dir: &Path, task_source: &str, files: &BTreeMap<String, String>, judge: Option<(u32, u32)>, worker: Option<(u32, u32)>) -> std::io::Result<Self> {
+    fn create(
+        dir: &Path,
+        task_source: &str,
+        files: &BTreeMap<String, String>,
+        judge: Option<(u32, u32)>,
+        worker: Option<(u32, u32)>,
+    ) -> std::io::Result<Self> {
         use std::os::unix::fs::PermissionsExt;
         let d = Self {
             root: dir.to_path_buf(),
@@ -539,7 +749,8 @@ impl EvalDirs {
             req: dir.join("xfer/req"),
             rep: dir.join("xfer/rep"),
         };
-        let mode = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m));
+        let mode =
+            |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m));
         std::fs::create_dir_all(dir)?;
         mode(dir, 0o755)?;
         std::fs::create_dir_all(dir.join("xfer"))?;
@@ -576,7 +787,11 @@ impl EvalDirs {
 
 /// A FIFO its `writer` may write and its `reader` read (group permission: each uid's group
 /// is its own), or the server's own when uids cannot be switched.
-fn make_fifo(path: &Path, writer: Option<(u32, u32)>, reader: Option<(u32, u32)>) -> std::io::Result<()> {
+fn make_fifo(
+    path: &Path,
+    writer: Option<(u32, u32)>,
+    reader: Option<(u32, u32)>,
+) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
     // SAFETY: c is a valid NUL-terminated path.
@@ -637,7 +852,6 @@ fn hand_over(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
     Ok(())
 }
 
-
 struct Decrement<'a>(&'a AtomicUsize);
 
 impl Drop for Decrement<'_> {
@@ -671,7 +885,9 @@ fn prepare_build_dir(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<(
 fn check_size(files: &BTreeMap<String, String>) -> Result<(), EvalError> {
     let total: usize = files.values().map(String::len).sum();
     if total > MAX_SOLUTION_BYTES {
-        return Err(EvalError::BadSolution(format!("solution is {total} bytes; the limit is {MAX_SOLUTION_BYTES}")));
+        return Err(EvalError::BadSolution(format!(
+            "solution is {total} bytes; the limit is {MAX_SOLUTION_BYTES}"
+        )));
     }
     Ok(())
 }

@@ -82,7 +82,13 @@ static REFUSAL: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
 
 /// Serves `app` on `listener` until `shutdown` resolves, then lets open connections finish
 /// their requests for up to `limits.shutdown_grace`.
-pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, counters: Arc<HttpCounters>, shutdown: impl Future<Output = ()>) -> io::Result<()> {
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    counters: Arc<HttpCounters>,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut builder = http1::Builder::new();
@@ -143,7 +149,11 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, count
     }
     let _ = stop_tx.send(true);
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
-    let _ = tokio::time::timeout(limits.shutdown_grace + Duration::from_secs(1), slots.acquire_many(all)).await;
+    let _ = tokio::time::timeout(
+        limits.shutdown_grace + Duration::from_secs(1),
+        slots.acquire_many(all),
+    )
+    .await;
     Ok(())
 }
 
@@ -157,7 +167,11 @@ struct StallLimit {
 
 impl StallLimit {
     fn new(io: TcpStream, limit: Duration) -> Self {
-        Self { io, limit, stalled: None }
+        Self {
+            io,
+            limit,
+            stalled: None,
+        }
     }
 
     fn progress<T>(&mut self, r: Poll<io::Result<T>>, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
@@ -168,9 +182,14 @@ impl StallLimit {
             }
             Poll::Pending => {
                 let limit = self.limit;
-                let timer = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+                let timer = self
+                    .stalled
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
                 match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the client stopped reading"))),
+                    Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client stopped reading",
+                    ))),
                     Poll::Pending => Poll::Pending,
                 }
             }
@@ -179,18 +198,30 @@ impl StallLimit {
 }
 
 impl AsyncRead for StallLimit {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         Pin::new(&mut self.io).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for StallLimit {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.io).poll_write(cx, buf);
         self.progress(r, cx)
     }
 
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
         self.progress(r, cx)
     }

@@ -99,7 +99,9 @@ impl Default for ServerConfig {
             python: PathBuf::from("python3"),
             allow_unconfined: false,
             max_episodes: 4096,
-            max_builds: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
+            max_builds: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2),
             max_eval_queue: 1024,
             max_turns: 200,
             time_budget: Duration::from_secs(300),
@@ -115,7 +117,11 @@ impl Default for ServerConfig {
             finished_grace: Duration::from_secs(60),
             io_timeout: Duration::from_secs(30),
             max_log_bytes: 64 << 20,
-            trajectory_retention: retention::TrajectoryRetention { keep: None, max_age: None, max_bytes: Some(16 << 30) },
+            trajectory_retention: retention::TrajectoryRetention {
+                keep: None,
+                max_age: None,
+                max_bytes: Some(16 << 30),
+            },
             build_cache_max_bytes: 8 << 30,
             max_commands: 256,
             retention_interval: Duration::from_secs(300),
@@ -156,14 +162,19 @@ pub enum StartError {
 /// Probes the machine, installs the harness, recovers episodes and returns the app state.
 pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(&cfg.data_dir).map_err(|e| StartError::DataDir(cfg.data_dir.clone(), e))?;
-    let data_dir = cfg.data_dir.canonicalize().map_err(|e| StartError::DataDir(cfg.data_dir.clone(), e))?;
+    std::fs::create_dir_all(&cfg.data_dir)
+        .map_err(|e| StartError::DataDir(cfg.data_dir.clone(), e))?;
+    let data_dir = cfg
+        .data_dir
+        .canonicalize()
+        .map_err(|e| StartError::DataDir(cfg.data_dir.clone(), e))?;
     // Tool processes under their own uids must traverse (not list) the data dir to reach
     // their workspace.
     for sub in ["", "episodes", "evals"] {
         let d = data_dir.join(sub);
         std::fs::create_dir_all(&d).map_err(|e| StartError::DataDir(d.clone(), e))?;
-        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711)).map_err(|e| StartError::DataDir(d.clone(), e))?;
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| StartError::DataDir(d.clone(), e))?;
     }
     raise_open_file_limit();
     let python = runtime::PythonInfo::probe(&cfg.python)?;
@@ -191,9 +202,19 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         }
         .with_tiny_family(),
     );
-    let task_size = cfg.task_size.clone().unwrap_or_else(|| if device == runtime::Device::Cpu { "small".into() } else { "full".into() });
+    let task_size = cfg.task_size.clone().unwrap_or_else(|| {
+        if device == runtime::Device::Cpu {
+            "small".into()
+        } else {
+            "full".into()
+        }
+    });
     let extra_env = vec![("CUDA_AGENT_TASK_SIZE".to_string(), task_size.clone())];
-    let gpus = if device == runtime::Device::Cuda { python.gpus } else { 0 };
+    let gpus = if device == runtime::Device::Cuda {
+        python.gpus
+    } else {
+        0
+    };
     let evaluator = Arc::new(evaluation::Evaluator::new(
         evaluation::EvaluatorConfig {
             data_dir: data_dir.clone(),
@@ -240,11 +261,21 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let retention = Retention {
         data_dir: data_dir.clone(),
         trajectories: cfg.trajectory_retention.clone(),
-        build_cache: retention::BuildCacheRetention { max_bytes: cfg.build_cache_max_bytes, in_use_window: cfg.eval_timeout * 2 },
+        build_cache: retention::BuildCacheRetention {
+            max_bytes: cfg.build_cache_max_bytes,
+            in_use_window: cfg.eval_timeout * 2,
+        },
         interval: cfg.retention_interval,
     };
     retention.run(&episodes.live_ids());
-    tracing::info!(interrupted, swept = swept.entries, swept_bytes = swept.bytes, tasks = tasks.len(), device = device.as_str(), "server state ready");
+    tracing::info!(
+        interrupted,
+        swept = swept.entries,
+        swept_bytes = swept.bytes,
+        tasks = tasks.len(),
+        device = device.as_str(),
+        "server state ready"
+    );
     let info = json!({
         "name": "cuda-agent env-server",
         "version": env!("CARGO_PKG_VERSION"),
@@ -305,10 +336,21 @@ pub struct Retention {
 impl Retention {
     /// One pass over trajectory logs (sparing `live` episodes) and the build cache. Blocking.
     pub fn run(&self, live: &std::collections::HashSet<String>) {
-        let logs = retention::prune_trajectories(&self.data_dir.join("trajectories"), &self.trajectories, live);
-        let builds = retention::prune_build_cache(&self.data_dir.join("build-cache"), &self.build_cache);
+        let logs = retention::prune_trajectories(
+            &self.data_dir.join("trajectories"),
+            &self.trajectories,
+            live,
+        );
+        let builds =
+            retention::prune_build_cache(&self.data_dir.join("build-cache"), &self.build_cache);
         if logs.entries + builds.entries > 0 {
-            tracing::info!(logs = logs.entries, log_bytes = logs.bytes, builds = builds.entries, build_bytes = builds.bytes, "retention removed");
+            tracing::info!(
+                logs = logs.entries,
+                log_bytes = logs.bytes,
+                builds = builds.entries,
+                build_bytes = builds.bytes,
+                "retention removed"
+            );
         }
     }
 }
@@ -365,8 +407,14 @@ pub fn release_free_memory() {
 /// tool processes.
 fn raise_open_file_limit() {
     const WANTED: libc::rlim_t = 1 << 20;
-    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open").ok().and_then(|s| s.trim().parse::<libc::rlim_t>().ok()).unwrap_or(WANTED);
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<libc::rlim_t>().ok())
+        .unwrap_or(WANTED);
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit/setrlimit with a valid struct.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
@@ -374,7 +422,10 @@ fn raise_open_file_limit() {
         }
         let target = WANTED.min(nr_open);
         if lim.rlim_max < target {
-            let raised = libc::rlimit { rlim_cur: target, rlim_max: target };
+            let raised = libc::rlimit {
+                rlim_cur: target,
+                rlim_max: target,
+            };
             if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
                 return;
             }
@@ -391,9 +442,15 @@ fn raise_open_file_limit() {
 fn check_reachable(data_dir: &std::path::Path) -> Result<(), StartError> {
     use std::os::unix::fs::PermissionsExt;
     for dir in data_dir.ancestors().skip(1) {
-        let mode = std::fs::metadata(dir).map(|m| m.permissions().mode()).unwrap_or(0o755);
+        let mode = std::fs::metadata(dir)
+            .map(|m| m.permissions().mode())
+            .unwrap_or(0o755);
         if mode & 0o001 == 0 {
-            return Err(StartError::Unreachable { data_dir: data_dir.to_path_buf(), blocker: dir.to_path_buf(), mode: mode & 0o7777 });
+            return Err(StartError::Unreachable {
+                data_dir: data_dir.to_path_buf(),
+                blocker: dir.to_path_buf(),
+                mode: mode & 0o7777,
+            });
         }
     }
     Ok(())

@@ -138,13 +138,19 @@ fn api_key(args: &Args, source: Option<ValueSource>) -> anyhow::Result<Option<St
 
 fn read_key_file(path: &Path) -> anyhow::Result<String> {
     use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).with_context(|| format!("--api-key-file {}", path.display()))?;
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("--api-key-file {}", path.display()))?;
     if meta.permissions().mode() & 0o077 != 0 {
         tracing::warn!(path = %path.display(), "the API key file is readable by others; chmod 600 it");
     }
-    let text = std::fs::read_to_string(path).with_context(|| format!("--api-key-file {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--api-key-file {}", path.display()))?;
     let key = text.lines().next().unwrap_or("").trim().to_string();
-    anyhow::ensure!(!key.is_empty(), "--api-key-file {} holds no key", path.display());
+    anyhow::ensure!(
+        !key.is_empty(),
+        "--api-key-file {} holds no key",
+        path.display()
+    );
     Ok(key)
 }
 
@@ -197,18 +203,26 @@ fn limit_malloc_arenas() {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
     let matches = Args::command().get_matches();
     let args = Args::from_arg_matches(&matches)?;
     let key = api_key(&args, matches.value_source("api_key"))?;
     scrub_env(API_KEY_VAR);
     deny_inspection();
     limit_malloc_arenas();
-    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(args, key))
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(args, key))
 }
 
 async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
-    let secs = |s: f64, name: &str| Duration::try_from_secs_f64(s).with_context(|| format!("--{name}"));
+    let secs =
+        |s: f64, name: &str| Duration::try_from_secs_f64(s).with_context(|| format!("--{name}"));
     let http = HttpLimits {
         max_connections: args.max_connections.max(1),
         max_requests_in_flight: args.max_requests_in_flight.max(1),
@@ -249,10 +263,14 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
     if let Some(n) = args.max_builds {
         cfg.max_builds = n;
     }
-    let state = tokio::task::spawn_blocking(move || build_state(cfg)).await?.context("starting the server")?;
+    let state = tokio::task::spawn_blocking(move || build_state(cfg))
+        .await?
+        .context("starting the server")?;
     tracing::info!(info = %state.info, "configuration");
     spawn_janitor(state.clone());
-    let listener = tokio::net::TcpListener::bind(&args.bind).await.with_context(|| format!("binding {}", args.bind))?;
+    let listener = tokio::net::TcpListener::bind(&args.bind)
+        .await
+        .with_context(|| format!("binding {}", args.bind))?;
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let counters = Arc::clone(&state.http);
     env_server::http::serve(listener, router(state), http, counters, shutdown_signal()).await?;

@@ -60,7 +60,11 @@ impl Removed {
 /// hostile tree is bounded by what the caller wants to know).
 pub fn tree_bytes(root: &Path, limit: u64) -> u64 {
     let mut total = 0u64;
-    for e in walkdir::WalkDir::new(root).follow_links(false).into_iter().flatten() {
+    for e in walkdir::WalkDir::new(root)
+        .follow_links(false)
+        .into_iter()
+        .flatten()
+    {
         if let Ok(m) = e.metadata() {
             if m.is_file() {
                 total = total.saturating_add(m.blocks() * 512);
@@ -88,12 +92,18 @@ pub fn remove_entry(path: &Path) -> std::io::Result<()> {
 }
 
 /// Applies `policy` to the logs in `dir` (`<id>.jsonl`), sparing the ids in `live`.
-pub fn prune_trajectories(dir: &Path, policy: &TrajectoryRetention, live: &HashSet<String>) -> Removed {
+pub fn prune_trajectories(
+    dir: &Path,
+    policy: &TrajectoryRetention,
+    live: &HashSet<String>,
+) -> Removed {
     let mut removed = Removed::default();
     if !policy.is_bounded() {
         return removed;
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return removed };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return removed;
+    };
     let mut logs: Vec<(SystemTime, u64, PathBuf)> = entries
         .flatten()
         .filter_map(|e| {
@@ -112,12 +122,18 @@ pub fn prune_trajectories(dir: &Path, policy: &TrajectoryRetention, live: &HashS
     let mut kept_bytes = 0u64;
     for (i, (time, len, path)) in logs.iter().enumerate() {
         let too_many = policy.keep.is_some_and(|k| i >= k);
-        let too_old = policy.max_age.is_some_and(|a| now.duration_since(*time).unwrap_or_default() > a);
-        let too_big = policy.max_bytes.is_some_and(|b| kept_bytes.saturating_add(*len) > b);
+        let too_old = policy
+            .max_age
+            .is_some_and(|a| now.duration_since(*time).unwrap_or_default() > a);
+        let too_big = policy
+            .max_bytes
+            .is_some_and(|b| kept_bytes.saturating_add(*len) > b);
         if too_many || too_old || too_big {
             match std::fs::remove_file(path) {
                 Ok(()) => removed.add(*len),
-                Err(e) => tracing::warn!(path = %path.display(), error = %e, "removing a trajectory log"),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "removing a trajectory log")
+                }
             }
         } else {
             kept_bytes += len;
@@ -131,13 +147,19 @@ pub fn prune_trajectories(dir: &Path, policy: &TrajectoryRetention, live: &HashS
 /// most `policy.max_bytes`, sparing entries used within `policy.in_use_window`.
 pub fn prune_build_cache(dir: &Path, policy: &BuildCacheRetention) -> Removed {
     let mut removed = Removed::default();
-    let Ok(entries) = std::fs::read_dir(dir) else { return removed };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return removed;
+    };
     let mut all: Vec<(SystemTime, u64, PathBuf)> = entries
         .flatten()
         .filter_map(|e| {
             let path = e.path();
             let m = std::fs::symlink_metadata(&path).ok()?;
-            let bytes = if m.is_dir() { tree_bytes(&path, u64::MAX) } else { m.blocks() * 512 };
+            let bytes = if m.is_dir() {
+                tree_bytes(&path, u64::MAX)
+            } else {
+                m.blocks() * 512
+            };
             Some((mtime(&m), bytes, path))
         })
         .collect();
@@ -157,7 +179,9 @@ pub fn prune_build_cache(dir: &Path, policy: &BuildCacheRetention) -> Removed {
                 total -= bytes;
                 removed.add(bytes);
             }
-            Err(e) => tracing::warn!(path = %path.display(), error = %e, "removing a build cache entry"),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "removing a build cache entry")
+            }
         }
     }
     removed
@@ -175,13 +199,17 @@ pub fn touch(entry: &Path) -> std::io::Result<()> {
 pub fn sweep_leftovers(data_dir: &Path) -> Removed {
     let mut removed = Removed::default();
     for sub in ["episodes", "evals"] {
-        let Ok(entries) = std::fs::read_dir(data_dir.join(sub)) else { continue };
+        let Ok(entries) = std::fs::read_dir(data_dir.join(sub)) else {
+            continue;
+        };
         for e in entries.flatten() {
             let path = e.path();
             let bytes = tree_bytes(&path, u64::MAX);
             match remove_entry(&path) {
                 Ok(()) => removed.add(bytes),
-                Err(err) => tracing::warn!(path = %path.display(), error = %err, "removing a leftover"),
+                Err(err) => {
+                    tracing::warn!(path = %path.display(), error = %err, "removing a leftover")
+                }
             }
         }
     }

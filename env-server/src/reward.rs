@@ -7,7 +7,12 @@ pub fn beats(candidate_ms: f64, baseline_ms: f64) -> bool {
 
 /// -1 for a failure or a rule break, 1 for correct, 2 for >5% faster than eager, 3 for >5%
 /// faster than both eager and torch.compile. A missing time counts as not beaten.
-pub fn milestone(correct: bool, candidate_ms: Option<f64>, eager_ms: Option<f64>, compile_ms: Option<f64>) -> f64 {
+pub fn milestone(
+    correct: bool,
+    candidate_ms: Option<f64>,
+    eager_ms: Option<f64>,
+    compile_ms: Option<f64>,
+) -> f64 {
     if !correct {
         return -1.0;
     }
@@ -24,13 +29,26 @@ pub fn milestone(correct: bool, candidate_ms: Option<f64>, eager_ms: Option<f64>
 /// The verdict on a tiny-family task: the file must hold exactly `value` (whitespace around
 /// it ignored). Same reward shape as a kernel task: -1 on failure, 1 when correct (no speed
 /// milestones: there is nothing to time).
-pub fn judge_recall(task_id: &str, file: &str, value: &str, files: &std::collections::BTreeMap<String, String>) -> env_api::EvaluationResult {
+pub fn judge_recall(
+    task_id: &str,
+    file: &str,
+    value: &str,
+    files: &std::collections::BTreeMap<String, String>,
+) -> env_api::EvaluationResult {
     let (correct, reason) = match files.get(file) {
-        None => (false, Some(format!("missing_solution: {file} was not written"))),
+        None => (
+            false,
+            Some(format!("missing_solution: {file} was not written")),
+        ),
         Some(t) if t.trim() == value => (true, None),
         Some(t) => {
             let shown: String = t.trim().chars().take(80).collect();
-            (false, Some(format!("wrong_output: {file} holds {shown:?}, expected the task's word")))
+            (
+                false,
+                Some(format!(
+                    "wrong_output: {file} holds {shown:?}, expected the task's word"
+                )),
+            )
         }
     };
     env_api::EvaluationResult {
@@ -63,8 +81,12 @@ mod tests {
 
     #[test]
     fn recall_verdicts() {
-        let files = |t: &str| std::collections::BTreeMap::from([("answer.txt".to_string(), t.to_string())]);
-        assert_eq!(judge_recall("tiny/1_blue", "answer.txt", "blue", &files(" blue\n")).reward, 1.0);
+        let files =
+            |t: &str| std::collections::BTreeMap::from([("answer.txt".to_string(), t.to_string())]);
+        assert_eq!(
+            judge_recall("tiny/1_blue", "answer.txt", "blue", &files(" blue\n")).reward,
+            1.0
+        );
         let wrong = judge_recall("tiny/1_blue", "answer.txt", "blue", &files("red"));
         assert_eq!((wrong.reward, wrong.correct), (-1.0, false));
         assert!(wrong.reason.unwrap().starts_with("wrong_output"));

@@ -10,14 +10,30 @@ pub const HARNESS_FILES: &[(&str, &str)] = &[
     ("SKILL.md", include_str!("../../skills/SKILL.md")),
     ("verify.py", include_str!("../../skills/verify.py")),
     ("profile.py", include_str!("../../skills/profile.py")),
-    ("cuda_agent_harness.py", include_str!("../../skills/cuda_agent_harness.py")),
-    ("cuda_agent_judge.py", include_str!("../../skills/cuda_agent_judge.py")),
-    ("cuda_agent_worker.py", include_str!("../../skills/cuda_agent_worker.py")),
+    (
+        "cuda_agent_harness.py",
+        include_str!("../../skills/cuda_agent_harness.py"),
+    ),
+    (
+        "cuda_agent_judge.py",
+        include_str!("../../skills/cuda_agent_judge.py"),
+    ),
+    (
+        "cuda_agent_worker.py",
+        include_str!("../../skills/cuda_agent_worker.py"),
+    ),
     ("evaluate.py", include_str!("../../skills/evaluate.py")),
 ];
 
 /// The files laid read-only into every workspace (evaluate.py is the server's alone).
-pub const WORKSPACE_FILES: &[&str] = &["SKILL.md", "verify.py", "profile.py", "cuda_agent_harness.py", "cuda_agent_judge.py", "cuda_agent_worker.py"];
+pub const WORKSPACE_FILES: &[&str] = &[
+    "SKILL.md",
+    "verify.py",
+    "profile.py",
+    "cuda_agent_harness.py",
+    "cuda_agent_judge.py",
+    "cuda_agent_worker.py",
+];
 
 /// Errors found at start.
 #[derive(Debug, thiserror::Error)]
@@ -63,14 +79,24 @@ impl PythonInfo {
     /// Runs `python` once to learn where it lives and what torch sees.
     pub fn probe(python: &Path) -> Result<Self, RuntimeError> {
         let script = "import json,os,sys\nimport torch\nn=torch.cuda.device_count() if torch.cuda.is_available() else 0\nprint(json.dumps({'executable':sys.executable,'real_executable':os.path.realpath(sys.executable),'prefix':sys.prefix,'base_prefix':sys.base_prefix,'torch':torch.__version__,'torch_cuda':torch.version.cuda,'gpus':n,'gpu_names':[torch.cuda.get_device_name(i) for i in range(n)]}))";
-        let err = |message: String| RuntimeError::Python { python: python.display().to_string(), message };
-        let out = std::process::Command::new(python).args(["-c", script]).output().map_err(|e| err(e.to_string()))?;
+        let err = |message: String| RuntimeError::Python {
+            python: python.display().to_string(),
+            message,
+        };
+        let out = std::process::Command::new(python)
+            .args(["-c", script])
+            .output()
+            .map_err(|e| err(e.to_string()))?;
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
-            return Err(err(format!("cannot import torch: {}", stderr.lines().last().unwrap_or(""))));
+            return Err(err(format!(
+                "cannot import torch: {}",
+                stderr.lines().last().unwrap_or("")
+            )));
         }
         let text = String::from_utf8_lossy(&out.stdout);
-        serde_json::from_str(text.lines().last().unwrap_or("")).map_err(|e| err(format!("bad probe output: {e}")))
+        serde_json::from_str(text.lines().last().unwrap_or(""))
+            .map_err(|e| err(format!("bad probe output: {e}")))
     }
 
     /// Directories the sandbox must let tool processes read: Python's and CUDA's.
@@ -150,8 +176,10 @@ pub fn install_harness(dir: &Path) -> Result<(), RuntimeError> {
     for (name, text) in HARNESS_FILES {
         let p = dir.join(name);
         std::fs::write(&p, text).map_err(|e| io(&p, e))?;
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444)).map_err(|e| io(&p, e))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444))
+            .map_err(|e| io(&p, e))?;
     }
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(|e| io(dir, e))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| io(dir, e))?;
     Ok(())
 }

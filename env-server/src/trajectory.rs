@@ -28,7 +28,10 @@ pub enum LogError {
 
 /// Seconds since the Unix epoch.
 pub fn now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Whether `id` has the form of an episode id (32 lowercase hex digits, as the server makes
@@ -54,17 +57,37 @@ impl TrajectoryLog {
     /// Opens (creating) the log of an episode.
     pub fn open(dir: &Path, episode_id: &str) -> Result<Self, LogError> {
         let path = path_of(dir, episode_id);
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|source| LogError::Io { path: path.clone(), source })?;
-        Ok(Self { path: Arc::new(path), file: Arc::new(file) })
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|source| LogError::Io {
+                path: path.clone(),
+                source,
+            })?;
+        Ok(Self {
+            path: Arc::new(path),
+            file: Arc::new(file),
+        })
     }
 
     /// Appends one record and fsyncs it; returns the bytes written. Blocking: call it off the
     /// async workers.
     pub fn append(&self, kind: &str, body: Value) -> Result<u64, LogError> {
-        let rec = TrajectoryRecord { kind: kind.into(), time: now(), body };
+        let rec = TrajectoryRecord {
+            kind: kind.into(),
+            time: now(),
+            body,
+        };
         let mut line = serde_json::to_vec(&rec).unwrap_or_default();
         line.push(b'\n');
-        (&*self.file).write_all(&line).and_then(|_| self.file.sync_data()).map_err(|source| LogError::Io { path: self.path.to_path_buf(), source })?;
+        (&*self.file)
+            .write_all(&line)
+            .and_then(|_| self.file.sync_data())
+            .map_err(|source| LogError::Io {
+                path: self.path.to_path_buf(),
+                source,
+            })?;
         Ok(line.len() as u64)
     }
 
@@ -86,15 +109,24 @@ impl TrajectoryLog {
 
 /// Reads every record of a log. A torn last line (a crash mid-write) is skipped.
 pub fn read(path: &Path) -> Result<Vec<TrajectoryRecord>, LogError> {
-    let text = std::fs::read_to_string(path).map_err(|source| LogError::Io { path: path.to_path_buf(), source })?;
-    Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+    let text = std::fs::read_to_string(path).map_err(|source| LogError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
 }
 
 /// The kind of the last record of a log, read from its end without reading the whole file
 /// (so that a restart does not read every log it keeps). None when the last line is torn or
 /// not a record: read the whole log then.
 pub fn last_kind(path: &Path) -> Result<Option<String>, LogError> {
-    let io = |source| LogError::Io { path: path.to_path_buf(), source };
+    let io = |source| LogError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut f = std::fs::File::open(path).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
     if len < 2 {
@@ -102,7 +134,9 @@ pub fn last_kind(path: &Path) -> Result<Option<String>, LogError> {
     }
     // The last byte must end a line; then look back for the newline before the last line.
     let mut last = [0u8; 1];
-    f.seek(SeekFrom::Start(len - 1)).and_then(|_| f.read_exact(&mut last)).map_err(io)?;
+    f.seek(SeekFrom::Start(len - 1))
+        .and_then(|_| f.read_exact(&mut last))
+        .map_err(io)?;
     if last[0] != b'\n' {
         return Ok(None);
     }
@@ -113,7 +147,9 @@ pub fn last_kind(path: &Path) -> Result<Option<String>, LogError> {
     'search: while end > 0 {
         let from = end.saturating_sub(CHUNK);
         buf.resize((end - from) as usize, 0);
-        f.seek(SeekFrom::Start(from)).and_then(|_| f.read_exact(&mut buf)).map_err(io)?;
+        f.seek(SeekFrom::Start(from))
+            .and_then(|_| f.read_exact(&mut buf))
+            .map_err(io)?;
         if let Some(i) = buf.iter().rposition(|&b| b == b'\n') {
             start = from + i as u64 + 1;
             break 'search;
@@ -124,7 +160,11 @@ pub fn last_kind(path: &Path) -> Result<Option<String>, LogError> {
     f.seek(SeekFrom::Start(start)).map_err(io)?;
     let n = f.read(&mut head).map_err(io)?;
     // Records are written by serde in field order: `{"kind":"<kind>",...`.
-    let Some(rest) = head[..n].strip_prefix(b"{\"kind\":\"") else { return Ok(None) };
-    let Some(q) = rest.iter().position(|&b| b == b'"') else { return Ok(None) };
+    let Some(rest) = head[..n].strip_prefix(b"{\"kind\":\"") else {
+        return Ok(None);
+    };
+    let Some(q) = rest.iter().position(|&b| b == b'"') else {
+        return Ok(None);
+    };
     Ok(std::str::from_utf8(&rest[..q]).ok().map(str::to_string))
 }

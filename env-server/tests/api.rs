@@ -10,15 +10,26 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 
 fn python() -> std::path::PathBuf {
-    std::env::var_os("CUDA_AGENT_PYTHON").map(Into::into).unwrap_or_else(|| "python3".into())
+    std::env::var_os("CUDA_AGENT_PYTHON")
+        .map(Into::into)
+        .unwrap_or_else(|| "python3".into())
 }
 
 fn state(dir: &std::path::Path, api_key: Option<&str>) -> Arc<AppState> {
     state_with(dir, api_key, std::time::Duration::from_secs(300))
 }
 
-fn state_with(dir: &std::path::Path, api_key: Option<&str>, eval_timeout: std::time::Duration) -> Arc<AppState> {
-    state_from(ServerConfig { data_dir: dir.to_path_buf(), api_key: api_key.map(str::to_string), eval_timeout, ..test_config(dir) })
+fn state_with(
+    dir: &std::path::Path,
+    api_key: Option<&str>,
+    eval_timeout: std::time::Duration,
+) -> Arc<AppState> {
+    state_from(ServerConfig {
+        data_dir: dir.to_path_buf(),
+        api_key: api_key.map(str::to_string),
+        eval_timeout,
+        ..test_config(dir)
+    })
 }
 
 fn test_config(dir: &std::path::Path) -> ServerConfig {
@@ -36,11 +47,22 @@ fn state_from(cfg: ServerConfig) -> Arc<AppState> {
     build_state(cfg).expect("server state")
 }
 
-async fn call(state: &Arc<AppState>, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, Value) {
+async fn call(
+    state: &Arc<AppState>,
+    method: &str,
+    uri: &str,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
     raw(state, method, uri, body.map(|b| b.to_string()), None).await
 }
 
-async fn raw(state: &Arc<AppState>, method: &str, uri: &str, body: Option<String>, auth: Option<&str>) -> (StatusCode, Value) {
+async fn raw(
+    state: &Arc<AppState>,
+    method: &str,
+    uri: &str,
+    body: Option<String>,
+    auth: Option<&str>,
+) -> (StatusCode, Value) {
     let mut req = Request::builder().method(method).uri(uri);
     if body.is_some() {
         req = req.header(header::CONTENT_TYPE, "application/json");
@@ -48,11 +70,14 @@ async fn raw(state: &Arc<AppState>, method: &str, uri: &str, body: Option<String
     if let Some(a) = auth {
         req = req.header(header::AUTHORIZATION, a);
     }
-    let req = req.body(body.map(Body::from).unwrap_or_else(Body::empty)).unwrap();
+    let req = req
+        .body(body.map(Body::from).unwrap_or_else(Body::empty))
+        .unwrap();
     let resp = router(state.clone()).oneshot(req).await.unwrap();
     let status = resp.status();
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    let v = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
     (status, v)
 }
 
@@ -68,23 +93,41 @@ async fn discovery_routes() {
     assert_eq!(v["sandbox"]["confined"], true, "{v}");
     assert!(v["torch"].as_str().unwrap().starts_with("2."), "{v}");
     let (_, v) = call(&s, "GET", "/v1/tasks", None).await;
-    assert!(v["tasks"].as_array().unwrap().iter().any(|t| t["id"] == "L1/1_ReLU"));
+    assert!(v["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["id"] == "L1/1_ReLU"));
     let (st, v) = call(&s, "GET", "/v1/openapi.json", None).await;
     assert_eq!(st, StatusCode::OK);
-    for path in ["/v1/episodes", "/v1/episodes/{id}/step", "/v1/evaluate", "/v1/tasks"] {
+    for path in [
+        "/v1/episodes",
+        "/v1/episodes/{id}/step",
+        "/v1/evaluate",
+        "/v1/tasks",
+    ] {
         assert!(v["paths"].get(path).is_some(), "openapi lacks {path}");
     }
     assert!(v["components"]["schemas"].get("StepResponse").is_some());
     let (st, text) = raw(&s, "GET", "/metrics", None, None).await;
     assert_eq!(st, StatusCode::OK);
-    assert!(text.as_str().unwrap().contains("cuda_agent_resets_total 0"), "{text}");
+    assert!(
+        text.as_str().unwrap().contains("cuda_agent_resets_total 0"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
 async fn every_kind_of_bad_input_gets_a_json_4xx() {
     let dir = tempfile::tempdir().unwrap();
     let s = state(dir.path(), None);
-    let (_, reset) = call(&s, "POST", "/v1/episodes", Some(json!({"task": "L1/1_ReLU"}))).await;
+    let (_, reset) = call(
+        &s,
+        "POST",
+        "/v1/episodes",
+        Some(json!({"task": "L1/1_ReLU"})),
+    )
+    .await;
     let id = reset["episode_id"].as_str().unwrap().to_string();
     let step = format!("/v1/episodes/{id}/step");
     let cases: Vec<(&str, String, Option<String>, StatusCode, &str)> = vec![
@@ -106,13 +149,24 @@ async fn every_kind_of_bad_input_gets_a_json_4xx() {
         let (st, v) = raw(&s, method, &uri, body, None).await;
         assert_eq!(st, want, "{method} {uri}: {v}");
         assert_eq!(v["error"]["code"], code, "{method} {uri}: {v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
     }
     // Nothing above took a turn.
     let (_, v) = call(&s, "GET", &format!("/v1/episodes/{id}"), None).await;
     assert_eq!(v["turn"], 0);
     // A failing tool is an observation, not an HTTP error.
-    let (st, v) = call(&s, "POST", &step, Some(json!({"action": {"tool": "Read", "arguments": {"file_path": "/etc/shadow"}}}))).await;
+    let (st, v) = call(
+        &s,
+        "POST",
+        &step,
+        Some(json!({"action": {"tool": "Read", "arguments": {"file_path": "/etc/shadow"}}})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK);
     assert_eq!(v["observation"]["is_error"], true);
 }
@@ -122,7 +176,10 @@ async fn auth_is_required_when_a_key_is_set() {
     let dir = tempfile::tempdir().unwrap();
     let s = state(dir.path(), Some("sekrit"));
     let (st, v) = raw(&s, "GET", "/v1/tasks", None, None).await;
-    assert_eq!((st, v["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthorized")));
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (StatusCode::UNAUTHORIZED, Some("unauthorized"))
+    );
     let (st, _) = raw(&s, "GET", "/v1/tasks", None, Some("Bearer wrong")).await;
     assert_eq!(st, StatusCode::UNAUTHORIZED);
     let (st, _) = raw(&s, "GET", "/v1/tasks", None, Some("Bearer sekrit")).await;
@@ -135,12 +192,21 @@ async fn auth_is_required_when_a_key_is_set() {
 async fn steps_todos_idempotency_and_the_turn_limit() {
     let dir = tempfile::tempdir().unwrap();
     let s = state(dir.path(), None);
-    let (st, reset) = call(&s, "POST", "/v1/episodes", Some(json!({"split": "level1", "seed": 3, "options": {"max_turns": 4}}))).await;
+    let (st, reset) = call(
+        &s,
+        "POST",
+        "/v1/episodes",
+        Some(json!({"split": "level1", "seed": 3, "options": {"max_turns": 4}})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{reset}");
     let id = reset["episode_id"].as_str().unwrap();
     assert_eq!(reset["info"]["limits"]["max_turns"], 4);
     assert_eq!(reset["info"]["tools"].as_array().unwrap().len(), 7);
-    assert!(reset["observation"]["text"].as_str().unwrap().contains("class Model"));
+    assert!(reset["observation"]["text"]
+        .as_str()
+        .unwrap()
+        .contains("class Model"));
     let step = format!("/v1/episodes/{id}/step");
 
     // OpenAI tool_calls shape, arguments as a string.
@@ -148,7 +214,10 @@ async fn steps_todos_idempotency_and_the_turn_limit() {
     assert_eq!(v["reward"], 0.0);
     assert_eq!(v["done"], false);
     let paths = v["observation"]["data"]["paths"].as_array().unwrap();
-    assert!(paths.iter().any(|p| p == "model_new.py") && paths.iter().any(|p| p == "verify.py"), "{v}");
+    assert!(
+        paths.iter().any(|p| p == "model_new.py") && paths.iter().any(|p| p == "verify.py"),
+        "{v}"
+    );
 
     // A retried step with the same request_id runs once.
     let body = json!({"action": {"tool": "Bash", "arguments": {"command": "echo ran >> runs.txt; wc -l < runs.txt"}}, "request_id": "r-1"});
@@ -165,18 +234,48 @@ async fn steps_todos_idempotency_and_the_turn_limit() {
     assert_eq!(st["status"], "running");
 
     // The fourth turn is the last: truncated, and the empty model_new.py scores -1.
-    let (_, v) = call(&s, "POST", &step, Some(json!({"action": {"tool": "Read", "arguments": {"file_path": "model.py"}}}))).await;
+    let (_, v) = call(
+        &s,
+        "POST",
+        &step,
+        Some(json!({"action": {"tool": "Read", "arguments": {"file_path": "model.py"}}})),
+    )
+    .await;
     assert_eq!(v["truncated"], true, "{v}");
     assert_eq!(v["done"], true);
     assert_eq!(v["info"]["truncation_reason"], "max_turns");
     assert_eq!(v["reward"], -1.0);
-    assert!(v["info"]["evaluation"]["reason"].as_str().unwrap().contains("missing_solution"), "{v}");
-    let (st, v) = call(&s, "POST", &step, Some(json!({"action": {"tool": "Glob", "arguments": {"pattern": "*"}}}))).await;
-    assert_eq!((st, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("episode_ended")));
+    assert!(
+        v["info"]["evaluation"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("missing_solution"),
+        "{v}"
+    );
+    let (st, v) = call(
+        &s,
+        "POST",
+        &step,
+        Some(json!({"action": {"tool": "Glob", "arguments": {"pattern": "*"}}})),
+    )
+    .await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("episode_ended"))
+    );
 
     let (_, t) = call(&s, "GET", &format!("/v1/episodes/{id}/trajectory"), None).await;
-    let kinds: Vec<&str> = t["records"].as_array().unwrap().iter().map(|r| r["kind"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["reset", "step", "step", "step", "step", "final"], "the replay is not logged twice");
+    let kinds: Vec<&str> = t["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["reset", "step", "step", "step", "step", "final"],
+        "the replay is not logged twice"
+    );
     // The workspace is gone once the episode ended.
     assert!(!dir.path().join("episodes").join(id).exists());
 }
@@ -187,7 +286,12 @@ async fn delete_closes_and_cleans_up() {
     let s = state(dir.path(), None);
     let (_, reset) = call(&s, "POST", "/v1/episodes", None).await;
     let id = reset["episode_id"].as_str().unwrap();
-    assert!(dir.path().join("episodes").join(id).join("workspace/model.py").exists());
+    assert!(dir
+        .path()
+        .join("episodes")
+        .join(id)
+        .join("workspace/model.py")
+        .exists());
     let (st, v) = call(&s, "DELETE", &format!("/v1/episodes/{id}"), None).await;
     assert_eq!(st, StatusCode::OK);
     assert_eq!(v["status"], "closed");
@@ -201,27 +305,53 @@ async fn a_runaway_candidate_hits_the_time_limit() {
     let dir = tempfile::tempdir().unwrap();
     let s = state_with(dir.path(), None, std::time::Duration::from_secs(20));
     let solution = "import time\nwhile True:\n    time.sleep(1)\n";
-    let (st, v) = call(&s, "POST", "/v1/evaluate", Some(json!({"task": "L1/2_Add", "solution": solution}))).await;
+    let (st, v) = call(
+        &s,
+        "POST",
+        "/v1/evaluate",
+        Some(json!({"task": "L1/2_Add", "solution": solution})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["reward"], -1.0);
-    assert!(v["reason"].as_str().unwrap().starts_with("time_limit:"), "{v}");
+    assert!(
+        v["reason"].as_str().unwrap().starts_with("time_limit:"),
+        "{v}"
+    );
     // Nothing of it is left running (other evaluations on the machine are not this test's).
-    let leftovers = std::process::Command::new("pgrep").arg("-f").arg(dir.path()).output().unwrap();
+    let leftovers = std::process::Command::new("pgrep")
+        .arg("-f")
+        .arg(dir.path())
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&leftovers.stdout).trim().is_empty());
 }
 
 #[tokio::test]
 async fn a_full_server_answers_503_and_recovers() {
     let dir = tempfile::tempdir().unwrap();
-    let s = state_from(ServerConfig { max_episodes: 2, ..test_config(dir.path()) });
+    let s = state_from(ServerConfig {
+        max_episodes: 2,
+        ..test_config(dir.path())
+    });
     let (_, a) = call(&s, "POST", "/v1/episodes", None).await;
     let (st, _) = call(&s, "POST", "/v1/episodes", None).await;
     assert_eq!(st, StatusCode::OK);
     let (st, v) = call(&s, "POST", "/v1/episodes", None).await;
-    assert_eq!((st, v["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("at_capacity")), "{v}");
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("at_capacity")),
+        "{v}"
+    );
     let (_, info) = call(&s, "GET", "/v1/info", None).await;
     assert_eq!(info["open_episodes"], 2);
-    call(&s, "DELETE", &format!("/v1/episodes/{}", a["episode_id"].as_str().unwrap()), None).await;
+    call(
+        &s,
+        "DELETE",
+        &format!("/v1/episodes/{}", a["episode_id"].as_str().unwrap()),
+        None,
+    )
+    .await;
     let (st, _) = call(&s, "POST", "/v1/episodes", None).await;
     assert_eq!(st, StatusCode::OK, "a slot is free again");
 }
@@ -229,7 +359,10 @@ async fn a_full_server_answers_503_and_recovers() {
 #[tokio::test]
 async fn idle_episodes_expire_and_are_cleaned_up() {
     let dir = tempfile::tempdir().unwrap();
-    let s = state_from(ServerConfig { idle_timeout: std::time::Duration::from_millis(200), ..test_config(dir.path()) });
+    let s = state_from(ServerConfig {
+        idle_timeout: std::time::Duration::from_millis(200),
+        ..test_config(dir.path())
+    });
     let (_, r) = call(&s, "POST", "/v1/episodes", None).await;
     let id = r["episode_id"].as_str().unwrap().to_string();
     assert_eq!(s.episodes.expire_idle().await, 0, "not idle yet");
@@ -240,5 +373,8 @@ async fn idle_episodes_expire_and_are_cleaned_up() {
     assert_eq!(v["truncation_reason"], "idle_timeout");
     assert!(!dir.path().join("episodes").join(&id).exists());
     let (_, t) = call(&s, "GET", &format!("/v1/episodes/{id}/trajectory"), None).await;
-    assert_eq!(t["records"].as_array().unwrap().last().unwrap()["kind"], "truncated");
+    assert_eq!(
+        t["records"].as_array().unwrap().last().unwrap()["kind"],
+        "truncated"
+    );
 }

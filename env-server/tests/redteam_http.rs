@@ -34,7 +34,10 @@ fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
             Ok(0) => return out,
             Ok(n) => out.extend_from_slice(&buf[..n]),
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return out,
-            Err(e) => panic!("the server kept the connection open for {:?} ({e})", started.elapsed()),
+            Err(e) => panic!(
+                "the server kept the connection open for {:?} ({e})",
+                started.elapsed()
+            ),
         }
     }
 }
@@ -46,9 +49,19 @@ fn read_answer(s: &mut TcpStream) -> (u16, Vec<u8>) {
     loop {
         if let Some(end) = data.windows(4).position(|w| w == b"\r\n\r\n") {
             let head = String::from_utf8_lossy(&data[..end]).to_string();
-            let status: u16 = head.split(' ').nth(1).and_then(|c| c.parse().ok()).expect("status line");
-            let len: usize =
-                head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0))).unwrap_or(0);
+            let status: u16 = head
+                .split(' ')
+                .nth(1)
+                .and_then(|c| c.parse().ok())
+                .expect("status line");
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap_or(0))
+                })
+                .unwrap_or(0);
             while data.len() < end + 4 + len {
                 let n = s.read(&mut buf).expect("body");
                 assert!(n > 0, "closed mid-body");
@@ -57,28 +70,45 @@ fn read_answer(s: &mut TcpStream) -> (u16, Vec<u8>) {
             return (status, data[end + 4..end + 4 + len].to_vec());
         }
         let n = s.read(&mut buf).expect("head");
-        assert!(n > 0, "closed before an answer: {:?}", String::from_utf8_lossy(&data));
+        assert!(
+            n > 0,
+            "closed before an answer: {:?}",
+            String::from_utf8_lossy(&data)
+        );
         data.extend_from_slice(&buf[..n]);
     }
 }
 
 fn get(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
     let mut s = connect(addr);
-    write!(s, "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").expect("send");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    .expect("send");
     read_answer(&mut s)
 }
 
 async fn server(
     limits: env_server::http::HttpLimits,
     cfg: impl FnOnce(ServerConfig) -> ServerConfig,
-) -> (tempfile::TempDir, std::sync::Arc<env_server::AppState>, SocketAddr) {
+) -> (
+    tempfile::TempDir,
+    std::sync::Arc<env_server::AppState>,
+    SocketAddr,
+) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let state = state_from(cfg(ServerConfig { http: limits.clone(), ..test_config(dir.path()) }));
+    let state = state_from(cfg(ServerConfig {
+        http: limits.clone(),
+        ..test_config(dir.path())
+    }));
     let addr = serve(state.clone(), limits).await;
     (dir, state, addr)
 }
 
-fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> tokio::task::JoinHandle<T> {
+fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> tokio::task::JoinHandle<T> {
     tokio::task::spawn_blocking(f)
 }
 
@@ -87,11 +117,15 @@ async fn headers_sent_slowly_are_cut_off() {
     let (_dir, _state, addr) = server(short_limits(), |c| c).await;
     blocking(move || {
         let mut s = connect(addr);
-        s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n").expect("send");
+        s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n")
+            .expect("send");
         // Never the blank line that ends the head.
         let answer = read_to_close(&mut s);
         let text = String::from_utf8_lossy(&answer);
-        assert!(text.is_empty() || text.starts_with("HTTP/1.1 408"), "{text}");
+        assert!(
+            text.is_empty() || text.starts_with("HTTP/1.1 408"),
+            "{text}"
+        );
     })
     .await
     .expect("attack");
@@ -102,7 +136,8 @@ async fn idle_keep_alive_connections_are_closed() {
     let (_dir, _state, addr) = server(short_limits(), |c| c).await;
     blocking(move || {
         let mut s = connect(addr);
-        s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n").expect("send");
+        s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .expect("send");
         assert_eq!(read_answer(&mut s).0, 200);
         // Kept alive, then left idle: the server closes it.
         assert!(read_to_close(&mut s).is_empty());
@@ -145,10 +180,16 @@ async fn huge_headers_are_refused() {
     blocking(move || {
         let mut s = connect(addr);
         let big = "a".repeat(64 * 1024);
-        let _ = write!(s, "GET /v1/health HTTP/1.1\r\nhost: x\r\nx-big: {big}\r\n\r\n");
+        let _ = write!(
+            s,
+            "GET /v1/health HTTP/1.1\r\nhost: x\r\nx-big: {big}\r\n\r\n"
+        );
         let answer = read_to_close(&mut s);
         let text = String::from_utf8_lossy(&answer);
-        assert!(text.is_empty() || text.starts_with("HTTP/1.1 431"), "{text}");
+        assert!(
+            text.is_empty() || text.starts_with("HTTP/1.1 431"),
+            "{text}"
+        );
     })
     .await
     .expect("attack");
@@ -156,7 +197,10 @@ async fn huge_headers_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_cap_are_refused_and_the_server_recovers() {
-    let limits = env_server::http::HttpLimits { max_connections: 8, ..short_limits() };
+    let limits = env_server::http::HttpLimits {
+        max_connections: 8,
+        ..short_limits()
+    };
     let (_dir, state, addr) = server(limits, |c| c).await;
     blocking(move || {
         // Slowloris: every slot held by a head that never ends.
@@ -170,7 +214,10 @@ async fn connections_over_the_cap_are_refused_and_the_server_recovers() {
         // Wait until the server has taken all of them.
         let started = Instant::now();
         while state.http.open.load(Ordering::Relaxed) < 8 {
-            assert!(started.elapsed() < BOUND, "the server did not take the connections");
+            assert!(
+                started.elapsed() < BOUND,
+                "the server did not take the connections"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
         // More connections: each is answered 503 (or closed) at once, not left hanging.
@@ -179,7 +226,10 @@ async fn connections_over_the_cap_are_refused_and_the_server_recovers() {
             let _ = s.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n");
             let answer = read_to_close(&mut s);
             let text = String::from_utf8_lossy(&answer);
-            assert!(text.is_empty() || text.starts_with("HTTP/1.1 503"), "{text}");
+            assert!(
+                text.is_empty() || text.starts_with("HTTP/1.1 503"),
+                "{text}"
+            );
         }
         assert!(state.http.refused.load(Ordering::Relaxed) >= 50);
         // The held slots are freed by the header timeout; then others are answered again.
@@ -203,22 +253,39 @@ async fn connections_over_the_cap_are_refused_and_the_server_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_loses_its_connection() {
     // A trajectory of many megabytes, asked for and never read.
-    let (_dir, state, addr) = server(short_limits(), |c| ServerConfig { max_body_bytes: 2 << 20, ..c }).await;
+    let (_dir, state, addr) = server(short_limits(), |c| ServerConfig {
+        max_body_bytes: 2 << 20,
+        ..c
+    })
+    .await;
     let id = tiny_episode(&state).await;
     let content = "z".repeat(900 * 1024);
     for i in 0..16 {
         let body = json!({"action": {"tool": "Write", "arguments": {"file_path": format!("f{i}.txt"), "content": content}}});
-        let (st, v) = call(&state, "POST", &format!("/v1/episodes/{id}/step"), Some(body)).await;
+        let (st, v) = call(
+            &state,
+            "POST",
+            &format!("/v1/episodes/{id}/step"),
+            Some(body),
+        )
+        .await;
         assert_eq!(st, StatusCode::OK, "{v}");
     }
     blocking(move || {
         let mut s = connect(addr);
-        write!(s, "GET /v1/episodes/{id}/trajectory HTTP/1.1\r\nhost: x\r\n\r\n").expect("send");
+        write!(
+            s,
+            "GET /v1/episodes/{id}/trajectory HTTP/1.1\r\nhost: x\r\n\r\n"
+        )
+        .expect("send");
         let started = Instant::now();
         // The answer is larger than the socket buffers hold: the server's write stalls, and
         // the connection is dropped once it has stalled for the write timeout.
         while state.http.open.load(Ordering::Relaxed) > 0 {
-            assert!(started.elapsed() < BOUND, "a stalled answer held its connection");
+            assert!(
+                started.elapsed() < BOUND,
+                "a stalled answer held its connection"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         drop(s);
@@ -253,24 +320,50 @@ async fn a_client_hanging_up_mid_step_does_not_cancel_the_step() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let retry = json!({"action": {"tool": "Bash", "arguments": {"command": "sleep 1; echo done > marker.txt"}}, "request_id": "hang-up"});
-    let (st, v) = call(&state, "POST", &format!("/v1/episodes/{id}/step"), Some(retry)).await;
+    let (st, v) = call(
+        &state,
+        "POST",
+        &format!("/v1/episodes/{id}/step"),
+        Some(retry),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["info"]["replayed"], true, "{v}");
-    let (_, v) =
-        call(&state, "POST", &format!("/v1/episodes/{id}/step"), Some(json!({"action": {"tool": "Read", "arguments": {"file_path": "marker.txt"}}}))).await;
-    assert!(v["observation"]["text"].as_str().unwrap_or("").contains("done"), "{v}");
+    let (_, v) = call(
+        &state,
+        "POST",
+        &format!("/v1/episodes/{id}/step"),
+        Some(json!({"action": {"tool": "Read", "arguments": {"file_path": "marker.txt"}}})),
+    )
+    .await;
+    assert!(
+        v["observation"]["text"]
+            .as_str()
+            .unwrap_or("")
+            .contains("done"),
+        "{v}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_left_running_by_clients_that_hung_up_are_bounded() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let limits = env_server::http::HttpLimits { max_requests_in_flight: 2, ..short_limits() };
-    let state = state_from(ServerConfig { http: limits, ..test_config(dir.path()) });
+    let limits = env_server::http::HttpLimits {
+        max_requests_in_flight: 2,
+        ..short_limits()
+    };
+    let state = state_from(ServerConfig {
+        http: limits,
+        ..test_config(dir.path())
+    });
     let id = tiny_episode(&state).await;
     // Two slow steps whose clients are gone (their calls dropped once the server took them):
     // both go on running, each holding a permit.
     for i in 0..2 {
-        let (st, body) = (state.clone(), json!({"action": {"tool": "Bash", "arguments": {"command": "sleep 2"}}, "request_id": format!("slow-{i}")}));
+        let (st, body) = (
+            state.clone(),
+            json!({"action": {"tool": "Bash", "arguments": {"command": "sleep 2"}}, "request_id": format!("slow-{i}")}),
+        );
         let uri = format!("/v1/episodes/{id}/step");
         let pending = tokio::spawn(async move { call(&st, "POST", &uri, Some(body)).await });
         let started = Instant::now();
@@ -282,8 +375,15 @@ async fn requests_left_running_by_clients_that_hung_up_are_bounded() {
     }
     // No permit left: refused at once, not queued; health still answers.
     let (st, v) = call(&state, "GET", "/v1/tasks", None).await;
-    assert_eq!((st, v["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("busy")), "{v}");
-    assert_eq!(call(&state, "GET", "/v1/health", None).await.0, StatusCode::OK);
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("busy")),
+        "{v}"
+    );
+    assert_eq!(
+        call(&state, "GET", "/v1/health", None).await.0,
+        StatusCode::OK
+    );
     // Once they end, the permits come back and both steps are in the log.
     let started = Instant::now();
     while state.in_flight.available_permits() < 2 {
@@ -297,16 +397,37 @@ async fn requests_left_running_by_clients_that_hung_up_are_bounded() {
 #[tokio::test]
 async fn every_string_field_has_a_cap() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let state = state_from(ServerConfig { max_body_bytes: 8 << 20, ..test_config(dir.path()) });
+    let state = state_from(ServerConfig {
+        max_body_bytes: 8 << 20,
+        ..test_config(dir.path())
+    });
     let id = tiny_episode(&state).await;
     let step = format!("/v1/episodes/{id}/step");
     let long = "x".repeat(10_000);
-    let many_files: serde_json::Map<String, Value> = (0..100).map(|i| (format!("kernels/{i}.cu"), json!(""))).collect();
+    let many_files: serde_json::Map<String, Value> = (0..100)
+        .map(|i| (format!("kernels/{i}.cu"), json!("")))
+        .collect();
     let cases: Vec<(&str, String, Value)> = vec![
-        ("POST", step.clone(), json!({"action": {"tool": "Glob", "arguments": {"pattern": "*"}}, "request_id": long})),
-        ("POST", step.clone(), json!({"action": {"tool": long, "arguments": {}}})),
-        ("POST", step.clone(), json!({"action": {"id": long, "type": "function", "function": {"name": "Glob", "arguments": "{}"}}})),
-        ("POST", step.clone(), json!({"action": {"tool": "Write", "arguments": {"file_path": "a", "content": "y".repeat(2 << 20)}}})),
+        (
+            "POST",
+            step.clone(),
+            json!({"action": {"tool": "Glob", "arguments": {"pattern": "*"}}, "request_id": long}),
+        ),
+        (
+            "POST",
+            step.clone(),
+            json!({"action": {"tool": long, "arguments": {}}}),
+        ),
+        (
+            "POST",
+            step.clone(),
+            json!({"action": {"id": long, "type": "function", "function": {"name": "Glob", "arguments": "{}"}}}),
+        ),
+        (
+            "POST",
+            step.clone(),
+            json!({"action": {"tool": "Write", "arguments": {"file_path": "a", "content": "y".repeat(2 << 20)}}}),
+        ),
         (
             "POST",
             step.clone(),
@@ -314,21 +435,55 @@ async fn every_string_field_has_a_cap() {
         ),
         ("POST", "/v1/episodes".into(), json!({"task": long})),
         ("POST", "/v1/episodes".into(), json!({"split": long})),
-        ("POST", "/v1/episodes".into(), json!({"options": {"max_turns": 4_000_000_000u64}})),
-        ("POST", "/v1/evaluate".into(), json!({"task": long, "solution": "x"})),
-        ("POST", "/v1/evaluate".into(), json!({"task": {"source": "y".repeat(2 << 20)}, "solution": "x"})),
-        ("POST", "/v1/evaluate".into(), json!({"task": "tiny/0_red", "solution": {"files": many_files}})),
-        ("POST", "/v1/evaluate".into(), json!({"task": "tiny/0_red", "solution": {"files": {long.clone(): "x"}}})),
-        ("POST", "/v1/evaluate".into(), json!({"task": "tiny/0_red", "solution": "x", "options": {"device": long}})),
+        (
+            "POST",
+            "/v1/episodes".into(),
+            json!({"options": {"max_turns": 4_000_000_000u64}}),
+        ),
+        (
+            "POST",
+            "/v1/evaluate".into(),
+            json!({"task": long, "solution": "x"}),
+        ),
+        (
+            "POST",
+            "/v1/evaluate".into(),
+            json!({"task": {"source": "y".repeat(2 << 20)}, "solution": "x"}),
+        ),
+        (
+            "POST",
+            "/v1/evaluate".into(),
+            json!({"task": "tiny/0_red", "solution": {"files": many_files}}),
+        ),
+        (
+            "POST",
+            "/v1/evaluate".into(),
+            json!({"task": "tiny/0_red", "solution": {"files": {long.clone(): "x"}}}),
+        ),
+        (
+            "POST",
+            "/v1/evaluate".into(),
+            json!({"task": "tiny/0_red", "solution": "x", "options": {"device": long}}),
+        ),
     ];
     for (method, uri, body) in cases {
         let (st, v) = call(&state, method, &uri, Some(body)).await;
         assert_eq!(st, StatusCode::BAD_REQUEST, "{method} {uri}: {v}");
         assert_eq!(v["error"]["code"], "field_too_long", "{v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("the most accepted")), "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("the most accepted")),
+            "{v}"
+        );
     }
     // Ids in paths are checked by form before they name anything.
-    for bad in [long.as_str(), "..%2F..%2Fetc%2Fpasswd", "%2e%2e", "0123456789abcdef0123456789ABCDEF"] {
+    for bad in [
+        long.as_str(),
+        "..%2F..%2Fetc%2Fpasswd",
+        "%2e%2e",
+        "0123456789abcdef0123456789ABCDEF",
+    ] {
         let (st, v) = call(&state, "GET", &format!("/v1/episodes/{bad}"), None).await;
         assert_eq!(st, StatusCode::NOT_FOUND, "{bad}: {v}");
         assert_eq!(v["error"]["code"], "unknown_episode", "{v}");
@@ -361,9 +516,35 @@ impl Rng {
 
 fn random_string(r: &mut Rng) -> String {
     let alphabets: [&[&str]; 3] = [
-        &["a", "Z", "0", "/", ".", "..", "*", "\\", "\"", "%", "\u{0}", "\u{202e}", "é", "😀", " ", "\n", "$(", "`", ";"],
-        &["Bash", "Glob", "Read", "Write", "MultiEdit", "TodoWrite", "Submit", "model_new.py", "answer.txt", "../", "/etc/passwd"],
-        &["red", "tiny/0_red", "L9/none", "all", "level1", "cpu", "function", "-1", "1e999", "null"],
+        &[
+            "a", "Z", "0", "/", ".", "..", "*", "\\", "\"", "%", "\u{0}", "\u{202e}", "é", "😀",
+            " ", "\n", "$(", "`", ";",
+        ],
+        &[
+            "Bash",
+            "Glob",
+            "Read",
+            "Write",
+            "MultiEdit",
+            "TodoWrite",
+            "Submit",
+            "model_new.py",
+            "answer.txt",
+            "../",
+            "/etc/passwd",
+        ],
+        &[
+            "red",
+            "tiny/0_red",
+            "L9/none",
+            "all",
+            "level1",
+            "cpu",
+            "function",
+            "-1",
+            "1e999",
+            "null",
+        ],
     ];
     let alphabet = r.pick(&alphabets);
     let n = match r.below(10) {
@@ -415,7 +596,11 @@ fn random_json(r: &mut Rng, depth: u32) -> Value {
             ];
             let mut m = serde_json::Map::new();
             for _ in 0..r.below(5) {
-                let k = if r.below(6) == 0 { random_string(r) } else { r.pick(&keys).to_string() };
+                let k = if r.below(6) == 0 {
+                    random_string(r)
+                } else {
+                    r.pick(&keys).to_string()
+                };
                 m.insert(k, random_json(r, depth + 1));
             }
             Value::Object(m)
@@ -500,7 +685,11 @@ fn damage(r: &mut Rng, bytes: &mut Vec<u8>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fuzzed_requests_never_fail_the_server() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let state = state_from(ServerConfig { max_body_bytes: 256 * 1024, max_episodes: 10_000, ..test_config(dir.path()) });
+    let state = state_from(ServerConfig {
+        max_body_bytes: 256 * 1024,
+        max_episodes: 10_000,
+        ..test_config(dir.path())
+    });
     let mut r = Rng(0x5eed_c0de_1234_5678);
     let seeds = seeds();
     let mut id = tiny_episode(&state).await;
@@ -514,14 +703,32 @@ async fn fuzzed_requests_never_fail_the_server() {
             0..=3 => format!("/v1/episodes/{id}/step"),
             4 => "/v1/episodes".to_string(),
             5 => "/v1/evaluate".to_string(),
-            6 => format!("/v1/episodes/{id}{}", r.pick(&["", "/trajectory", "/step/x", "/"])),
+            6 => format!(
+                "/v1/episodes/{id}{}",
+                r.pick(&["", "/trajectory", "/step/x", "/"])
+            ),
             7 => format!("/v1/episodes/{}/step", encoded(&random_string(&mut r))),
-            8 => r.pick(&["/v1/health", "/v1/info", "/v1/tasks", "/metrics", "/v1/openapi.json", "/", "//v1//episodes", "/v1/episodes/%00", "/v2"]).to_string(),
+            8 => r
+                .pick(&[
+                    "/v1/health",
+                    "/v1/info",
+                    "/v1/tasks",
+                    "/metrics",
+                    "/v1/openapi.json",
+                    "/",
+                    "//v1//episodes",
+                    "/v1/episodes/%00",
+                    "/v2",
+                ])
+                .to_string(),
             _ => format!("/{}", encoded(&random_string(&mut r))),
         };
         let method = if r.below(4) == 0 {
             *r.pick(&methods)
-        } else if path.ends_with("/step") || path.ends_with("/episodes") || path.ends_with("/evaluate") {
+        } else if path.ends_with("/step")
+            || path.ends_with("/episodes")
+            || path.ends_with("/evaluate")
+        {
             "POST"
         } else {
             "GET"
@@ -541,36 +748,66 @@ async fn fuzzed_requests_never_fail_the_server() {
             }
             _ => Some(serde_json::to_vec(r.pick(&seeds)).expect("json")),
         };
-        let shown = body.as_ref().map(|b| String::from_utf8_lossy(&b[..b.len().min(300)]).to_string());
+        let shown = body
+            .as_ref()
+            .map(|b| String::from_utf8_lossy(&b[..b.len().min(300)]).to_string());
         let (st, v) = raw(&state, method, &path, body).await;
-        assert!(st.is_success() || st.is_client_error() || st == StatusCode::SERVICE_UNAVAILABLE, "case {case}: {method} {path} {shown:?} -> {st} {v}");
+        assert!(
+            st.is_success() || st.is_client_error() || st == StatusCode::SERVICE_UNAVAILABLE,
+            "case {case}: {method} {path} {shown:?} -> {st} {v}"
+        );
         if st.is_client_error() && method != "HEAD" {
-            assert!(v["error"]["code"].is_string(), "case {case}: {method} {path} {shown:?} -> {st}: not a JSON error: {v}");
+            assert!(
+                v["error"]["code"].is_string(),
+                "case {case}: {method} {path} {shown:?} -> {st}: not a JSON error: {v}"
+            );
         }
         *statuses.entry(st.as_u16()).or_insert(0u32) += 1;
     }
     let (st, _) = call(&state, "GET", "/v1/health", None).await;
     assert_eq!(st, StatusCode::OK);
     // The cases reached the handlers, not only the parsers.
-    assert!(statuses.get(&200).copied().unwrap_or(0) > 300, "{statuses:?}");
+    assert!(
+        statuses.get(&200).copied().unwrap_or(0) > 300,
+        "{statuses:?}"
+    );
     eprintln!("fuzz statuses: {statuses:?}");
 }
 
 /// Starts the real binary with extra arguments and environment on a free port; waits until it answers.
-fn start_binary(dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, SocketAddr) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+fn start_binary(
+    dir: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (std::process::Child, SocketAddr) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("port")
+        .local_addr()
+        .expect("addr")
+        .port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
     let log = std::fs::File::create(dir.join("server.log")).expect("log");
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_env-server"));
-    cmd.args(["--bind", &addr.to_string(), "--device", "cpu", "--data-dir"]).arg(dir.join("data")).arg("--python").arg(python()).args(args);
+    cmd.args(["--bind", &addr.to_string(), "--device", "cpu", "--data-dir"])
+        .arg(dir.join("data"))
+        .arg("--python")
+        .arg(python())
+        .args(args);
     cmd.env_remove("CUDA_AGENT_API_KEY");
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let child = cmd.stdout(log.try_clone().expect("log")).stderr(log).spawn().expect("start env-server");
+    let child = cmd
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start env-server");
     let started = Instant::now();
     while TcpStream::connect(addr).is_err() {
-        assert!(started.elapsed() < Duration::from_secs(120), "env-server did not come up");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "env-server did not come up"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     (child, addr)
@@ -626,9 +863,12 @@ async fn the_server_still_answers_after_the_attacks() {
     let (_dir, _state, addr) = server(short_limits(), |c| c).await;
     blocking(move || {
         // Garbage in place of HTTP, a request line that never ends, a bad method.
-        for junk in
-            [&b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"[..], b"GET /", b"BREW /v1/health HTTP/1.1\r\nhost: x\r\n\r\n", b"GET /v1/health HTTP/9.9\r\n\r\n"]
-        {
+        for junk in [
+            &b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"[..],
+            b"GET /",
+            b"BREW /v1/health HTTP/1.1\r\nhost: x\r\n\r\n",
+            b"GET /v1/health HTTP/9.9\r\n\r\n",
+        ] {
             let mut s = connect(addr);
             let _ = s.write_all(junk);
             let _ = read_to_close(&mut s);

@@ -80,23 +80,41 @@ pub enum TaskKind {
 }
 
 /// Words of the tiny family; task `tiny/{i}_{word}` asks for word `i`.
-pub const TINY_WORDS: [&str; 8] = ["red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl"];
+pub const TINY_WORDS: [&str; 8] = [
+    "red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl",
+];
 
 /// Checks that a source defines the three pieces of a task. This is a textual check (the
 /// harness imports the file for real); it catches files that are not tasks at all.
 pub fn validate_source(path: &str, source: &str) -> Result<(), TaskError> {
-    let has_def = |name: &str| source.lines().any(|l| l.starts_with(&format!("def {name}(")));
-    let has_model = source.lines().any(|l| l.starts_with("class Model(") || l.starts_with("class Model:"));
-    let missing: Vec<&str> = [("class Model", has_model), ("get_inputs()", has_def("get_inputs")), ("get_init_inputs()", has_def("get_init_inputs"))]
-        .into_iter()
-        .filter(|(_, ok)| !ok)
-        .map(|(n, _)| n)
-        .collect();
+    let has_def = |name: &str| {
+        source
+            .lines()
+            .any(|l| l.starts_with(&format!("def {name}(")))
+    };
+    let has_model = source
+        .lines()
+        .any(|l| l.starts_with("class Model(") || l.starts_with("class Model:"));
+    let missing: Vec<&str> = [
+        ("class Model", has_model),
+        ("get_inputs()", has_def("get_inputs")),
+        ("get_init_inputs()", has_def("get_init_inputs")),
+    ]
+    .into_iter()
+    .filter(|(_, ok)| !ok)
+    .map(|(n, _)| n)
+    .collect();
     if !missing.is_empty() {
-        return Err(TaskError::Invalid { path: path.into(), reason: format!("does not define {}", missing.join(", ")) });
+        return Err(TaskError::Invalid {
+            path: path.into(),
+            reason: format!("does not define {}", missing.join(", ")),
+        });
     }
     if source.contains('\0') {
-        return Err(TaskError::Invalid { path: path.into(), reason: "holds a NUL byte".into() });
+        return Err(TaskError::Invalid {
+            path: path.into(),
+            reason: "holds a NUL byte".into(),
+        });
     }
     Ok(())
 }
@@ -110,12 +128,26 @@ impl Task {
     pub fn inline(source: &str) -> Result<Self, TaskError> {
         validate_source("inline task", source)?;
         let hash = sha256_hex(source);
-        Ok(Self { id: format!("custom/{}", &hash[..12]), level: 0, name: "custom".into(), source: source.into(), hash, kind: TaskKind::Kernel })
+        Ok(Self {
+            id: format!("custom/{}", &hash[..12]),
+            level: 0,
+            name: "custom".into(),
+            source: source.into(),
+            hash,
+            kind: TaskKind::Kernel,
+        })
     }
 
     fn from_file(level: u8, stem: &str, source: String, path: &str) -> Result<Self, TaskError> {
         validate_source(path, &source)?;
-        Ok(Self { id: format!("L{level}/{stem}"), level, name: stem.into(), hash: sha256_hex(&source), source, kind: TaskKind::Kernel })
+        Ok(Self {
+            id: format!("L{level}/{stem}"),
+            level,
+            name: stem.into(),
+            hash: sha256_hex(&source),
+            source,
+            kind: TaskKind::Kernel,
+        })
     }
 
     /// Task `i` of the tiny family (see [`TaskKind::Recall`]): its id is `tiny/{i}_{word}`.
@@ -129,7 +161,10 @@ impl Task {
             name,
             hash: sha256_hex(&source),
             source,
-            kind: TaskKind::Recall { file: "answer.txt".into(), value: word.into() },
+            kind: TaskKind::Recall {
+                file: "answer.txt".into(),
+                value: word.into(),
+            },
         }
     }
 
@@ -167,7 +202,10 @@ impl TaskSet {
     /// Loads a KernelBench checkout (`level1/ level2/ level3/` of `N_Name.py` files) or any
     /// directory of task files (taken as level 1). A broken file is an error naming it.
     pub fn load_dir(dir: &Path) -> Result<Self, TaskError> {
-        let io = |path: &Path, source| TaskError::Io { path: path.to_path_buf(), source };
+        let io = |path: &Path, source| TaskError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let mut set = Self::default();
         let mut dirs: Vec<(u8, PathBuf)> = Vec::new();
         for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))? {
@@ -187,12 +225,18 @@ impl TaskSet {
                 .map_err(|e| io(&d, e))?
                 .flatten()
                 .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "py") && p.file_name().is_none_or(|n| n != "__init__.py"))
+                .filter(|p| {
+                    p.extension().is_some_and(|x| x == "py")
+                        && p.file_name().is_none_or(|n| n != "__init__.py")
+                })
                 .collect();
             files.sort();
             for f in files {
                 let source = std::fs::read_to_string(&f).map_err(|e| io(&f, e))?;
-                let stem = f.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+                let stem = f
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default();
                 let task = Task::from_file(level, &stem, source, &f.display().to_string())?;
                 set.tasks.insert(task.id.clone(), task);
             }
@@ -217,7 +261,9 @@ impl TaskSet {
 
     /// The task with this id.
     pub fn get(&self, id: &str) -> Result<&Task, TaskError> {
-        self.tasks.get(id).ok_or_else(|| TaskError::Unknown(id.into()))
+        self.tasks
+            .get(id)
+            .ok_or_else(|| TaskError::Unknown(id.into()))
     }
 
     /// Adds the tiny family's tasks (split `tiny`, never part of `all`).
@@ -243,11 +289,17 @@ impl TaskSet {
 
     /// The split names that have tasks.
     pub fn splits(&self) -> Vec<String> {
-        let mut levels: Vec<u8> = self.tasks.values().filter(|t| t.is_kernel()).map(|t| t.level).collect();
+        let mut levels: Vec<u8> = self
+            .tasks
+            .values()
+            .filter(|t| t.is_kernel())
+            .map(|t| t.level)
+            .collect();
         levels.sort_unstable();
         levels.dedup();
-        let mut out: Vec<String> =
-            std::iter::once("all".to_string()).chain(levels.into_iter().map(|l| format!("level{l}"))).collect();
+        let mut out: Vec<String> = std::iter::once("all".to_string())
+            .chain(levels.into_iter().map(|l| format!("level{l}")))
+            .collect();
         if self.tasks.values().any(|t| !t.is_kernel()) {
             out.push("tiny".into());
         }

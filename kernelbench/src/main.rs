@@ -9,7 +9,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use env_api::{EvaluateRequest, SolutionRef, TaskRef};
-use kernelbench::report::{by_level, markdown, speedup_distribution, ResultRecord, SPEEDUP_BUCKETS};
+use kernelbench::report::{
+    by_level, markdown, speedup_distribution, ResultRecord, SPEEDUP_BUCKETS,
+};
 use kernelbench::{Task, TaskSet};
 
 /// Tasks in KernelBench format: list, replay, report.
@@ -122,13 +124,20 @@ fn load_tasks(dir: &Option<PathBuf>) -> anyhow::Result<TaskSet> {
 fn solution_for(dir: &Path, task: &Task) -> Option<BTreeMap<String, String>> {
     let flat = task.id.replace('/', "_");
     let number = task.name.split('_').next().unwrap_or("");
-    let mut candidates = vec![dir.join(format!("{}.py", task.id)), dir.join(format!("{flat}.py"))];
+    let mut candidates = vec![
+        dir.join(format!("{}.py", task.id)),
+        dir.join(format!("{flat}.py")),
+    ];
     let prefix = format!("level_{}_problem_{number}_sample_", task.level);
     if let Ok(entries) = std::fs::read_dir(dir) {
         let mut kb: Vec<PathBuf> = entries
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix) && n.ends_with("_kernel.py")))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&prefix) && n.ends_with("_kernel.py"))
+            })
             .collect();
         kb.sort();
         candidates.extend(kb);
@@ -139,19 +148,37 @@ fn solution_for(dir: &Path, task: &Task) -> Option<BTreeMap<String, String>> {
 }
 
 /// The last finished episode's files per task, from trajectory logs.
-fn solutions_from_trajectories(dir: &Path) -> anyhow::Result<BTreeMap<String, BTreeMap<String, String>>> {
+fn solutions_from_trajectories(
+    dir: &Path,
+) -> anyhow::Result<BTreeMap<String, BTreeMap<String, String>>> {
     let mut out = BTreeMap::new();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).with_context(|| dir.display().to_string())?.flatten().map(|e| e.path()).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| dir.display().to_string())?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
     files.sort();
-    for f in files.into_iter().filter(|p| p.extension().is_some_and(|x| x == "jsonl")) {
+    for f in files
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+    {
         let text = std::fs::read_to_string(&f)?;
         for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
             if v["kind"] != "final" {
                 continue;
             }
-            let (Some(task), Some(fs)) = (v["body"]["task"].as_str(), v["body"]["files"].as_object()) else { continue };
-            let map: BTreeMap<String, String> = fs.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect();
+            let (Some(task), Some(fs)) =
+                (v["body"]["task"].as_str(), v["body"]["files"].as_object())
+            else {
+                continue;
+            };
+            let map: BTreeMap<String, String> = fs
+                .iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect();
             out.insert(task.to_string(), map);
         }
     }
@@ -160,10 +187,17 @@ fn solutions_from_trajectories(dir: &Path) -> anyhow::Result<BTreeMap<String, BT
 
 fn read_results(path: &Path) -> anyhow::Result<Vec<ResultRecord>> {
     let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
 }
 
-fn print_report(results: &[ResultRecord], json: Option<&Path>, png: Option<&Path>) -> anyhow::Result<()> {
+fn print_report(
+    results: &[ResultRecord],
+    json: Option<&Path>,
+    png: Option<&Path>,
+) -> anyhow::Result<()> {
     let table = by_level(results);
     print!("{}", markdown(&table));
     if let Some(p) = json {
@@ -182,12 +216,23 @@ fn speedup_chart(results: &[ResultRecord]) -> charts::BarChart {
         title: format!("speedup over eager ({} tasks)", results.len()),
         y_label: "% of the tasks of each level".into(),
         categories: SPEEDUP_BUCKETS.iter().map(|s| s.to_string()).collect(),
-        series: speedup_distribution(results).into_iter().map(|(level, shares)| (level, shares.iter().map(|x| x * 100.0).collect())).collect(),
+        series: speedup_distribution(results)
+            .into_iter()
+            .map(|(level, shares)| (level, shares.iter().map(|x| x * 100.0).collect()))
+            .collect(),
     }
 }
 
 fn failure(task: &Task, reason: &str) -> ResultRecord {
-    ResultRecord { task: task.id.clone(), level: task.level, reward: -1.0, correct: false, speedup_eager: None, speedup_compile: None, reason: Some(reason.into()) }
+    ResultRecord {
+        task: task.id.clone(),
+        level: task.level,
+        reward: -1.0,
+        correct: false,
+        speedup_eager: None,
+        speedup_compile: None,
+        reason: Some(reason.into()),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -205,16 +250,36 @@ async fn replay(
     if let Some(k) = api_key {
         client = client.with_api_key(k);
     }
-    client.health().await.with_context(|| format!("server {server}"))?;
-    let done: BTreeSet<String> = if out.exists() { read_results(&out)?.into_iter().map(|r| r.task).collect() } else { BTreeSet::new() };
+    client
+        .health()
+        .await
+        .with_context(|| format!("server {server}"))?;
+    let done: BTreeSet<String> = if out.exists() {
+        read_results(&out)?.into_iter().map(|r| r.task).collect()
+    } else {
+        BTreeSet::new()
+    };
     let from_logs = match &trajectories {
         Some(d) => solutions_from_trajectories(d)?,
         None => BTreeMap::new(),
     };
-    let todo: Vec<Task> = tasks.split(&split).into_iter().filter(|t| !done.contains(&t.id)).cloned().collect();
+    let todo: Vec<Task> = tasks
+        .split(&split)
+        .into_iter()
+        .filter(|t| !done.contains(&t.id))
+        .cloned()
+        .collect();
     let bar = indicatif::ProgressBar::new(todo.len() as u64);
-    bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}<{eta}]").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
-    let file = Arc::new(std::sync::Mutex::new(std::fs::OpenOptions::new().create(true).append(true).open(&out)?));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}<{eta}]")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let file = Arc::new(std::sync::Mutex::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&out)?,
+    ));
     let sem = Arc::new(tokio::sync::Semaphore::new(jobs.max(1)));
     let mut handles = Vec::new();
     for task in todo {
@@ -229,7 +294,11 @@ async fn replay(
             let rec = match files {
                 None => failure(&task, "missing_solution: no solution file for this task"),
                 Some(files) => {
-                    let req = EvaluateRequest { task: TaskRef::Id(task.id.clone()), solution: SolutionRef::Files { files }, options: None };
+                    let req = EvaluateRequest {
+                        task: TaskRef::Id(task.id.clone()),
+                        solution: SolutionRef::Files { files },
+                        options: None,
+                    };
                     match client.evaluate(&req).await {
                         Ok(r) => ResultRecord {
                             task: task.id.clone(),
@@ -256,8 +325,15 @@ async fn replay(
     }
     bar.finish_and_clear();
     // Every task of the split, in the order of the file (resumed runs included).
-    let wanted: BTreeSet<String> = tasks.split(&split).into_iter().map(|t| t.id.clone()).collect();
-    Ok(read_results(&out)?.into_iter().filter(|r| wanted.contains(&r.task)).collect())
+    let wanted: BTreeSet<String> = tasks
+        .split(&split)
+        .into_iter()
+        .map(|t| t.id.clone())
+        .collect();
+    Ok(read_results(&out)?
+        .into_iter()
+        .filter(|r| wanted.contains(&r.task))
+        .collect())
 }
 
 /// The synthesis worker, compiled in so the command works from any directory.
@@ -276,16 +352,25 @@ fn synth(python: &Path, args: &[String], count: usize, out: &Path) -> anyhow::Re
         .spawn()
         .with_context(|| format!("running {}", python.display()))?;
     let bar = indicatif::ProgressBar::new(count as u64);
-    bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} accepted, {msg} [{elapsed}<{eta}]").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} accepted, {msg} [{elapsed}<{eta}]",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     let (mut accepted, mut rejected, mut seeds) = (0usize, BTreeMap::<String, usize>::new(), 0u64);
     let mut patterns = BTreeMap::<String, usize>::new();
     for line in std::io::BufReader::new(child.stdout.take().context("stdout")?).lines() {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line?) else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line?) else {
+            continue;
+        };
         match v["event"].as_str() {
             Some("seeds") => seeds = v["count"].as_u64().unwrap_or(0),
             Some("candidate") if v["verdict"] == "accepted" => {
                 accepted += 1;
-                *patterns.entry(v["pattern"].as_str().unwrap_or("?").to_string()).or_default() += 1;
+                *patterns
+                    .entry(v["pattern"].as_str().unwrap_or("?").to_string())
+                    .or_default() += 1;
                 bar.inc(1);
             }
             Some("candidate") => {
@@ -303,7 +388,12 @@ fn synth(python: &Path, args: &[String], count: usize, out: &Path) -> anyhow::Re
     anyhow::ensure!(status.success(), "the synthesis worker failed ({status})");
     let total_rejected: usize = rejected.values().sum();
     println!("seed operators mined: {seeds}");
-    println!("accepted {accepted} of {} candidates in {:.1} s -> {}", accepted + total_rejected, started.elapsed().as_secs_f64(), out.display());
+    println!(
+        "accepted {accepted} of {} candidates in {:.1} s -> {}",
+        accepted + total_rejected,
+        started.elapsed().as_secs_f64(),
+        out.display()
+    );
     println!("| pattern | accepted |\n| --- | --- |");
     for (p, n) in &patterns {
         println!("| {p} | {n} |");
@@ -318,21 +408,61 @@ fn synth(python: &Path, args: &[String], count: usize, out: &Path) -> anyhow::Re
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
-        Cmd::List { kernelbench_dir, split } => {
+        Cmd::List {
+            kernelbench_dir,
+            split,
+        } => {
             let tasks = load_tasks(&kernelbench_dir)?;
             for t in tasks.split(&split) {
                 println!("{}\tlevel {}\t{}", t.id, t.level, &t.hash[..16]);
             }
             eprintln!("{} tasks", tasks.split(&split).len());
         }
-        Cmd::Replay { server, api_key, solutions, trajectories, kernelbench_dir, split, jobs, out, json, png } => {
-            anyhow::ensure!(solutions.is_some() || trajectories.is_some(), "give --solutions DIR or --trajectories DIR");
+        Cmd::Replay {
+            server,
+            api_key,
+            solutions,
+            trajectories,
+            kernelbench_dir,
+            split,
+            jobs,
+            out,
+            json,
+            png,
+        } => {
+            anyhow::ensure!(
+                solutions.is_some() || trajectories.is_some(),
+                "give --solutions DIR or --trajectories DIR"
+            );
             let tasks = load_tasks(&kernelbench_dir)?;
-            let results = replay(server, api_key, solutions, trajectories, tasks, split, jobs, out).await?;
+            let results = replay(
+                server,
+                api_key,
+                solutions,
+                trajectories,
+                tasks,
+                split,
+                jobs,
+                out,
+            )
+            .await?;
             print_report(&results, json.as_deref(), png.as_deref())?;
         }
-        Cmd::Report { results, json, png } => print_report(&read_results(&results)?, json.as_deref(), png.as_deref())?,
-        Cmd::Synth { count, seed, device, out, python, size, min_ms, max_ms, compile_backend, plant_bad } => {
+        Cmd::Report { results, json, png } => {
+            print_report(&read_results(&results)?, json.as_deref(), png.as_deref())?
+        }
+        Cmd::Synth {
+            count,
+            seed,
+            device,
+            out,
+            python,
+            size,
+            min_ms,
+            max_ms,
+            compile_backend,
+            plant_bad,
+        } => {
             let mut args: Vec<String> = vec![
                 "--count".into(),
                 count.to_string(),

@@ -52,7 +52,9 @@ pub struct Metrics {
 }
 
 fn geomean(xs: impl Iterator<Item = f64>) -> f64 {
-    let (sum, n) = xs.filter(|x| *x > 0.0 && x.is_finite()).fold((0.0, 0usize), |(s, n), x| (s + x.ln(), n + 1));
+    let (sum, n) = xs
+        .filter(|x| *x > 0.0 && x.is_finite())
+        .fold((0.0, 0usize), |(s, n), x| (s + x.ln(), n + 1));
     if n == 0 {
         f64::NAN
     } else {
@@ -63,7 +65,13 @@ fn geomean(xs: impl Iterator<Item = f64>) -> f64 {
 /// Metrics of a group.
 pub fn metrics(results: &[&ResultRecord]) -> Metrics {
     let n = results.len();
-    let share = |f: &dyn Fn(&ResultRecord) -> bool| if n == 0 { 0.0 } else { results.iter().filter(|r| f(r)).count() as f64 / n as f64 };
+    let share = |f: &dyn Fn(&ResultRecord) -> bool| {
+        if n == 0 {
+            0.0
+        } else {
+            results.iter().filter(|r| f(r)).count() as f64 / n as f64
+        }
+    };
     let correct: Vec<&&ResultRecord> = results.iter().filter(|r| r.correct).collect();
     Metrics {
         tasks: n,
@@ -72,8 +80,20 @@ pub fn metrics(results: &[&ResultRecord]) -> Metrics {
         faster_than_compile: share(&|r| r.correct && r.speedup_compile.is_some_and(|s| s > 1.0)),
         geomean_speedup_eager: geomean(correct.iter().filter_map(|r| r.speedup_eager)),
         geomean_speedup_compile: geomean(correct.iter().filter_map(|r| r.speedup_compile)),
-        fast_p: FAST_P.iter().map(|&p| (p, share(&|r| r.correct && r.speedup_eager.is_some_and(|s| s > p)))).collect(),
-        mean_reward: if n == 0 { 0.0 } else { results.iter().map(|r| r.reward).sum::<f64>() / n as f64 },
+        fast_p: FAST_P
+            .iter()
+            .map(|&p| {
+                (
+                    p,
+                    share(&|r| r.correct && r.speedup_eager.is_some_and(|s| s > p)),
+                )
+            })
+            .collect(),
+        mean_reward: if n == 0 {
+            0.0
+        } else {
+            results.iter().map(|r| r.reward).sum::<f64>() / n as f64
+        },
     }
 }
 
@@ -81,20 +101,40 @@ pub fn metrics(results: &[&ResultRecord]) -> Metrics {
 pub fn by_level(results: &[ResultRecord]) -> BTreeMap<String, Metrics> {
     let mut groups: BTreeMap<String, Vec<&ResultRecord>> = BTreeMap::new();
     for r in results {
-        groups.entry(format!("level{}", r.level)).or_default().push(r);
+        groups
+            .entry(format!("level{}", r.level))
+            .or_default()
+            .push(r);
     }
-    let mut out: BTreeMap<String, Metrics> = groups.iter().map(|(k, v)| (k.clone(), metrics(v))).collect();
-    out.insert("overall".into(), metrics(&results.iter().collect::<Vec<_>>()));
+    let mut out: BTreeMap<String, Metrics> = groups
+        .iter()
+        .map(|(k, v)| (k.clone(), metrics(v)))
+        .collect();
+    out.insert(
+        "overall".into(),
+        metrics(&results.iter().collect::<Vec<_>>()),
+    );
     out
 }
 
 /// The table as Markdown.
 pub fn markdown(table: &BTreeMap<String, Metrics>) -> String {
     let pct = |x: f64| format!("{:.1}%", x * 100.0);
-    let num = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.3}x") };
+    let num = |x: f64| {
+        if x.is_nan() {
+            "-".to_string()
+        } else {
+            format!("{x:.3}x")
+        }
+    };
     let mut s = String::from("| group | tasks | pass | faster than eager | faster than compile | geomean vs eager | geomean vs compile | fast_1.0 | fast_1.5 | fast_2.0 | mean reward |\n");
     s.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
-    let order = table.keys().filter(|k| *k != "overall").chain(std::iter::once(&"overall".to_string())).cloned().collect::<Vec<_>>();
+    let order = table
+        .keys()
+        .filter(|k| *k != "overall")
+        .chain(std::iter::once(&"overall".to_string()))
+        .cloned()
+        .collect::<Vec<_>>();
     for k in order {
         let Some(m) = table.get(&k) else { continue };
         let fp: Vec<String> = m.fast_p.iter().map(|(_, v)| pct(*v)).collect();
@@ -133,5 +173,8 @@ pub fn speedup_distribution(results: &[ResultRecord]) -> BTreeMap<String, [f64; 
         entry.0[bucket] += 1;
         entry.1 += 1;
     }
-    counts.into_iter().map(|(k, (c, n))| (k, c.map(|x| x as f64 / n as f64))).collect()
+    counts
+        .into_iter()
+        .map(|(k, (c, n))| (k, c.map(|x| x as f64 / n as f64)))
+        .collect()
 }

@@ -15,8 +15,15 @@ fn bundled_suite_has_all_levels_and_stable_ids() {
     assert_eq!(set.splits(), ["all", "level1", "level2", "level3"]);
     assert!(!set.split("level3").is_empty());
     let a = set.sample("all", 7).unwrap().id.clone();
-    assert_eq!(set.sample("all", 7).unwrap().id, a, "sampling is deterministic");
-    assert!(matches!(set.sample("level9", 0), Err(TaskError::EmptySplit(_))));
+    assert_eq!(
+        set.sample("all", 7).unwrap().id,
+        a,
+        "sampling is deterministic"
+    );
+    assert!(matches!(
+        set.sample("level9", 0),
+        Err(TaskError::EmptySplit(_))
+    ));
 }
 
 #[test]
@@ -30,5 +37,8 @@ fn kernelbench_layout_and_broken_files() {
     std::fs::write(dir.path().join("level2/8_Broken.py"), "class Model: pass\n").unwrap();
     let err = TaskSet::load_dir(dir.path()).unwrap_err().to_string();
     assert!(err.contains("8_Broken.py"), "{err}");
-    assert!(err.contains("get_inputs()") && err.contains("get_init_inputs()"), "{err}");
+    assert!(
+        err.contains("get_inputs()") && err.contains("get_init_inputs()"),
+        "{err}"
+    );
 }

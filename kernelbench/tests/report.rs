@@ -2,9 +2,29 @@
 
 use kernelbench::report::{by_level, markdown, ResultRecord};
 
-fn r(task: &str, level: u8, correct: bool, eager: Option<f64>, compile: Option<f64>) -> ResultRecord {
-    let reward = if !correct { -1.0 } else if eager.unwrap_or(0.0) > 1.0 / 0.95 { 2.0 } else { 1.0 };
-    ResultRecord { task: task.into(), level, reward, correct, speedup_eager: eager, speedup_compile: compile, reason: None }
+fn r(
+    task: &str,
+    level: u8,
+    correct: bool,
+    eager: Option<f64>,
+    compile: Option<f64>,
+) -> ResultRecord {
+    let reward = if !correct {
+        -1.0
+    } else if eager.unwrap_or(0.0) > 1.0 / 0.95 {
+        2.0
+    } else {
+        1.0
+    };
+    ResultRecord {
+        task: task.into(),
+        level,
+        reward,
+        correct,
+        speedup_eager: eager,
+        speedup_compile: compile,
+        reason: None,
+    }
 }
 
 #[test]
@@ -23,7 +43,7 @@ fn metrics_match_hand_computation() {
     assert_eq!(l1.pass_rate, 0.75);
     assert_eq!(l1.faster_than_eager, 0.5); // a (2.0) and d (1.6)
     assert_eq!(l1.faster_than_compile, 0.0); // a is exactly 1.0, not faster
-    // geomean of 2.0, 0.5, 1.6 = (1.6)^(1/3)
+                                             // geomean of 2.0, 0.5, 1.6 = (1.6)^(1/3)
     assert!((l1.geomean_speedup_eager - 1.6f64.powf(1.0 / 3.0)).abs() < 1e-12);
     // geomean of 1.0 and 0.25 = 0.5
     assert!((l1.geomean_speedup_compile - 0.5).abs() < 1e-12);
@@ -37,7 +57,13 @@ fn metrics_match_hand_computation() {
     let md = markdown(&t);
     let rows: Vec<&str> = md.lines().collect();
     assert_eq!(rows.len(), 5);
-    assert!(rows[2].starts_with("| level1 | 4 | 75.0% | 50.0% | 0.0% | 1.170x | 0.500x | 50.0% | 50.0% | 0.0% | 1.00 |"), "{}", rows[2]);
+    assert!(
+        rows[2].starts_with(
+            "| level1 | 4 | 75.0% | 50.0% | 0.0% | 1.170x | 0.500x | 50.0% | 50.0% | 0.0% | 1.00 |"
+        ),
+        "{}",
+        rows[2]
+    );
     assert!(rows[4].starts_with("| overall | 6 |"), "{}", rows[4]);
 }
 
@@ -45,12 +71,12 @@ fn metrics_match_hand_computation() {
 fn speedup_distribution_buckets_by_hand() {
     use kernelbench::report::speedup_distribution;
     let results = vec![
-        r("L1/a", 1, true, Some(2.0), None),  // on the 2.0 edge: >=2x
-        r("L1/b", 1, true, Some(0.5), None),  // on the 0.5 edge: 0.5-1x
-        r("L1/c", 1, false, None, None),      // failed
-        r("L1/d", 1, true, Some(1.2), None),  // 1-1.5x
-        r("L2/a", 2, true, Some(0.1), None),  // <0.5x
-        r("L2/b", 2, true, None, None),       // correct but untimed: failed
+        r("L1/a", 1, true, Some(2.0), None), // on the 2.0 edge: >=2x
+        r("L1/b", 1, true, Some(0.5), None), // on the 0.5 edge: 0.5-1x
+        r("L1/c", 1, false, None, None),     // failed
+        r("L1/d", 1, true, Some(1.2), None), // 1-1.5x
+        r("L2/a", 2, true, Some(0.1), None), // <0.5x
+        r("L2/b", 2, true, None, None),      // correct but untimed: failed
     ];
     let d = speedup_distribution(&results);
     assert_eq!(d.len(), 2);
@@ -82,10 +108,22 @@ fn report_command_prints_the_table_and_draws_the_chart() {
         .arg(&json)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let table = String::from_utf8(out.stdout).unwrap();
-    assert!(table.lines().any(|l| l.starts_with("| level1 | 2 | 50.0% |")), "{table}");
-    assert!(table.lines().any(|l| l.starts_with("| overall | 3 |")), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("| level1 | 2 | 50.0% |")),
+        "{table}"
+    );
+    assert!(
+        table.lines().any(|l| l.starts_with("| overall | 3 |")),
+        "{table}"
+    );
     let bytes = std::fs::read(&png).unwrap();
     assert_eq!(&bytes[1..4], b"PNG");
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();

@@ -63,10 +63,15 @@ print(json.dumps(rows))
 fn small_sizes_run_and_allocate_under_the_heap_threshold() {
     let python = std::env::var("CUDA_AGENT_PYTHON").unwrap_or_else(|_| "python3".into());
     let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("tasks");
-    let o = Command::new(&python).args(["-c", CHECK]).arg(&tasks).output().unwrap();
+    let o = Command::new(&python)
+        .args(["-c", CHECK])
+        .arg(&tasks)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    let rows: Vec<serde_json::Value> = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert!(rows.len() >= 60, "{}", rows.len());
     let bad: Vec<&serde_json::Value> = rows.iter().filter(|r| r["ok"] != true).collect();
     assert!(bad.is_empty(), "{bad:#?}");

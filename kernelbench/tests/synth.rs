@@ -12,7 +12,23 @@ fn synth_100_tasks_on_cpu() {
     let out = tempfile::tempdir().unwrap();
     let run = |count: &str, seed: &str| {
         let o = Command::new(env!("CARGO_BIN_EXE_kernelbench"))
-            .args(["synth", "--count", count, "--seed", seed, "--device", "cpu", "--min-ms", "0", "--compile-backend", "eager", "--plant-bad", "--python", &python, "--out"])
+            .args([
+                "synth",
+                "--count",
+                count,
+                "--seed",
+                seed,
+                "--device",
+                "cpu",
+                "--min-ms",
+                "0",
+                "--compile-backend",
+                "eager",
+                "--plant-bad",
+                "--python",
+                &python,
+                "--out",
+            ])
             .arg(out.path())
             .output()
             .unwrap();
@@ -20,25 +36,49 @@ fn synth_100_tasks_on_cpu() {
         String::from_utf8_lossy(&o.stdout).to_string()
     };
     let summary = run("100", "7");
-    let seeds: usize = summary.lines().next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
+    let seeds: usize = summary
+        .lines()
+        .next()
+        .unwrap()
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(seeds >= 200, "{summary}");
     assert!(summary.contains("accepted 100 of"), "{summary}");
-    let manifest: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("manifest.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let planted = |kind: &str| manifest.iter().find(|r| r["planted"] == kind).unwrap().clone();
+    let manifest: Vec<serde_json::Value> =
+        std::fs::read_to_string(out.path().join("manifest.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    let planted = |kind: &str| {
+        manifest
+            .iter()
+            .find(|r| r["planted"] == kind)
+            .unwrap()
+            .clone()
+    };
     assert_eq!(planted("nondeterministic")["reason"], "nondeterministic");
     assert_eq!(planted("constant")["reason"], "constant_output");
-    let accepted: Vec<&serde_json::Value> = manifest.iter().filter(|r| r["verdict"] == "accepted").collect();
+    let accepted: Vec<&serde_json::Value> = manifest
+        .iter()
+        .filter(|r| r["verdict"] == "accepted")
+        .collect();
     assert_eq!(accepted.len(), 100);
     for r in &accepted {
         let ops = r["ops"].as_array().unwrap();
         assert!((3..=5).contains(&ops.len()), "{r}");
-        assert!(["serial", "parallel", "residual"].contains(&r["pattern"].as_str().unwrap()), "{r}");
+        assert!(
+            ["serial", "parallel", "residual"].contains(&r["pattern"].as_str().unwrap()),
+            "{r}"
+        );
     }
-    let hashes: std::collections::BTreeSet<&str> = manifest.iter().map(|r| r["hash"].as_str().unwrap()).collect();
+    let hashes: std::collections::BTreeSet<&str> = manifest
+        .iter()
+        .map(|r| r["hash"].as_str().unwrap())
+        .collect();
     assert_eq!(hashes.len(), manifest.len(), "deduplicated by hash");
     let tasks = TaskSet::load_dir(out.path()).unwrap();
     assert_eq!(tasks.split("level2").len(), 100);

@@ -7,7 +7,9 @@
 use serde_json::Value;
 
 /// A chat template family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ChatTemplate {
     /// `<|im_start|>role\n...<|im_end|>` (Qwen2 / Qwen2.5).
@@ -33,7 +35,11 @@ impl ChatTemplate {
         std::fs::read_to_string(dir.join("tokenizer_config.json"))
             .ok()
             .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-            .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).and_then(Self::detect))
+            .and_then(|v| {
+                v.get("chat_template")
+                    .and_then(|c| c.as_str())
+                    .and_then(Self::detect)
+            })
             .unwrap_or(Self::Chatml)
     }
 
@@ -56,11 +62,15 @@ impl ChatTemplate {
                     s.push_str(&tool_lines.join("\n"));
                     s.push_str("\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
                 }
-                s.push_str(&format!("<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"));
+                s.push_str(&format!(
+                    "<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+                ));
                 s
             }
             Self::Llama3 => {
-                let mut s = format!("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{system}");
+                let mut s = format!(
+                    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{system}"
+                );
                 if !tools.is_empty() {
                     s.push_str("\n\nYou have access to the following functions. To call a function, respond with a JSON object of the form {\"name\": function name, \"parameters\": dictionary of argument name and its value}.\n\n");
                     s.push_str(&tool_lines.join("\n\n"));
@@ -113,8 +123,11 @@ pub enum ToolCallParseError {
 pub fn parse_tool_call(text: &str) -> Result<ParsedToolCall, ToolCallParseError> {
     if let Some(start) = text.find("<tool_call>") {
         let body = &text[start + "<tool_call>".len()..];
-        let end = body.find("</tool_call>").ok_or(ToolCallParseError::Unclosed)?;
-        let json: Value = serde_json::from_str(body[..end].trim()).map_err(|e| ToolCallParseError::Json(e.to_string()))?;
+        let end = body
+            .find("</tool_call>")
+            .ok_or(ToolCallParseError::Unclosed)?;
+        let json: Value = serde_json::from_str(body[..end].trim())
+            .map_err(|e| ToolCallParseError::Json(e.to_string()))?;
         return shape(json);
     }
     // Bare JSON: try each '{' as the start of an object until one parses.
@@ -147,9 +160,17 @@ fn shape(v: Value) -> Result<ParsedToolCall, ToolCallParseError> {
         // Some models emit the arguments as a JSON string.
         Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
             Ok(Value::Object(m)) => Value::Object(m),
-            _ => return Err(ToolCallParseError::Shape("\"arguments\" is a string that is not a JSON object".into())),
+            _ => {
+                return Err(ToolCallParseError::Shape(
+                    "\"arguments\" is a string that is not a JSON object".into(),
+                ))
+            }
         },
-        Some(_) => return Err(ToolCallParseError::Shape("\"arguments\" is not an object".into())),
+        Some(_) => {
+            return Err(ToolCallParseError::Shape(
+                "\"arguments\" is not an object".into(),
+            ))
+        }
     };
     Ok(ParsedToolCall { name, arguments })
 }

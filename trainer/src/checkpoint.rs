@@ -75,12 +75,20 @@ pub fn step_dir(stage_dir: &Path, step: usize) -> PathBuf {
 
 /// The step a `step_dir` path names, if it is one.
 fn step_of(dir: &Path) -> Option<usize> {
-    dir.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
 }
 
 /// Writes a checkpoint through `write` into a temporary directory, then renames it into place
 /// and points `latest` at it.
-pub fn save(stage_dir: &Path, state: &StageState, write: impl FnOnce(&CheckpointFiles) -> Result<(), TrainError>) -> Result<PathBuf, TrainError> {
+pub fn save(
+    stage_dir: &Path,
+    state: &StageState,
+    write: impl FnOnce(&CheckpointFiles) -> Result<(), TrainError>,
+) -> Result<PathBuf, TrainError> {
     let final_dir = step_dir(stage_dir, state.step);
     let tmp = stage_dir.join(format!(".tmp-step-{:06}", state.step));
     let io = |p: &Path, e| TrainError::Io(p.to_path_buf(), e);
@@ -97,7 +105,10 @@ pub fn save(stage_dir: &Path, state: &StageState, write: impl FnOnce(&Checkpoint
     }
     std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
     let latest = stage_dir.join("latest");
-    let name = final_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = final_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     std::fs::write(&latest, name).map_err(|e| io(&latest, e))?;
     Ok(final_dir)
 }
@@ -109,7 +120,8 @@ pub fn prune(stage_dir: &Path, keep: usize) -> Result<usize, TrainError> {
     if keep == 0 {
         return Ok(0);
     }
-    let entries = std::fs::read_dir(stage_dir).map_err(|e| TrainError::Io(stage_dir.to_path_buf(), e))?;
+    let entries =
+        std::fs::read_dir(stage_dir).map_err(|e| TrainError::Io(stage_dir.to_path_buf(), e))?;
     let mut steps: Vec<(usize, PathBuf)> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter_map(|p| Some((step_of(&p)?, p)))
@@ -126,5 +138,7 @@ pub fn prune(stage_dir: &Path, keep: usize) -> Result<usize, TrainError> {
 pub fn latest(stage_dir: &Path) -> Option<CheckpointFiles> {
     let name = std::fs::read_to_string(stage_dir.join("latest")).ok()?;
     let dir = stage_dir.join(name.trim());
-    dir.join("state.json").exists().then(|| CheckpointFiles::new(dir))
+    dir.join("state.json")
+        .exists()
+        .then(|| CheckpointFiles::new(dir))
 }

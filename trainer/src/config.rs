@@ -42,7 +42,6 @@ pub struct ModelSection {
     pub template: Option<ChatTemplate>,
 }
 
-
 /// The environment servers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -61,7 +60,13 @@ pub struct ServerSection {
 
 impl Default for ServerSection {
     fn default() -> Self {
-        Self { urls: vec!["http://127.0.0.1:8080".into()], api_key: None, timeout_s: 900.0, retries: 3, concurrency: 64 }
+        Self {
+            urls: vec!["http://127.0.0.1:8080".into()],
+            api_key: None,
+            timeout_s: 900.0,
+            retries: 3,
+            concurrency: 64,
+        }
     }
 }
 
@@ -262,7 +267,13 @@ pub struct RftSection {
 
 impl Default for RftSection {
     fn default() -> Self {
-        Self { min_reward: 0.0, epochs: 1, minibatch: 64, lr: None, rollouts: 1024 }
+        Self {
+            min_reward: 0.0,
+            epochs: 1,
+            minibatch: 64,
+            lr: None,
+            rollouts: 1024,
+        }
     }
 }
 
@@ -278,7 +289,10 @@ pub struct ValueSection {
 
 impl Default for ValueSection {
     fn default() -> Self {
-        Self { epochs: 1, minibatch: 64 }
+        Self {
+            epochs: 1,
+            minibatch: 64,
+        }
     }
 }
 
@@ -298,14 +312,20 @@ pub struct RunSection {
 
 impl Default for RunSection {
     fn default() -> Self {
-        Self { out_dir: "runs/default".into(), checkpoint_every: 10, keep_checkpoints: 3, seed: 0 }
+        Self {
+            out_dir: "runs/default".into(),
+            checkpoint_every: 10,
+            keep_checkpoints: 3,
+            seed: 0,
+        }
     }
 }
 
 impl TrainConfig {
     /// Reads a TOML file.
     pub fn from_file(path: &Path) -> Result<Self, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(|e| TrainError::Io(path.to_path_buf(), e))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| TrainError::Io(path.to_path_buf(), e))?;
         Self::from_toml(&text).map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))
     }
 
@@ -316,7 +336,10 @@ impl TrainConfig {
 
     /// The system prompt used for every conversation.
     pub fn system_prompt(&self) -> String {
-        self.rollout.system_prompt.clone().unwrap_or_else(|| DEFAULT_SYSTEM_PROMPT.to_string())
+        self.rollout
+            .system_prompt
+            .clone()
+            .unwrap_or_else(|| DEFAULT_SYSTEM_PROMPT.to_string())
     }
 }
 

@@ -44,10 +44,16 @@ pub fn rft_verdict(s: &Sample, min_reward: f32, max_tokens: usize) -> Result<(),
     if s.reward <= min_reward {
         return Err(Rejection::LowReward);
     }
-    if s.turns.iter().any(|t| t.tool.is_none() || t.parse_error.is_some()) {
+    if s.turns
+        .iter()
+        .any(|t| t.tool.is_none() || t.parse_error.is_some())
+    {
         return Err(Rejection::MalformedCall);
     }
-    if s.turns.windows(2).any(|w| w[0].tool == w[1].tool && w[0].arguments == w[1].arguments) {
+    if s.turns
+        .windows(2)
+        .any(|w| w[0].tool == w[1].tool && w[0].arguments == w[1].arguments)
+    {
         return Err(Rejection::RepeatedCall);
     }
     if has_undone_edit(&s.turns) {
@@ -63,15 +69,35 @@ fn has_undone_edit(turns: &[TurnRecord]) -> bool {
     let mut pairs: HashMap<String, Vec<(String, String)>> = HashMap::new();
     let mut writes: HashMap<String, Vec<String>> = HashMap::new();
     for t in turns {
-        let Some(tool) = t.tool.as_deref() else { continue };
-        let file = t.arguments.get("file_path").and_then(Value::as_str).unwrap_or("").to_string();
+        let Some(tool) = t.tool.as_deref() else {
+            continue;
+        };
+        let file = t
+            .arguments
+            .get("file_path")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         match tool {
             "MultiEdit" => {
-                let edits = t.arguments.get("edits").and_then(Value::as_array).cloned().unwrap_or_default();
+                let edits = t
+                    .arguments
+                    .get("edits")
+                    .and_then(Value::as_array)
+                    .cloned()
+                    .unwrap_or_default();
                 let seen = pairs.entry(file).or_default();
                 for e in edits {
-                    let old = e.get("old_string").and_then(Value::as_str).unwrap_or("").to_string();
-                    let new = e.get("new_string").and_then(Value::as_str).unwrap_or("").to_string();
+                    let old = e
+                        .get("old_string")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_string();
+                    let new = e
+                        .get("new_string")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_string();
                     if seen.iter().any(|(o, n)| *o == new && *n == old) {
                         return true;
                     }
@@ -79,9 +105,17 @@ fn has_undone_edit(turns: &[TurnRecord]) -> bool {
                 }
             }
             "Write" => {
-                let content = t.arguments.get("content").and_then(Value::as_str).unwrap_or("").to_string();
+                let content = t
+                    .arguments
+                    .get("content")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
                 let history = writes.entry(file).or_default();
-                if history.len() >= 2 && history[history.len() - 2] == content && history[history.len() - 1] != content {
+                if history.len() >= 2
+                    && history[history.len() - 2] == content
+                    && history[history.len() - 1] != content
+                {
                     return true;
                 }
                 history.push(content);
@@ -102,7 +136,11 @@ pub struct FilterSummary {
 }
 
 /// Keeps the samples that pass `rft_verdict`.
-pub fn rft_filter(samples: Vec<Sample>, min_reward: f32, max_tokens: usize) -> (Vec<Sample>, FilterSummary) {
+pub fn rft_filter(
+    samples: Vec<Sample>,
+    min_reward: f32,
+    max_tokens: usize,
+) -> (Vec<Sample>, FilterSummary) {
     let mut summary = FilterSummary::default();
     let kept = samples
         .into_iter()
@@ -124,27 +162,44 @@ pub fn rft_filter(samples: Vec<Sample>, min_reward: f32, max_tokens: usize) -> (
 /// prompt and observations as context, each logged call rendered in the canonical form as the
 /// policy's tokens (their sampling log-probabilities are unknown, so such samples serve
 /// fine-tuning and value pre-training, not PPO).
-pub fn sample_from_log(records: &[TrajectoryRecord], renderer: &Renderer) -> Result<Sample, TrainError> {
-    let reset = records.iter().find(|r| r.kind == "reset").ok_or_else(|| TrainError::Data("log has no reset record".into()))?;
+pub fn sample_from_log(
+    records: &[TrajectoryRecord],
+    renderer: &Renderer,
+) -> Result<Sample, TrainError> {
+    let reset = records
+        .iter()
+        .find(|r| r.kind == "reset")
+        .ok_or_else(|| TrainError::Data("log has no reset record".into()))?;
     let resp: ResetResponse = serde_json::from_value(reset.body["response"].clone())
         .map_err(|e| TrainError::Data(format!("reset record: {e}")))?;
     let mut s = Sample::new(&resp.info.task.id, &resp.episode_id);
     s.push_context(&renderer.prompt(&resp.observation.text, &resp.info.tools)?);
     for r in records.iter().filter(|r| r.kind == "step") {
-        let tool = r.body["action"]["tool"].as_str().ok_or_else(|| TrainError::Data("step record without a tool".into()))?;
+        let tool = r.body["action"]["tool"]
+            .as_str()
+            .ok_or_else(|| TrainError::Data("step record without a tool".into()))?;
         let arguments = r.body["action"]["arguments"].clone();
         let step: StepResponse = serde_json::from_value(r.body["response"].clone())
             .map_err(|e| TrainError::Data(format!("step record: {e}")))?;
         let call = renderer.call_tokens(tool, &arguments)?;
         s.push_policy(&call, None);
-        s.turns.push(TurnRecord { tool: Some(tool.into()), arguments, parse_error: None, tool_error: step.observation.is_error });
+        s.turns.push(TurnRecord {
+            tool: Some(tool.into()),
+            arguments,
+            parse_error: None,
+            tool_error: step.observation.is_error,
+        });
         if step.done {
             s.reward = step.reward as f32;
             s.outcome = Some(Outcome::Finished);
             s.reason = step.info.evaluation.and_then(|e| e.reason);
             break;
         }
-        s.push_context(&renderer.observation(&step.observation.text, step.observation.is_error, &call)?);
+        s.push_context(&renderer.observation(
+            &step.observation.text,
+            step.observation.is_error,
+            &call,
+        )?);
     }
     if s.outcome.is_none() {
         s.outcome = Some(Outcome::TurnLimit);
@@ -155,7 +210,10 @@ pub fn sample_from_log(records: &[TrajectoryRecord], renderer: &Renderer) -> Res
 
 /// Reads every `*.jsonl` trajectory log in `dir` (a server's `<data-dir>/trajectories`),
 /// in file-name order. Unreadable logs are reported and skipped, counted in the second value.
-pub fn samples_from_dir(dir: &Path, renderer: &Renderer) -> Result<(Vec<Sample>, usize), TrainError> {
+pub fn samples_from_dir(
+    dir: &Path,
+    renderer: &Renderer,
+) -> Result<(Vec<Sample>, usize), TrainError> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| TrainError::Io(dir.to_path_buf(), e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -166,9 +224,15 @@ pub fn samples_from_dir(dir: &Path, renderer: &Renderer) -> Result<(Vec<Sample>,
     let mut bad = 0;
     for f in files {
         let text = std::fs::read_to_string(&f).map_err(|e| TrainError::Io(f.clone(), e))?;
-        let records: Result<Vec<TrajectoryRecord>, _> =
-            text.lines().filter(|l| !l.trim().is_empty()).map(serde_json::from_str).collect();
-        match records.map_err(|e| TrainError::Data(e.to_string())).and_then(|r| sample_from_log(&r, renderer)) {
+        let records: Result<Vec<TrajectoryRecord>, _> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(serde_json::from_str)
+            .collect();
+        match records
+            .map_err(|e| TrainError::Data(e.to_string()))
+            .and_then(|r| sample_from_log(&r, renderer))
+        {
             Ok(s) => out.push(s),
             Err(e) => {
                 tracing::warn!(log = %f.display(), "skipping trajectory log: {e}");

@@ -27,7 +27,14 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 256, stop_token_ids: Vec::new(), stop_strings: Vec::new() }
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+        }
     }
 }
 
@@ -65,8 +72,13 @@ pub fn generate<B: Backend>(
     device: &B::Device,
 ) -> Vec<Generation> {
     let n = prompts.len();
-    let mut out: Vec<Generation> =
-        (0..n).map(|_| Generation { tokens: Vec::new(), logprobs: Vec::new(), finish: FinishReason::Length }).collect();
+    let mut out: Vec<Generation> = (0..n)
+        .map(|_| Generation {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish: FinishReason::Length,
+        })
+        .collect();
     if n == 0 || params.max_new_tokens == 0 {
         return out;
     }
@@ -94,7 +106,11 @@ pub fn generate<B: Backend>(
         // In f32 whatever the model's precision: a bf16 log-softmax over a large vocabulary
         // is too coarse to sample from.
         let last32 = last.cast(FloatDType::F32);
-        let scaled = if params.temperature > 0.0 { last32 / params.temperature } else { last32 };
+        let scaled = if params.temperature > 0.0 {
+            last32 / params.temperature
+        } else {
+            last32
+        };
         let lp = log_softmax_last(scaled);
         let picks: Vec<(usize, f32)> = if on_device {
             if params.temperature <= 0.0 {
@@ -126,7 +142,11 @@ pub fn generate<B: Backend>(
                 // Only the tail can newly complete a stop string.
                 let from = g.tokens.len().saturating_sub(32);
                 let tail = tk.decode(&g.tokens[from..]);
-                if params.stop_strings.iter().any(|s| tail.contains(s.as_str())) {
+                if params
+                    .stop_strings
+                    .iter()
+                    .any(|s| tail.contains(s.as_str()))
+                {
                     done = Some(FinishReason::StopString);
                 }
             }
@@ -147,7 +167,8 @@ pub fn generate<B: Backend>(
         live = keep.iter().map(|&r| live[r]).collect();
         let rows = live.len();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
-        let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; rows], [rows, 1]), device);
+        let valid =
+            Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; rows], [rows, 1]), device);
         last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
     }
     out
@@ -167,10 +188,24 @@ fn greedy_on_device<B: Backend>(lp: Tensor<B, 2>) -> Vec<(usize, f32)> {
     let inside = lp3.gather(1, block.clone().expand([rows, 1, DRAW_BLOCK])); // [rows, 1, DRAW_BLOCK]
     let pos = inside.clone().argmax(2); // [rows, 1, 1]
     let chosen = inside.gather(2, pos.clone());
-    let block: Vec<i64> = block.into_data().convert::<i64>().to_vec().unwrap_or_default();
-    let pos: Vec<i64> = pos.into_data().convert::<i64>().to_vec().unwrap_or_default();
-    let chosen: Vec<f32> = chosen.into_data().convert::<f32>().to_vec().unwrap_or_default();
-    (0..rows).map(|r| (block[r] as usize * DRAW_BLOCK + pos[r] as usize, chosen[r])).collect()
+    let block: Vec<i64> = block
+        .into_data()
+        .convert::<i64>()
+        .to_vec()
+        .unwrap_or_default();
+    let pos: Vec<i64> = pos
+        .into_data()
+        .convert::<i64>()
+        .to_vec()
+        .unwrap_or_default();
+    let chosen: Vec<f32> = chosen
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap_or_default();
+    (0..rows)
+        .map(|r| (block[r] as usize * DRAW_BLOCK + pos[r] as usize, chosen[r]))
+        .collect()
 }
 
 /// `[rows, vocab]` as `[rows, blocks, DRAW_BLOCK]`, the tail block padded with `-inf`
@@ -179,7 +214,12 @@ fn pad_to_blocks<B: Backend>(lp: Tensor<B, 2>) -> Tensor<B, 3> {
     let [rows, vocab] = lp.dims();
     let blocks = vocab.div_ceil(DRAW_BLOCK);
     let padded = if blocks * DRAW_BLOCK > vocab {
-        let pad = Tensor::<B, 2>::full([rows, blocks * DRAW_BLOCK - vocab], f32::NEG_INFINITY, &lp.device()).cast(lp.dtype());
+        let pad = Tensor::<B, 2>::full(
+            [rows, blocks * DRAW_BLOCK - vocab],
+            f32::NEG_INFINITY,
+            &lp.device(),
+        )
+        .cast(lp.dtype());
         Tensor::cat(vec![lp, pad], 1)
     } else {
         lp
@@ -196,7 +236,14 @@ pub fn draw_on_device<B: Backend>(lp: Tensor<B, 2>, us: &[f64]) -> Vec<(usize, f
     let device = lp.device();
     let lp3 = pad_to_blocks(lp);
     let blocks = lp3.dims()[1];
-    let mass: Vec<f32> = lp3.clone().exp().sum_dim(2).into_data().convert::<f32>().to_vec().unwrap_or_default();
+    let mass: Vec<f32> = lp3
+        .clone()
+        .exp()
+        .sum_dim(2)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap_or_default();
     // Stage one: the block where the cumulative mass passes u (scaled by the row's total, which
     // rounding keeps from being exactly 1).
     let (chosen, remainder): (Vec<i32>, Vec<f64>) = us
@@ -214,7 +261,12 @@ pub fn draw_on_device<B: Backend>(lp: Tensor<B, 2>, us: &[f64]) -> Vec<(usize, f
     let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(chosen.clone(), [rows]), &device)
         .reshape([rows, 1, 1])
         .expand([rows, 1, DRAW_BLOCK]);
-    let vals: Vec<f32> = lp3.gather(1, idx).into_data().convert::<f32>().to_vec().unwrap_or_default();
+    let vals: Vec<f32> = lp3
+        .gather(1, idx)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap_or_default();
     (0..rows)
         .map(|r| {
             let row = &vals[r * DRAW_BLOCK..(r + 1) * DRAW_BLOCK];
@@ -246,7 +298,11 @@ fn invert_cdf(weights: impl Iterator<Item = f64>, target: f64) -> (usize, f64) {
 /// whole-distribution sampling choose on the device).
 fn pick(row: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
     let mut idx: Vec<usize> = (0..row.len()).collect();
-    let k = if params.top_k == 0 { row.len() } else { params.top_k.min(row.len()) };
+    let k = if params.top_k == 0 {
+        row.len()
+    } else {
+        params.top_k.min(row.len())
+    };
     if k < row.len() {
         idx.select_nth_unstable_by(k - 1, |&a, &b| row[b].total_cmp(&row[a]));
         idx.truncate(k);
@@ -286,7 +342,10 @@ mod tests {
         rows[257] = -0.1; // row 0: in the padded tail block
         rows[vocab + 5] = -0.2; // row 1: tied with a later block's entry
         rows[vocab + 200] = -0.2;
-        let lp = Tensor::<NdArray<f32>, 2>::from_data(TensorData::new(rows, [2, vocab]), &Default::default());
+        let lp = Tensor::<NdArray<f32>, 2>::from_data(
+            TensorData::new(rows, [2, vocab]),
+            &Default::default(),
+        );
         assert_eq!(greedy_on_device(lp), vec![(257, -0.1), (5, -0.2)]);
     }
 }

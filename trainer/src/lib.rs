@@ -3,14 +3,14 @@
 //! multi-turn PPO) run against env-server over HTTP.
 
 pub mod blas;
-#[cfg(feature = "cuda")]
-pub mod kernels;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod curation;
 pub mod error;
 pub mod generate;
+#[cfg(feature = "cuda")]
+pub mod kernels;
 pub mod metrics;
 pub mod model;
 pub mod objective;

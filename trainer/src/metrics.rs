@@ -28,7 +28,12 @@ impl MetricsLog {
                 let text = std::fs::read_to_string(path).map_err(io)?;
                 let kept: Vec<&str> = text
                     .lines()
-                    .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s as usize <= step))
+                    .filter(|l| {
+                        serde_json::from_str::<Value>(l)
+                            .ok()
+                            .and_then(|v| v["step"].as_u64())
+                            .is_some_and(|s| s as usize <= step)
+                    })
                     .collect();
                 let mut out = kept.join("\n");
                 if !out.is_empty() {
@@ -41,13 +46,19 @@ impl MetricsLog {
                 std::fs::write(path, "").map_err(io)?;
             }
         }
-        Ok(Self { path: path.to_path_buf() })
+        Ok(Self {
+            path: path.to_path_buf(),
+        })
     }
 
     /// Appends one record.
     pub fn write(&mut self, record: &Value) -> Result<(), TrainError> {
         let io = |e| TrainError::Io(self.path.clone(), e);
-        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&self.path).map_err(io)?;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&self.path)
+            .map_err(io)?;
         writeln!(f, "{record}").map_err(io)
     }
 
@@ -60,12 +71,18 @@ impl MetricsLog {
 /// Reads every record of a metrics file.
 pub fn read_metrics(path: &Path) -> Result<Vec<Value>, TrainError> {
     let text = std::fs::read_to_string(path).map_err(|e| TrainError::Io(path.to_path_buf(), e))?;
-    Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
 }
 
 /// Reward and episode statistics of a batch (failed episodes counted apart).
 pub fn batch_summary(samples: &[Sample]) -> Value {
-    let used: Vec<&Sample> = samples.iter().filter(|s| s.outcome != Some(Outcome::Failed)).collect();
+    let used: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.outcome != Some(Outcome::Failed))
+        .collect();
     let n = used.len().max(1) as f64;
     let rewards: Vec<f64> = used.iter().map(|s| s.reward as f64).collect();
     let mean = rewards.iter().sum::<f64>() / n;
@@ -76,14 +93,25 @@ pub fn batch_summary(samples: &[Sample]) -> Value {
     }
     let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
     for s in samples {
-        let key = s.outcome.map(|o| format!("{o:?}")).unwrap_or_else(|| "None".into());
+        let key = s
+            .outcome
+            .map(|o| format!("{o:?}"))
+            .unwrap_or_else(|| "None".into());
         *outcomes.entry(key).or_default() += 1;
     }
     let turns = used.iter().map(|s| s.turns.len()).sum::<usize>() as f64 / n;
     let tokens = used.iter().map(|s| s.tokens.len()).sum::<usize>() as f64 / n;
     let policy_tokens = used.iter().map(|s| s.policy_tokens()).sum::<usize>() as f64 / n;
     let all_turns: usize = used.iter().map(|s| s.turns.len()).sum();
-    let valid_turns: usize = used.iter().map(|s| s.turns.iter().filter(|t| t.tool.is_some() && t.parse_error.is_none()).count()).sum();
+    let valid_turns: usize = used
+        .iter()
+        .map(|s| {
+            s.turns
+                .iter()
+                .filter(|t| t.tool.is_some() && t.parse_error.is_none())
+                .count()
+        })
+        .sum();
     json!({
         "episodes": samples.len(),
         "failed": samples.len() - used.len(),

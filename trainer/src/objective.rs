@@ -21,7 +21,10 @@ pub struct Gae {
 /// sits on the last action).
 pub fn gae(rewards: &[f32], values: &[f32], mask: &[bool], gamma: f32, lambda: f32) -> Gae {
     let n = mask.len();
-    assert!(rewards.len() == n && values.len() == n, "gae: rewards, values and mask differ in length");
+    assert!(
+        rewards.len() == n && values.len() == n,
+        "gae: rewards, values and mask differ in length"
+    );
     let mut advantages = vec![0.0; n];
     let mut returns = vec![0.0; n];
     let mut next_value = 0.0f32;
@@ -37,7 +40,10 @@ pub fn gae(rewards: &[f32], values: &[f32], mask: &[bool], gamma: f32, lambda: f
         next_value = values[i];
         next_adv = adv;
     }
-    Gae { advantages, returns }
+    Gae {
+        advantages,
+        returns,
+    }
 }
 
 /// Whitens `values` in place over the masked positions of all sequences (mean 0, std 1).
@@ -58,7 +64,12 @@ pub fn whiten(seqs: &mut [Vec<f32>], masks: &[Vec<bool>]) {
     let var = seqs
         .iter()
         .zip(masks)
-        .flat_map(|(s, m)| s.iter().zip(m).filter(|(_, &on)| on).map(|(&v, _)| (v as f64 - mean).powi(2)))
+        .flat_map(|(s, m)| {
+            s.iter()
+                .zip(m)
+                .filter(|(_, &on)| on)
+                .map(|(&v, _)| (v as f64 - mean).powi(2))
+        })
         .sum::<f64>()
         / (n - 1) as f64;
     let std = var.sqrt().max(1e-8);
@@ -73,7 +84,11 @@ pub fn whiten(seqs: &mut [Vec<f32>], masks: &[Vec<bool>]) {
 
 /// Sum of `x * mask` divided by `denominator` (the token count of the whole minibatch, so
 /// micro-batches add up to a token-level mean).
-pub fn masked_sum<B: Backend>(x: Tensor<B, 2>, mask: Tensor<B, 2>, denominator: f32) -> Tensor<B, 1> {
+pub fn masked_sum<B: Backend>(
+    x: Tensor<B, 2>,
+    mask: Tensor<B, 2>,
+    denominator: f32,
+) -> Tensor<B, 1> {
     (x * mask).sum() / denominator.max(1.0)
 }
 
@@ -93,7 +108,12 @@ pub fn clipped_surrogate<B: Backend>(
 }
 
 /// Whether each token's ratio lies outside the clip range (1.0) or not (0.0).
-pub fn clipped_mask<B: Backend>(new_logprobs: Tensor<B, 2>, old_logprobs: Tensor<B, 2>, clip_low: f32, clip_high: f32) -> Tensor<B, 2> {
+pub fn clipped_mask<B: Backend>(
+    new_logprobs: Tensor<B, 2>,
+    old_logprobs: Tensor<B, 2>,
+    clip_low: f32,
+    clip_high: f32,
+) -> Tensor<B, 2> {
     let ratio = (new_logprobs - old_logprobs).exp();
     let low = ratio.clone().lower_elem(1.0 - clip_low).float();
     let high = ratio.greater_elem(1.0 + clip_high).float();
@@ -101,7 +121,12 @@ pub fn clipped_mask<B: Backend>(new_logprobs: Tensor<B, 2>, old_logprobs: Tensor
 }
 
 /// The clipped value loss per token, `0.5 * max((v - R)^2, (v_old + clip(v - v_old, -c, c) - R)^2)`.
-pub fn clipped_value_loss<B: Backend>(values: Tensor<B, 2>, old_values: Tensor<B, 2>, returns: Tensor<B, 2>, clip: f32) -> Tensor<B, 2> {
+pub fn clipped_value_loss<B: Backend>(
+    values: Tensor<B, 2>,
+    old_values: Tensor<B, 2>,
+    returns: Tensor<B, 2>,
+    clip: f32,
+) -> Tensor<B, 2> {
     let unclipped = (values.clone() - returns.clone()).powi_scalar(2);
     let clipped_v = old_values.clone() + (values - old_values).clamp(-clip, clip);
     let clipped = (clipped_v - returns).powi_scalar(2);

@@ -23,8 +23,15 @@ pub struct Trainable<B: AutodiffBackend, M: AutodiffModule<B>> {
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Trainable<B, M> {
     /// AdamW (betas 0.9/0.999, eps 1e-8) with decoupled weight decay; `max_norm` 0 disables clipping.
     pub fn new(weight_decay: f32, max_norm: f32) -> Self {
-        let optim = AdamWConfig::new().with_weight_decay(weight_decay).init::<B, M>();
-        Self { optim, accum: GradientsAccumulator::new(), pending: 0, max_norm }
+        let optim = AdamWConfig::new()
+            .with_weight_decay(weight_decay)
+            .init::<B, M>();
+        Self {
+            optim,
+            accum: GradientsAccumulator::new(),
+            pending: 0,
+            max_norm,
+        }
     }
 
     /// Adds the gradients of one micro-batch's loss.
@@ -66,17 +73,27 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Trainable<B, M> {
 
 /// Scales all gradients so their joint L2 norm is at most `max_norm` (0: no clipping);
 /// returns the norm before scaling.
-pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &mut GradientsParams, max_norm: f32) -> f32 {
+pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    max_norm: f32,
+) -> f32 {
     let mut sq = SquaredNorm::<B> { grads, total: None };
     module.visit(&mut sq);
-    let norm = sq.total.map(|t| t.into_scalar().elem::<f32>().sqrt()).unwrap_or(0.0);
+    let norm = sq
+        .total
+        .map(|t| t.into_scalar().elem::<f32>().sqrt())
+        .unwrap_or(0.0);
     if max_norm > 0.0 && norm > max_norm && norm.is_finite() {
-        let mut scale = Scale::<B> { grads, factor: max_norm / (norm + 1e-6), _backend: std::marker::PhantomData };
+        let mut scale = Scale::<B> {
+            grads,
+            factor: max_norm / (norm + 1e-6),
+            _backend: std::marker::PhantomData,
+        };
         module.visit(&mut scale);
     }
     norm
 }
-
 
 struct SquaredNorm<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
@@ -104,7 +121,8 @@ struct Scale<'a, B: AutodiffBackend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            self.grads.register::<B::InnerBackend, D>(param.id, g * self.factor);
+            self.grads
+                .register::<B::InnerBackend, D>(param.id, g * self.factor);
         }
     }
 }

@@ -34,16 +34,30 @@ pub fn plot_metrics(metrics: &Path, out: &Path) -> Result<(), TrainError> {
     let panels: Vec<_> = PANELS
         .iter()
         .filter_map(|(title, key)| {
-            let points: Vec<(f64, f64)> =
-                records.iter().filter_map(|r| Some((r["step"].as_f64()?, r.get(*key).and_then(Value::as_f64)?))).collect();
+            let points: Vec<(f64, f64)> = records
+                .iter()
+                .filter_map(|r| Some((r["step"].as_f64()?, r.get(*key).and_then(Value::as_f64)?)))
+                .collect();
             (!points.is_empty()).then(|| {
-                LineChart { title: (*title).into(), x_label: "step".into(), series: vec![Series { name: (*key).into(), points }] }
-                    .render(360, 220)
+                LineChart {
+                    title: (*title).into(),
+                    x_label: "step".into(),
+                    series: vec![Series {
+                        name: (*key).into(),
+                        points,
+                    }],
+                }
+                .render(360, 220)
             })
         })
         .collect();
     if panels.is_empty() {
-        return Err(TrainError::Data(format!("{} holds no metric to plot", metrics.display())));
+        return Err(TrainError::Data(format!(
+            "{} holds no metric to plot",
+            metrics.display()
+        )));
     }
-    grid(&panels, 3).save_png(out).map_err(|e| TrainError::Data(e.to_string()))
+    grid(&panels, 3)
+        .save_png(out)
+        .map_err(|e| TrainError::Data(e.to_string()))
 }

@@ -26,10 +26,19 @@ pub struct LoadedPolicy<B: Backend> {
 
 /// Loads `section.path` (config, tokenizer and weights, or seeded random weights of the
 /// config's shape when `random_init` is set or the directory holds no weights).
-pub fn load_policy<B: Backend>(section: &ModelSection, seed: u64, device: &B::Device) -> Result<LoadedPolicy<B>, TrainError> {
-    let dir = section.path.as_deref().ok_or_else(|| TrainError::Config("model.path is not set".into()))?;
+pub fn load_policy<B: Backend>(
+    section: &ModelSection,
+    seed: u64,
+    device: &B::Device,
+) -> Result<LoadedPolicy<B>, TrainError> {
+    let dir = section
+        .path
+        .as_deref()
+        .ok_or_else(|| TrainError::Config("model.path is not set".into()))?;
     let tokenizer = TextTokenizer::from_file(dir)?;
-    let template = section.template.unwrap_or_else(|| ChatTemplate::for_checkpoint(dir));
+    let template = section
+        .template
+        .unwrap_or_else(|| ChatTemplate::for_checkpoint(dir));
     let (config, lm) = if section.random_init || !has_weights(dir) {
         let config = ModelConfig::from_file(dir)?;
         B::seed(device, seed);
@@ -46,12 +55,20 @@ pub fn load_policy<B: Backend>(section: &ModelSection, seed: u64, device: &B::De
         ))
         .into());
     }
-    Ok(LoadedPolicy { config, lm, tokenizer, template })
+    Ok(LoadedPolicy {
+        config,
+        lm,
+        tokenizer,
+        template,
+    })
 }
 
 fn has_weights(dir: &Path) -> bool {
     std::fs::read_dir(dir)
-        .map(|rd| rd.filter_map(Result::ok).any(|e| e.path().extension().is_some_and(|x| x == "safetensors")))
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        })
         .unwrap_or(false)
 }
 
@@ -68,7 +85,20 @@ pub struct PolicyGenerator<'a, B: Backend> {
 }
 
 impl<B: Backend> Generator for PolicyGenerator<'_, B> {
-    fn generate(&mut self, prompts: &[Vec<u32>], params: &SamplingParams, seed: u64) -> Vec<Generation> {
-        generate(self.lm, self.arch, prompts, params, Some(self.tokenizer), seed, &self.device)
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        seed: u64,
+    ) -> Vec<Generation> {
+        generate(
+            self.lm,
+            self.arch,
+            prompts,
+            params,
+            Some(self.tokenizer),
+            seed,
+            &self.device,
+        )
     }
 }

@@ -30,11 +30,21 @@ impl Renderer {
         eos_ids: &[u32],
     ) -> Result<Self, ModelError> {
         let eot = tokenizer.token_id(template.end_of_turn()).ok_or_else(|| {
-            ModelError::Tokenizer(format!("the vocabulary lacks the end-of-turn token {}", template.end_of_turn()))
+            ModelError::Tokenizer(format!(
+                "the vocabulary lacks the end-of-turn token {}",
+                template.end_of_turn()
+            ))
         })?;
         let mut stop_ids = vec![eot];
         stop_ids.extend(eos_ids.iter().copied().filter(|&id| id != eot));
-        Ok(Self { template, tokenizer, system, tools_in_prompt, max_observation_tokens, stop_ids })
+        Ok(Self {
+            template,
+            tokenizer,
+            system,
+            tools_in_prompt,
+            max_observation_tokens,
+            stop_ids,
+        })
     }
 
     /// The tokenizer.
@@ -56,24 +66,38 @@ impl Renderer {
     /// the first assistant turn.
     pub fn prompt(&self, task_text: &str, tools: &[Value]) -> Result<Vec<u32>, ModelError> {
         let tools: &[Value] = if self.tools_in_prompt { tools } else { &[] };
-        self.tokenizer.encode(&self.template.prompt(&self.system, tools, task_text))
+        self.tokenizer
+            .encode(&self.template.prompt(&self.system, tools, task_text))
     }
 
     /// A tool result and the opening of the next assistant turn. `turn` holds the tokens the
     /// policy just produced, so the template closes the turn only when the policy did not.
     /// Results longer than the observation budget keep their head and tail.
-    pub fn observation(&self, text: &str, is_error: bool, turn: &[u32]) -> Result<Vec<u32>, ModelError> {
-        let text = if is_error { format!("Error: {text}") } else { text.to_string() };
+    pub fn observation(
+        &self,
+        text: &str,
+        is_error: bool,
+        turn: &[u32],
+    ) -> Result<Vec<u32>, ModelError> {
+        let text = if is_error {
+            format!("Error: {text}")
+        } else {
+            text.to_string()
+        };
         let text = self.cut_middle(&text)?;
         let after_turn = turn.last().is_some_and(|t| self.stop_ids.contains(t));
-        self.tokenizer.encode(&self.template.observation(&text, after_turn))
+        self.tokenizer
+            .encode(&self.template.observation(&text, after_turn))
     }
 
     /// The canonical text of one assistant turn calling `name` with `arguments`, ending the
     /// turn (what a policy trained on it should produce).
     pub fn call_text(&self, name: &str, arguments: &Value) -> String {
         let call = serde_json::json!({"name": name, "arguments": arguments});
-        format!("<tool_call>\n{call}\n</tool_call>{}", self.template.end_of_turn())
+        format!(
+            "<tool_call>\n{call}\n</tool_call>{}",
+            self.template.end_of_turn()
+        )
     }
 
     /// Tokens of `call_text`.

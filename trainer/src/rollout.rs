@@ -23,7 +23,12 @@ use crate::sample::{Outcome, Sample, TurnRecord};
 /// Samples assistant turns for a batch of token contexts.
 pub trait Generator {
     /// One continuation per prompt, seeded by `seed`.
-    fn generate(&mut self, prompts: &[Vec<u32>], params: &SamplingParams, seed: u64) -> Vec<Generation>;
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        seed: u64,
+    ) -> Vec<Generation>;
 }
 
 /// The environment servers, with requests spread across them and bounded in number.
@@ -52,7 +57,11 @@ impl EnvPool {
                 })
             })
             .collect::<Result<Vec<_>, ClientError>>()?;
-        Ok(Self { clients, next: Arc::new(AtomicUsize::new(0)), permits: Arc::new(Semaphore::new(section.concurrency.max(1))) })
+        Ok(Self {
+            clients,
+            next: Arc::new(AtomicUsize::new(0)),
+            permits: Arc::new(Semaphore::new(section.concurrency.max(1))),
+        })
     }
 
     /// Number of servers.
@@ -134,7 +143,11 @@ impl RolloutSettings {
 
     /// Settings of the single-turn warm-up: one turn in the shorter context.
     pub fn single_turn(r: &RolloutSection, stop_ids: &[u32]) -> Self {
-        Self { context: r.single_turn_context, max_turns: 1, ..Self::multi_turn(r, stop_ids) }
+        Self {
+            context: r.single_turn_context,
+            max_turns: 1,
+            ..Self::multi_turn(r, stop_ids)
+        }
     }
 }
 
@@ -158,7 +171,10 @@ pub fn run_episodes(
     tag: &str,
     seed: u64,
 ) -> (Vec<Sample>, RolloutStats) {
-    let mut stats = RolloutStats { episodes: resets.len(), ..Default::default() };
+    let mut stats = RolloutStats {
+        episodes: resets.len(),
+        ..Default::default()
+    };
     let t0 = Instant::now();
     let opened = rt.block_on(reset_all(pool, resets));
     stats.env_s += t0.elapsed().as_secs_f64();
@@ -174,14 +190,24 @@ pub fn run_episodes(
                         sample.outcome = Some(Outcome::Failed);
                     }
                 }
-                live.push(Live { sample, server, done: false, last_turn: Vec::new() });
+                live.push(Live {
+                    sample,
+                    server,
+                    done: false,
+                    last_turn: Vec::new(),
+                });
             }
             Err(e) => {
                 tracing::warn!(reset = i, "reset failed: {e}");
                 let mut sample = Sample::new(resets[i].task.as_deref().unwrap_or(""), "");
                 sample.outcome = Some(Outcome::Failed);
                 sample.reason = Some(e.to_string());
-                live.push(Live { sample, server: 0, done: true, last_turn: Vec::new() });
+                live.push(Live {
+                    sample,
+                    server: 0,
+                    done: true,
+                    last_turn: Vec::new(),
+                });
             }
         }
     }
@@ -209,10 +235,16 @@ pub fn run_episodes(
         // Generate in batches; each batch is limited by its longest member's room.
         let tg = Instant::now();
         for (c, chunk) in gen_rows.chunks(settings.generation_batch).enumerate() {
-            let prompts: Vec<Vec<u32>> = chunk.iter().map(|&i| live[i].sample.tokens.clone()).collect();
+            let prompts: Vec<Vec<u32>> = chunk
+                .iter()
+                .map(|&i| live[i].sample.tokens.clone())
+                .collect();
             let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
             let mut params = settings.sampling.clone();
-            params.max_new_tokens = settings.max_turn_tokens.min(settings.context.saturating_sub(longest)).max(1);
+            params.max_new_tokens = settings
+                .max_turn_tokens
+                .min(settings.context.saturating_sub(longest))
+                .max(1);
             let gen_seed = crate::seeds::derive(seed, round, c as u64);
             let gens = generator.generate(&prompts, &params, gen_seed);
             for (&i, g) in chunk.iter().zip(gens) {
@@ -231,7 +263,12 @@ pub fn run_episodes(
                 Ok(call) => steps.push((i, call.name, call.arguments)),
                 Err(e) => {
                     let msg = e.to_string();
-                    live[i].sample.turns.push(TurnRecord { tool: None, arguments: Value::Null, parse_error: Some(msg.clone()), tool_error: true });
+                    live[i].sample.turns.push(TurnRecord {
+                        tool: None,
+                        arguments: Value::Null,
+                        parse_error: Some(msg.clone()),
+                        tool_error: true,
+                    });
                     append_observation(renderer, &mut live[i], &msg, true, settings.context);
                 }
             }
@@ -243,20 +280,45 @@ pub fn run_episodes(
             let l = &mut live[i];
             match answer {
                 Ok(resp) => {
-                    l.sample.turns.push(TurnRecord { tool: Some(name), arguments, parse_error: None, tool_error: resp.observation.is_error });
+                    l.sample.turns.push(TurnRecord {
+                        tool: Some(name),
+                        arguments,
+                        parse_error: None,
+                        tool_error: resp.observation.is_error,
+                    });
                     if resp.done {
                         l.sample.reward = resp.reward as f32;
                         l.sample.outcome = Some(Outcome::Finished);
-                        l.sample.reason = resp.info.evaluation.as_ref().and_then(|e| e.reason.clone()).or(resp.info.truncation_reason.clone());
+                        l.sample.reason = resp
+                            .info
+                            .evaluation
+                            .as_ref()
+                            .and_then(|e| e.reason.clone())
+                            .or(resp.info.truncation_reason.clone());
                         l.done = true;
                     } else {
-                        append_observation(renderer, l, &resp.observation.text, resp.observation.is_error, settings.context);
+                        append_observation(
+                            renderer,
+                            l,
+                            &resp.observation.text,
+                            resp.observation.is_error,
+                            settings.context,
+                        );
                     }
                 }
                 // The server refused the call itself (unknown tool, bad arguments): the agent
                 // sees why, as it would see a tool error.
-                Err(ClientError::Api { status: 400 | 422, code, message }) => {
-                    l.sample.turns.push(TurnRecord { tool: Some(name), arguments, parse_error: Some(format!("{code}: {message}")), tool_error: true });
+                Err(ClientError::Api {
+                    status: 400 | 422,
+                    code,
+                    message,
+                }) => {
+                    l.sample.turns.push(TurnRecord {
+                        tool: Some(name),
+                        arguments,
+                        parse_error: Some(format!("{code}: {message}")),
+                        tool_error: true,
+                    });
                     append_observation(renderer, l, &message, true, settings.context);
                 }
                 Err(e) => {
@@ -290,7 +352,10 @@ pub fn run_episodes(
         round += 1;
     }
     let samples: Vec<Sample> = live.into_iter().map(|l| l.sample).collect();
-    stats.failed = samples.iter().filter(|s| s.outcome == Some(Outcome::Failed)).count();
+    stats.failed = samples
+        .iter()
+        .filter(|s| s.outcome == Some(Outcome::Failed))
+        .count();
     stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
     (samples, stats)
 }
@@ -307,11 +372,17 @@ pub fn run_single_turn(
     settings: &RolloutSettings,
     seed: u64,
 ) -> (Vec<Sample>, RolloutStats) {
-    let mut stats = RolloutStats { episodes: resets.len(), ..Default::default() };
+    let mut stats = RolloutStats {
+        episodes: resets.len(),
+        ..Default::default()
+    };
     let t0 = Instant::now();
     let opened = rt.block_on(reset_all(pool, resets));
-    let closes: Vec<(usize, String)> =
-        opened.iter().filter_map(|r| r.as_ref().ok()).map(|(s, r)| (*s, r.episode_id.clone())).collect();
+    let closes: Vec<(usize, String)> = opened
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .map(|(s, r)| (*s, r.episode_id.clone()))
+        .collect();
     rt.block_on(async {
         for (s, id) in closes {
             let _ = pool.client(s).close(&id).await;
@@ -333,7 +404,10 @@ pub fn run_single_turn(
                     Ok(p) => {
                         s.outcome = Some(Outcome::ContextLimit);
                         s.reward = settings.failure_reward;
-                        s.reason = Some(format!("prompt of {} tokens does not fit the context", p.len()));
+                        s.reason = Some(format!(
+                            "prompt of {} tokens does not fit the context",
+                            p.len()
+                        ));
                     }
                     Err(e) => {
                         s.outcome = Some(Outcome::Failed);
@@ -352,10 +426,16 @@ pub fn run_single_turn(
     }
     let tg = Instant::now();
     for (c, chunk) in rows.chunks(settings.generation_batch).enumerate() {
-        let prompts: Vec<Vec<u32>> = chunk.iter().map(|&(i, _)| samples[i].tokens.clone()).collect();
+        let prompts: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|&(i, _)| samples[i].tokens.clone())
+            .collect();
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let mut params = settings.sampling.clone();
-        params.max_new_tokens = settings.max_turn_tokens.min(settings.context.saturating_sub(longest)).max(1);
+        params.max_new_tokens = settings
+            .max_turn_tokens
+            .min(settings.context.saturating_sub(longest))
+            .max(1);
         let gens = generator.generate(&prompts, &params, crate::seeds::derive(seed, 0, c as u64));
         for (&(i, _), g) in chunk.iter().zip(gens) {
             stats.turns += 1;
@@ -378,13 +458,18 @@ pub fn run_single_turn(
         for (k, (_, server, task, solution)) in jobs.iter().enumerate() {
             let client = pool.client(*server).clone();
             let permits = pool.permits.clone();
-            let req = EvaluateRequest { task: TaskRef::Id(task.clone()), solution: SolutionRef::Text(solution.clone()), options: None };
+            let req = EvaluateRequest {
+                task: TaskRef::Id(task.clone()),
+                solution: SolutionRef::Text(solution.clone()),
+                options: None,
+            };
             set.spawn(async move {
                 let _permit = permits.acquire_owned().await;
                 (k, client.evaluate(&req).await)
             });
         }
-        let mut out: Vec<Option<Result<env_api::EvaluationResult, ClientError>>> = (0..jobs.len()).map(|_| None).collect();
+        let mut out: Vec<Option<Result<env_api::EvaluationResult, ClientError>>> =
+            (0..jobs.len()).map(|_| None).collect();
         while let Some(Ok((k, r))) = set.join_next().await {
             out[k] = Some(r);
         }
@@ -409,7 +494,10 @@ pub fn run_single_turn(
             }
         }
     }
-    stats.failed = samples.iter().filter(|s| s.outcome == Some(Outcome::Failed)).count();
+    stats.failed = samples
+        .iter()
+        .filter(|s| s.outcome == Some(Outcome::Failed))
+        .count();
     stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
     (samples, stats)
 }
@@ -432,7 +520,13 @@ pub fn solution_of(answer: &str) -> String {
     answer.trim().to_string()
 }
 
-fn append_observation(renderer: &Renderer, l: &mut Live, text: &str, is_error: bool, context: usize) {
+fn append_observation(
+    renderer: &Renderer,
+    l: &mut Live,
+    text: &str,
+    is_error: bool,
+    context: usize,
+) {
     match renderer.observation(text, is_error, &l.last_turn) {
         Ok(t) => {
             // What does not fit the context is never seen: the conversation closes at the
@@ -448,7 +542,10 @@ fn append_observation(renderer: &Renderer, l: &mut Live, text: &str, is_error: b
     }
 }
 
-async fn reset_all(pool: &EnvPool, resets: &[ResetRequest]) -> Vec<Result<(usize, ResetResponse), ClientError>> {
+async fn reset_all(
+    pool: &EnvPool,
+    resets: &[ResetRequest],
+) -> Vec<Result<(usize, ResetResponse), ClientError>> {
     let mut set = tokio::task::JoinSet::new();
     for (k, req) in resets.iter().enumerate() {
         let server = pool.pick();
@@ -474,7 +571,12 @@ async fn reset_all(pool: &EnvPool, resets: &[ResetRequest]) -> Vec<Result<(usize
     collect(set, resets.len()).await
 }
 
-async fn step_all(pool: &EnvPool, live: &[Live], steps: &[(usize, String, Value)], tag: &str) -> Vec<Result<StepResponse, ClientError>> {
+async fn step_all(
+    pool: &EnvPool,
+    live: &[Live],
+    steps: &[(usize, String, Value)],
+    tag: &str,
+) -> Vec<Result<StepResponse, ClientError>> {
     let mut set = tokio::task::JoinSet::new();
     for (k, (i, name, args)) in steps.iter().enumerate() {
         let l = &live[*i];
@@ -517,6 +619,14 @@ async fn collect<T: Send + 'static>(
         }
     }
     out.into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(ClientError::Api { status: 0, code: "panicked".into(), message: "request task panicked".into() })))
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(ClientError::Api {
+                    status: 0,
+                    code: "panicked".into(),
+                    message: "request task panicked".into(),
+                })
+            })
+        })
         .collect()
 }

@@ -56,7 +56,11 @@ pub struct Sample {
 impl Sample {
     /// A sample for `task` with no tokens yet.
     pub fn new(task: &str, episode_id: &str) -> Self {
-        Self { task: task.into(), episode_id: episode_id.into(), ..Self::default() }
+        Self {
+            task: task.into(),
+            episode_id: episode_id.into(),
+            ..Self::default()
+        }
     }
 
     /// Appends context tokens (prompt, observation, template glue): masked out of every loss.
@@ -73,7 +77,11 @@ impl Sample {
         self.policy.extend(std::iter::repeat_n(true, tokens.len()));
         match logprobs {
             Some(lp) => {
-                assert_eq!(lp.len(), tokens.len(), "one log-probability per sampled token");
+                assert_eq!(
+                    lp.len(),
+                    tokens.len(),
+                    "one log-probability per sampled token"
+                );
                 self.logprobs.extend_from_slice(lp);
             }
             None => self.logprobs.extend(std::iter::repeat_n(0.0, tokens.len())),
@@ -112,7 +120,11 @@ impl Sample {
         if self.turns.is_empty() {
             return 0.0;
         }
-        self.turns.iter().filter(|t| t.tool.is_some() && t.parse_error.is_none()).count() as f64 / self.turns.len() as f64
+        self.turns
+            .iter()
+            .filter(|t| t.tool.is_some() && t.parse_error.is_none())
+            .count() as f64
+            / self.turns.len() as f64
     }
 
     /// Whether the sample can be trained on.

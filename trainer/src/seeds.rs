@@ -3,7 +3,9 @@
 
 /// A well-mixed seed for item `k` of step `step` of a run seeded `seed` (splitmix64 finaliser).
 pub fn derive(seed: u64, step: u64, k: u64) -> u64 {
-    let mut z = seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(k.wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let mut z = seed
+        .wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_add(k.wrapping_mul(0xD1B5_4A32_D192_ED03));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)

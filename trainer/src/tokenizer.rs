@@ -12,14 +12,20 @@ pub struct TextTokenizer {
 
 impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TextTokenizer").field("vocab", &self.vocab_size()).finish()
+        f.debug_struct("TextTokenizer")
+            .field("vocab", &self.vocab_size())
+            .finish()
     }
 }
 
 impl TextTokenizer {
     /// Loads `tokenizer.json` from a checkpoint directory or a file path.
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
-        let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+        let file = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_path_buf()
+        };
         let inner = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", file.display())))?;
         Ok(Self { inner })

@@ -15,15 +15,34 @@ fn tool_calls_parse_in_both_forms_and_fail_clearly() {
     assert_eq!(c.name, "Write");
     assert_eq!(c.arguments, json!({"file_path": "a.txt", "content": "x"}));
     let c = parse_tool_call("{\"name\": \"Submit\", \"parameters\": {}} trailing").unwrap();
-    assert_eq!((c.name.as_str(), c.arguments.clone()), ("Submit", json!({})));
-    let c = parse_tool_call("{\"name\": \"Bash\", \"arguments\": \"{\\\"command\\\": \\\"ls\\\"}\"}").unwrap();
+    assert_eq!(
+        (c.name.as_str(), c.arguments.clone()),
+        ("Submit", json!({}))
+    );
+    let c =
+        parse_tool_call("{\"name\": \"Bash\", \"arguments\": \"{\\\"command\\\": \\\"ls\\\"}\"}")
+            .unwrap();
     assert_eq!(c.arguments, json!({"command": "ls"}));
-    assert_eq!(parse_tool_call("I am done."), Err(ToolCallParseError::Missing));
-    assert_eq!(parse_tool_call("<tool_call>{\"name\": \"Bash\"}"), Err(ToolCallParseError::Unclosed));
-    assert!(matches!(parse_tool_call("<tool_call>{name: Bash}</tool_call>"), Err(ToolCallParseError::Json(_))));
-    assert!(matches!(parse_tool_call("<tool_call>{\"arguments\": {}}</tool_call>"), Err(ToolCallParseError::Shape(_))));
+    assert_eq!(
+        parse_tool_call("I am done."),
+        Err(ToolCallParseError::Missing)
+    );
+    assert_eq!(
+        parse_tool_call("<tool_call>{\"name\": \"Bash\"}"),
+        Err(ToolCallParseError::Unclosed)
+    );
+    assert!(matches!(
+        parse_tool_call("<tool_call>{name: Bash}</tool_call>"),
+        Err(ToolCallParseError::Json(_))
+    ));
+    assert!(matches!(
+        parse_tool_call("<tool_call>{\"arguments\": {}}</tool_call>"),
+        Err(ToolCallParseError::Shape(_))
+    ));
     // The error text tells the agent the expected form.
-    assert!(ToolCallParseError::Missing.to_string().contains("<tool_call>"));
+    assert!(ToolCallParseError::Missing
+        .to_string()
+        .contains("<tool_call>"));
 }
 
 #[test]
@@ -31,14 +50,22 @@ fn templates_render_turns_that_concatenate() {
     let tools = [json!({"type": "function", "function": {"name": "Submit"}})];
     let p = ChatTemplate::Chatml.prompt("sys", &tools, "task");
     assert!(p.starts_with("<|im_start|>system\nsys"));
-    assert!(p.contains("<tools>\n{\"function\":{\"name\":\"Submit\"},\"type\":\"function\"}\n</tools>"));
+    assert!(
+        p.contains("<tools>\n{\"function\":{\"name\":\"Submit\"},\"type\":\"function\"}\n</tools>")
+    );
     assert!(p.ends_with("<|im_start|>user\ntask<|im_end|>\n<|im_start|>assistant\n"));
     let o = ChatTemplate::Chatml.observation("ok", true);
     assert_eq!(o, "\n<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n");
     let p = ChatTemplate::Llama3.prompt("sys", &[], "task");
     assert_eq!(p, "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nsys<|eot_id|><|start_header_id|>user<|end_header_id|>\n\ntask<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
-    assert_eq!(ChatTemplate::detect("{% ... <|im_start|> ... %}"), Some(ChatTemplate::Chatml));
-    assert_eq!(ChatTemplate::detect("<|start_header_id|>"), Some(ChatTemplate::Llama3));
+    assert_eq!(
+        ChatTemplate::detect("{% ... <|im_start|> ... %}"),
+        Some(ChatTemplate::Chatml)
+    );
+    assert_eq!(
+        ChatTemplate::detect("<|start_header_id|>"),
+        Some(ChatTemplate::Llama3)
+    );
 }
 
 fn tiny_config(tied: bool) -> ModelConfig {
@@ -54,14 +81,21 @@ fn tiny_config(tied: bool) -> ModelConfig {
 fn tiny_policy() -> (Architecture<B>, CausalLm<B>) {
     let device = Default::default();
     let cfg = tiny_config(false);
-    (Architecture::<B>::new(cfg.clone(), 64, &device), CausalLm::<B>::random(&cfg, &device))
+    (
+        Architecture::<B>::new(cfg.clone(), 64, &device),
+        CausalLm::<B>::random(&cfg, &device),
+    )
 }
 
 fn logits(lm: &CausalLm<B>, arch: &Architecture<B>) -> Vec<f32> {
     let device = Default::default();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1, 5, 9, 2, 7, 3], [1, 6]), &device);
+    let tokens =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1, 5, 9, 2, 7, 3], [1, 6]), &device);
     let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; 6], [1, 6]), &device);
-    lm.forward(tokens, valid, arch, None).into_data().to_vec().unwrap()
+    lm.forward(tokens, valid, arch, None)
+        .into_data()
+        .to_vec()
+        .unwrap()
 }
 
 #[test]
@@ -76,7 +110,9 @@ fn checkpoints_round_trip_exactly() {
         // burn record
         let rec = dir.path().join(format!("policy-{tied}.mpk"));
         lm.save_record(&rec).unwrap();
-        let back = CausalLm::<B>::random(&cfg, &device).load_record(&rec, &device).unwrap();
+        let back = CausalLm::<B>::random(&cfg, &device)
+            .load_record(&rec, &device)
+            .unwrap();
         assert_eq!(logits(&back, &arch), want);
         // Hugging Face layout
         let hf = dir.path().join(format!("hf-{tied}"));
@@ -91,11 +127,17 @@ fn checkpoints_round_trip_exactly() {
     let critic = Critic::from_policy(&CausalLm::<B>::random(&cfg, &device), &device);
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1, 2, 3], [1, 3]), &device);
     let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; 3], [1, 3]), &device);
-    let v: Vec<f32> = critic.values(tokens, valid, &arch).into_data().to_vec().unwrap();
+    let v: Vec<f32> = critic
+        .values(tokens, valid, &arch)
+        .into_data()
+        .to_vec()
+        .unwrap();
     assert_eq!(v, vec![0.0; 3]);
     let path = dir.path().join("critic.mpk");
     critic.save_record(&path).unwrap();
-    Critic::from_policy(&CausalLm::<B>::random(&cfg, &device), &device).load_record(&path, &device).unwrap();
+    Critic::from_policy(&CausalLm::<B>::random(&cfg, &device), &device)
+        .load_record(&path, &device)
+        .unwrap();
 }
 
 #[test]
@@ -108,14 +150,25 @@ fn a_trainable_model_loads_steps_and_exports() {
     let device = Default::default();
     let cfg = tiny_config(false);
     let hf = dir.path().join("hf");
-    CausalLm::<B>::random(&cfg, &device).save_pretrained(&cfg, &hf).unwrap();
+    CausalLm::<B>::random(&cfg, &device)
+        .save_pretrained(&cfg, &hf)
+        .unwrap();
     let (_, lm) = CausalLm::<A>::from_pretrained(&hf, &device).unwrap();
     let arch = Architecture::<A>::new(cfg.clone(), 16, &device);
     let tokens = Tensor::<A, 2, Int>::from_data(TensorData::new(vec![1, 5, 9, 2], [1, 4]), &device);
     let valid = Tensor::<A, 2, Bool>::from_data(TensorData::new(vec![true; 4], [1, 4]), &device);
-    let loss = lm.sequence_stats(tokens, valid, &arch, 1.0).logprobs.mean().neg();
+    let loss = lm
+        .sequence_stats(tokens, valid, &arch, 1.0)
+        .logprobs
+        .mean()
+        .neg();
     let grads = loss.backward();
-    let g = lm.backbone.layers[0].self_attn.qkv_proj.weight.grad(&grads).expect("q/k/v weights get a gradient");
+    let g = lm.backbone.layers[0]
+        .self_attn
+        .qkv_proj
+        .weight
+        .grad(&grads)
+        .expect("q/k/v weights get a gradient");
     assert!(g.abs().sum().into_scalar() > 0.0);
     let out = dir.path().join("hf-again");
     lm.save_pretrained(&cfg, &out).unwrap();
@@ -131,7 +184,11 @@ fn bad_configs_and_checkpoints_are_clear_errors() {
     let e = ModelConfig::from_json(r#"{"vocab_size":1,"hidden_size":8,"intermediate_size":4,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":3}"#).unwrap_err();
     assert!(e.to_string().contains("multiple"), "{e}");
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("config.json"), tiny_config(true).to_hf_json().to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        tiny_config(true).to_hf_json().to_string(),
+    )
+    .unwrap();
     let e = CausalLm::<B>::from_pretrained(dir.path(), &Default::default()).unwrap_err();
     assert!(e.to_string().contains("no *.safetensors"), "{e}");
 }
@@ -141,7 +198,13 @@ fn sampling_is_seeded_and_honours_limits_and_stop_tokens() {
     let device = Default::default();
     let (arch, lm) = tiny_policy();
     let prompts = vec![vec![1, 2, 3], vec![4]];
-    let p = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 10, max_new_tokens: 8, ..Default::default() };
+    let p = SamplingParams {
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: 10,
+        max_new_tokens: 8,
+        ..Default::default()
+    };
     let a = generate(&lm, &arch, &prompts, &p, None, 7, &device);
     let b = generate(&lm, &arch, &prompts, &p, None, 7, &device);
     assert_eq!(a, b);
@@ -151,7 +214,10 @@ fn sampling_is_seeded_and_honours_limits_and_stop_tokens() {
         assert!(g.logprobs.iter().all(|l| *l <= 0.0 && l.is_finite()));
     }
     // Every token is a stop token: each sequence ends after one.
-    let stop = SamplingParams { stop_token_ids: (0..40).collect(), ..p };
+    let stop = SamplingParams {
+        stop_token_ids: (0..40).collect(),
+        ..p
+    };
     for g in generate(&lm, &arch, &prompts, &stop, None, 7, &device) {
         assert_eq!((g.tokens.len(), g.finish), (1, FinishReason::StopToken));
     }
@@ -163,8 +229,13 @@ fn device_draw_inverts_the_whole_rows_distribution() {
     use rand::{Rng, SeedableRng};
     // 300 tokens: not a multiple of the 128-token block, so the padded tail is exercised too.
     let (rows, vocab) = (3, 300);
-    let logits: Vec<f32> = (0..rows * vocab).map(|i| ((i * 37 % 101) as f32) / 12.0 - 4.0).collect();
-    let lp = log_softmax(Tensor::<B, 2>::from_data(TensorData::new(logits, [rows, vocab]), &Default::default()), 1);
+    let logits: Vec<f32> = (0..rows * vocab)
+        .map(|i| ((i * 37 % 101) as f32) / 12.0 - 4.0)
+        .collect();
+    let lp = log_softmax(
+        Tensor::<B, 2>::from_data(TensorData::new(logits, [rows, vocab]), &Default::default()),
+        1,
+    );
     let host: Vec<f32> = lp.clone().into_data().to_vec().unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     let mut counts = vec![0usize; vocab];
@@ -175,14 +246,24 @@ fn device_draw_inverts_the_whole_rows_distribution() {
         for r in 0..rows {
             let row = &host[r * vocab..(r + 1) * vocab];
             // The reference: the first token whose cumulative probability passes u.
-            let cdf: Vec<f64> = row.iter().scan(0.0, |acc, l| { *acc += f64::from(l.exp()); Some(*acc) }).collect();
+            let cdf: Vec<f64> = row
+                .iter()
+                .scan(0.0, |acc, l| {
+                    *acc += f64::from(l.exp());
+                    Some(*acc)
+                })
+                .collect();
             let target = us[r] * cdf[vocab - 1];
             let want = cdf.iter().position(|&c| c > target).unwrap_or(vocab - 1);
             let (tok, logprob) = got[r];
             // Block sums round differently from one running sum: a draw within 1e-5 of a
             // boundary may land on its neighbour, nowhere else.
             let boundary = cdf[tok.min(want)];
-            assert!(tok == want || (tok.abs_diff(want) == 1 && (boundary - target).abs() < 1e-5), "u {} row {r}: got {tok}, want {want}", us[r]);
+            assert!(
+                tok == want || (tok.abs_diff(want) == 1 && (boundary - target).abs() < 1e-5),
+                "u {} row {r}: got {tok}, want {want}",
+                us[r]
+            );
             assert_eq!(logprob, row[tok]);
             if r == 0 {
                 counts[tok] += 1;
@@ -190,9 +271,15 @@ fn device_draw_inverts_the_whole_rows_distribution() {
         }
     }
     // The most likely token of row 0 is drawn about as often as its probability says.
-    let top = (0..vocab).max_by(|&a, &b| host[a].total_cmp(&host[b])).unwrap();
+    let top = (0..vocab)
+        .max_by(|&a, &b| host[a].total_cmp(&host[b]))
+        .unwrap();
     let expected = f64::from(host[top].exp()) * draws as f64;
-    assert!((counts[top] as f64 - expected).abs() < 4.0 * expected.sqrt() + 1.0, "{} vs {expected}", counts[top]);
+    assert!(
+        (counts[top] as f64 - expected).abs() < 4.0 * expected.sqrt() + 1.0,
+        "{} vs {expected}",
+        counts[top]
+    );
 }
 
 #[test]
@@ -201,15 +288,30 @@ fn greedy_and_full_sampling_agree_with_the_model() {
     let (arch, lm) = tiny_policy();
     let prompts = vec![vec![1, 2, 3], vec![4]];
     // Greedy: the first token is the argmax of the model's last-position logits.
-    let greedy = SamplingParams { temperature: 0.0, max_new_tokens: 4, ..Default::default() };
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        max_new_tokens: 4,
+        ..Default::default()
+    };
     let out = generate(&lm, &arch, &prompts, &greedy, None, 0, &device);
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1i32, 2, 3], [1, 3]), &device);
     let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; 3], [1, 3]), &device);
-    let logits: Vec<f32> = lm.forward(tokens, valid, &arch, None).narrow(1, 2, 1).into_data().to_vec().unwrap();
-    let best = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
+    let logits: Vec<f32> = lm
+        .forward(tokens, valid, &arch, None)
+        .narrow(1, 2, 1)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let best = (0..logits.len())
+        .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+        .unwrap();
     assert_eq!(out[0].tokens[0] as usize, best);
     // Full-distribution sampling (drawn on the device) is seeded and reports true log-probabilities.
-    let full = SamplingParams { temperature: 1.0, max_new_tokens: 6, ..Default::default() };
+    let full = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: 6,
+        ..Default::default()
+    };
     let a = generate(&lm, &arch, &prompts, &full, None, 11, &device);
     assert_eq!(a, generate(&lm, &arch, &prompts, &full, None, 11, &device));
     assert_ne!(a, generate(&lm, &arch, &prompts, &full, None, 12, &device));
@@ -224,12 +326,24 @@ fn pruning_keeps_the_newest_step_checkpoints_and_latest() {
     use trainer::checkpoint::{latest, prune, save, StageState};
     let dir = tempfile::tempdir().unwrap();
     for step in [2, 4, 6, 8, 10] {
-        let state = StageState { stage: "ppo".into(), step, total_steps: 10, seed: 0 };
-        save(dir.path(), &state, |f| std::fs::write(f.policy(), b"weights").map_err(|e| trainer::TrainError::Io(f.policy(), e))).unwrap();
+        let state = StageState {
+            stage: "ppo".into(),
+            step,
+            total_steps: 10,
+            seed: 0,
+        };
+        save(dir.path(), &state, |f| {
+            std::fs::write(f.policy(), b"weights")
+                .map_err(|e| trainer::TrainError::Io(f.policy(), e))
+        })
+        .unwrap();
     }
     std::fs::create_dir(dir.path().join("final")).unwrap();
     assert_eq!(prune(dir.path(), 2).unwrap(), 3);
-    let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     left.sort();
     assert_eq!(left, ["final", "latest", "step-000008", "step-000010"]);
     assert!(latest(dir.path()).unwrap().dir.ends_with("step-000010"));

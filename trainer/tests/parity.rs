@@ -12,12 +12,19 @@ use trainer::model::{Architecture, CausalLm, KvCache};
 type B = NdArray<f32>;
 
 fn python() -> PathBuf {
-    std::env::var_os("CUDA_AGENT_PYTHON").map(Into::into).unwrap_or_else(|| "python3".into())
+    std::env::var_os("CUDA_AGENT_PYTHON")
+        .map(Into::into)
+        .unwrap_or_else(|| "python3".into())
 }
 
 fn make_checkpoint(kind: &str, dir: &Path) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_tiny.py");
-    let out = Command::new(python()).arg(script).arg(kind).arg(dir).output().expect("run python");
+    let out = Command::new(python())
+        .arg(script)
+        .arg(kind)
+        .arg(dir)
+        .output()
+        .expect("run python");
     assert!(
         out.status.success(),
         "hf_tiny.py failed (is transformers installed? scripts/python-env.sh sets it up):\n{}",
@@ -31,7 +38,13 @@ fn ids(v: &serde_json::Value) -> Vec<Vec<u32>> {
     v.as_array()
         .unwrap()
         .iter()
-        .map(|s| s.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect())
+        .map(|s| {
+            s.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
         .collect()
 }
 
@@ -56,7 +69,11 @@ fn check(kind: &str) {
     let n = seqs.len();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tok, [n, width]), &device);
     let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [n, width]), &device);
-    let logits: Vec<f32> = lm.forward(tokens, mask, &arch, None).into_data().to_vec().unwrap();
+    let logits: Vec<f32> = lm
+        .forward(tokens, mask, &arch, None)
+        .into_data()
+        .to_vec()
+        .unwrap();
     let v = cfg.vocab_size;
     let mut max_diff = 0f32;
     for (i, s) in seqs.iter().enumerate() {
@@ -74,7 +91,11 @@ fn check(kind: &str) {
 
     // Greedy generation, batched (so with padding and a shrinking cache) must match
     // transformers' one-at-a-time greedy decoding exactly.
-    let params = SamplingParams { temperature: 0.0, max_new_tokens: 12, ..Default::default() };
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_new_tokens: 12,
+        ..Default::default()
+    };
     let gens = generate(&lm, &arch, &seqs, &params, None, 0, &device);
     let expected = ids(&reference["greedy"]);
     for (g, e) in gens.iter().zip(&expected) {
@@ -84,7 +105,12 @@ fn check(kind: &str) {
     // The tokenizer.json the `tokenizers` Python package wrote encodes the same here.
     let tk = trainer::tokenizer::TextTokenizer::from_file(dir.path()).unwrap();
     let text = reference["tokenized"]["text"].as_str().unwrap();
-    let want: Vec<u32> = reference["tokenized"]["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let want: Vec<u32> = reference["tokenized"]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
     let ids = tk.encode(text).unwrap();
     assert_eq!(ids, want, "{kind}: token ids differ");
     assert_eq!(tk.decode(&ids), text);
@@ -114,7 +140,10 @@ fn kv_cache_decoding_matches_full_forward() {
     let device = Default::default();
     let lm = CausalLm::<B>::random(&cfg, &device);
     let arch = Architecture::<B>::new(cfg.clone(), 32, &device);
-    let seqs: Vec<Vec<i32>> = vec![(0..9).map(|i| (i * 7 + 3) % 50).collect(), (0..6).map(|i| (i * 5 + 1) % 50).collect()];
+    let seqs: Vec<Vec<i32>> = vec![
+        (0..9).map(|i| (i * 7 + 3) % 50).collect(),
+        (0..6).map(|i| (i * 5 + 1) % 50).collect(),
+    ];
     let (n, w) = (seqs.len(), 9);
     let mut tok = Vec::new();
     let mut valid = Vec::new();
@@ -140,8 +169,14 @@ fn kv_cache_decoding_matches_full_forward() {
     let mut col = 0;
     while col < w {
         let len = if col == 0 { 3 } else { 1 };
-        let take = |x: &Vec<i32>| (0..n).flat_map(|r| x[r * w + col..r * w + col + len].to_vec()).collect::<Vec<_>>();
-        let vt: Vec<bool> = (0..n).flat_map(|r| valid[r * w + col..r * w + col + len].to_vec()).collect();
+        let take = |x: &Vec<i32>| {
+            (0..n)
+                .flat_map(|r| x[r * w + col..r * w + col + len].to_vec())
+                .collect::<Vec<_>>()
+        };
+        let vt: Vec<bool> = (0..n)
+            .flat_map(|r| valid[r * w + col..r * w + col + len].to_vec())
+            .collect();
         let out: Vec<f32> = lm
             .forward(
                 Tensor::<B, 2, Int>::from_data(TensorData::new(take(&tok), [n, len]), &device),
@@ -173,5 +208,8 @@ fn kv_cache_decoding_matches_full_forward() {
             }
         }
     }
-    assert!(max_diff < 1e-5, "cached decoding differs from the full pass by {max_diff}");
+    assert!(
+        max_diff < 1e-5,
+        "cached decoding differs from the full pass by {max_diff}"
+    );
 }

@@ -20,7 +20,13 @@ fn usage() -> ! {
 
 fn main() {
     let mut args = std::env::args_os().skip(1);
-    let (mut rw, mut ro, mut landlock, mut seccomp, mut uid) = (Vec::<PathBuf>::new(), Vec::<PathBuf>::new(), true, true, None);
+    let (mut rw, mut ro, mut landlock, mut seccomp, mut uid) = (
+        Vec::<PathBuf>::new(),
+        Vec::<PathBuf>::new(),
+        true,
+        true,
+        None,
+    );
     let (mut cgroups, mut view, mut timeout) = (true, ProcessView::Private, 30 * 86_400u64);
     let mut cmd: Vec<OsString> = Vec::new();
     while let Some(a) = args.next() {
@@ -38,8 +44,18 @@ fn main() {
                     _ => usage(),
                 }
             }
-            Some("--timeout") => timeout = args.next().and_then(|s| s.to_str()?.parse::<u64>().ok()).unwrap_or_else(|| usage()),
-            Some("--uid") => uid = args.next().and_then(|s| s.to_str()?.parse::<u32>().ok()).or_else(|| usage()),
+            Some("--timeout") => {
+                timeout = args
+                    .next()
+                    .and_then(|s| s.to_str()?.parse::<u64>().ok())
+                    .unwrap_or_else(|| usage())
+            }
+            Some("--uid") => {
+                uid = args
+                    .next()
+                    .and_then(|s| s.to_str()?.parse::<u32>().ok())
+                    .or_else(|| usage())
+            }
             Some("--") => {
                 cmd.extend(args.by_ref());
                 break;
@@ -54,7 +70,11 @@ fn main() {
     let scratch = std::env::temp_dir().join(format!("sandbox-exec-{}", std::process::id()));
     if rw.is_empty() {
         std::fs::create_dir_all(&scratch).expect("scratch dir");
-        std::fs::set_permissions(&scratch, std::os::unix::fs::PermissionsExt::from_mode(0o711)).expect("chmod");
+        std::fs::set_permissions(
+            &scratch,
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )
+        .expect("chmod");
         let ws = scratch.join("ws");
         create_private_dir(&ws, owner).expect("workspace");
         rw.push(ws);
@@ -71,23 +91,33 @@ fn main() {
             std::process::exit(2)
         }
     };
-    let path: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
+    let path: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
     let mut jail = Jail::standard(&rw[0], &rw[0], &path, &[], owner);
     jail.writable = rw.clone();
     jail.process_view = view;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     let code = rt.block_on(async {
-        let mut sc = match sandbox.command(&jail, std::path::Path::new(&cmd[0]), &cmd[1..], &rw[0]) {
+        let mut sc = match sandbox.command(&jail, std::path::Path::new(&cmd[0]), &cmd[1..], &rw[0])
+        {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("sandbox-exec: {e}");
                 return 2;
             }
         };
-        sc.cmd.stdout(std::process::Stdio::inherit()).stderr(std::process::Stdio::inherit());
+        sc.cmd
+            .stdout(std::process::Stdio::inherit())
+            .stderr(std::process::Stdio::inherit());
         match sc.spawn() {
             Ok(mut child) => {
-                let outcome = child.wait_within(std::time::Duration::from_secs(timeout)).await;
+                let outcome = child
+                    .wait_within(std::time::Duration::from_secs(timeout))
+                    .await;
                 if outcome.timed_out {
                     eprintln!("sandbox-exec: timed out after {timeout} s");
                 }

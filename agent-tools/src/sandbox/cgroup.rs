@@ -53,8 +53,12 @@ pub(crate) struct Hierarchies {
 
 /// Where each hierarchy is mounted and where this process sits in it.
 fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
-    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else { return (None, Vec::new()) };
-    let Ok(membership) = std::fs::read_to_string("/proc/self/cgroup") else { return (None, Vec::new()) };
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return (None, Vec::new());
+    };
+    let Ok(membership) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return (None, Vec::new());
+    };
     // mountinfo: id parent major:minor root mountpoint opts... - fstype source superopts
     let mounts: Vec<(String, PathBuf, String, String)> = mountinfo
         .lines()
@@ -71,7 +75,9 @@ fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
         })
         .collect();
     let join = |mount_root: &str, mountpoint: &Path, path: &str| -> Option<PathBuf> {
-        let rel = path.strip_prefix(mount_root.trim_end_matches('/')).unwrap_or(path);
+        let rel = path
+            .strip_prefix(mount_root.trim_end_matches('/'))
+            .unwrap_or(path);
         let dir = mountpoint.join(rel.trim_start_matches('/'));
         dir.is_dir().then_some(dir)
     };
@@ -79,7 +85,9 @@ fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
     let mut v1 = Vec::new();
     for line in membership.lines() {
         let mut f = line.splitn(3, ':');
-        let (Some(_), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else { continue };
+        let (Some(_), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
         if controllers.is_empty() {
             if let Some((root, mp, _, _)) = mounts.iter().find(|m| m.2 == "cgroup2") {
                 v2 = join(root, mp, path);
@@ -87,7 +95,10 @@ fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
             continue;
         }
         for c in controllers.split(',') {
-            if let Some((root, mp, _, _)) = mounts.iter().find(|m| m.2 == "cgroup" && m.3.split(',').any(|o| o == c)) {
+            if let Some((root, mp, _, _)) = mounts
+                .iter()
+                .find(|m| m.2 == "cgroup" && m.3.split(',').any(|o| o == c))
+            {
                 if let Some(dir) = join(root, mp, path) {
                     v1.push((c.to_string(), dir));
                 }
@@ -110,9 +121,17 @@ impl Hierarchies {
     pub fn detect() -> Self {
         let (v2, v1) = own_dirs();
         let v2 = v2.filter(|d| writable(d));
-        let v2_controllers = v2.as_ref().and_then(|d| std::fs::read_to_string(d.join("cgroup.subtree_control")).ok()).unwrap_or_default();
+        let v2_controllers = v2
+            .as_ref()
+            .and_then(|d| std::fs::read_to_string(d.join("cgroup.subtree_control")).ok())
+            .unwrap_or_default();
         let v2_has = |c: &str| v2_controllers.split_whitespace().any(|x| x == c);
-        let v1_dir = |c: &str| v1.iter().find(|(name, _)| name == c).map(|(_, d)| d.clone()).filter(|d| writable(d));
+        let v1_dir = |c: &str| {
+            v1.iter()
+                .find(|(name, _)| name == c)
+                .map(|(_, d)| d.clone())
+                .filter(|d| writable(d))
+        };
         let pick = |c: &str| -> Option<(PathBuf, CgroupVersion)> {
             match &v2 {
                 Some(d) if v2_has(c) => Some((d.clone(), CgroupVersion::V2)),
@@ -121,14 +140,23 @@ impl Hierarchies {
         };
         let v2_kill = v2.clone().filter(|_| {
             // cgroup.kill exists in every non-root v2 cgroup since Linux 5.14; check on a probe.
-            let probe = v2.as_ref().map(|d| d.join(format!("{PREFIX}probe-kill.{}", std::process::id())));
-            let ok = probe.as_ref().is_some_and(|p| std::fs::create_dir(p).is_ok() && p.join("cgroup.kill").exists());
+            let probe = v2
+                .as_ref()
+                .map(|d| d.join(format!("{PREFIX}probe-kill.{}", std::process::id())));
+            let ok = probe
+                .as_ref()
+                .is_some_and(|p| std::fs::create_dir(p).is_ok() && p.join("cgroup.kill").exists());
             if let Some(p) = probe {
                 let _ = std::fs::remove_dir(p);
             }
             ok
         });
-        Self { memory: pick("memory"), pids: pick("pids"), freezer: v1_dir("freezer"), v2: v2_kill }
+        Self {
+            memory: pick("memory"),
+            pids: pick("pids"),
+            freezer: v1_dir("freezer"),
+            v2: v2_kill,
+        }
     }
 
     /// What these hierarchies provide.
@@ -143,8 +171,14 @@ impl Hierarchies {
 
     fn bases(&self) -> Vec<PathBuf> {
         let mut b: Vec<PathBuf> = Vec::new();
-        for d in
-            [self.v2.clone(), self.memory.clone().map(|m| m.0), self.pids.clone().map(|p| p.0), self.freezer.clone()].into_iter().flatten()
+        for d in [
+            self.v2.clone(),
+            self.memory.clone().map(|m| m.0),
+            self.pids.clone().map(|p| p.0),
+            self.freezer.clone(),
+        ]
+        .into_iter()
+        .flatten()
         {
             if !b.contains(&d) {
                 b.push(d);
@@ -155,15 +189,29 @@ impl Hierarchies {
 
     /// Creates the cgroups of one command with its limits (`None` without any usable
     /// hierarchy). Fails only if a hierarchy that was usable at start refuses.
-    pub fn create(&self, total_memory: u64, total_processes: u64) -> std::io::Result<Option<CommandCgroup>> {
+    pub fn create(
+        &self,
+        total_memory: u64,
+        total_processes: u64,
+    ) -> std::io::Result<Option<CommandCgroup>> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let bases = self.bases();
         if bases.is_empty() {
             return Ok(None);
         }
         let me = std::process::id();
-        let name = format!("{PREFIX}{me}.{}.{}", start_time(me as i32).unwrap_or(0), NEXT.fetch_add(1, Ordering::Relaxed));
-        let mut cg = CommandCgroup { dirs: Vec::new(), kill: None, memory: None, pids: None, freezer: None };
+        let name = format!(
+            "{PREFIX}{me}.{}.{}",
+            start_time(me as i32).unwrap_or(0),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut cg = CommandCgroup {
+            dirs: Vec::new(),
+            kill: None,
+            memory: None,
+            pids: None,
+            freezer: None,
+        };
         for base in bases {
             let dir = base.join(&name);
             if let Err(e) = std::fs::create_dir(&dir) {
@@ -179,7 +227,13 @@ impl Hierarchies {
         Ok(Some(cg))
     }
 
-    fn configure(&self, cg: &mut CommandCgroup, name: &str, total_memory: u64, total_processes: u64) -> std::io::Result<()> {
+    fn configure(
+        &self,
+        cg: &mut CommandCgroup,
+        name: &str,
+        total_memory: u64,
+        total_processes: u64,
+    ) -> std::io::Result<()> {
         if let Some(v2) = &self.v2 {
             cg.kill = Some(v2.join(name));
         }
@@ -217,12 +271,19 @@ impl Hierarchies {
     pub fn sweep(&self) -> (usize, usize) {
         let (mut removed, mut killed) = (0, 0);
         for base in self.bases() {
-            let Ok(entries) = std::fs::read_dir(&base) else { continue };
+            let Ok(entries) = std::fs::read_dir(&base) else {
+                continue;
+            };
             for e in entries.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
-                let Some(rest) = name.strip_prefix(PREFIX) else { continue };
+                let Some(rest) = name.strip_prefix(PREFIX) else {
+                    continue;
+                };
                 let mut f = rest.split('.');
-                let owner = match (f.next().and_then(|p| p.parse::<i32>().ok()), f.next().and_then(|s| s.parse::<u64>().ok())) {
+                let owner = match (
+                    f.next().and_then(|p| p.parse::<i32>().ok()),
+                    f.next().and_then(|s| s.parse::<u64>().ok()),
+                ) {
                     (Some(pid), Some(start)) => Some((pid, start)),
                     _ => None, // a probe: removable once empty
                 };
@@ -262,7 +323,11 @@ fn cstring(p: &Path) -> CString {
 }
 
 fn members(dir: &Path) -> Vec<i32> {
-    std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.trim().parse().ok()).collect()
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
 }
 
 /// The value of `key` in a flat-keyed cgroup file such as `memory.events`.
@@ -280,7 +345,10 @@ fn counter(file: &Path, key: &str) -> u64 {
 impl CommandCgroup {
     /// The `cgroup.procs` files the command joins.
     pub fn procs_files(&self) -> Vec<CString> {
-        self.dirs.iter().map(|d| cstring(&d.join("cgroup.procs"))).collect()
+        self.dirs
+            .iter()
+            .map(|d| cstring(&d.join("cgroup.procs")))
+            .collect()
     }
 
     /// The `cgroup.kill` file, where there is one.
@@ -301,7 +369,10 @@ impl CommandCgroup {
                 let _ = std::fs::write(k.join("cgroup.kill"), "1");
             } else {
                 // Stop them first so none can fork while the list is walked.
-                let frozen = self.freezer.as_ref().is_some_and(|f| std::fs::write(f.join("freezer.state"), "FROZEN").is_ok());
+                let frozen = self
+                    .freezer
+                    .as_ref()
+                    .is_some_and(|f| std::fs::write(f.join("freezer.state"), "FROZEN").is_ok());
                 for pid in &pids {
                     // SAFETY: kill has no memory preconditions.
                     unsafe { libc::kill(*pid, libc::SIGKILL) };
@@ -314,7 +385,11 @@ impl CommandCgroup {
             }
             let procs = super::process::processes();
             super::process::reap_orphans(&procs, |p| pids.contains(&p.pid));
-            std::thread::sleep(std::time::Duration::from_micros(if round < 10 { 200 } else { 2000 }));
+            std::thread::sleep(std::time::Duration::from_micros(if round < 10 {
+                200
+            } else {
+                2000
+            }));
         }
         seen
     }

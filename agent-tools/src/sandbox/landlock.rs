@@ -42,7 +42,14 @@ struct PathBeneathAttr {
 /// The landlock ABI the kernel speaks, 0 when it has none.
 pub fn abi_version() -> u32 {
     // SAFETY: the version query takes no attribute pointer.
-    let v = unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, std::ptr::null::<RulesetAttr>(), 0usize, CREATE_RULESET_VERSION) };
+    let v = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<RulesetAttr>(),
+            0usize,
+            CREATE_RULESET_VERSION,
+        )
+    };
     if v < 0 {
         0
     } else {
@@ -90,8 +97,16 @@ impl Ruleset {
         let attr = RulesetAttr {
             handled_access_fs: handled,
             // TCP bind/connect is also denied by seccomp; landlock is a second, independent wall.
-            handled_access_net: if abi >= 4 { NET_BIND_TCP | NET_CONNECT_TCP } else { 0 },
-            scoped: if abi >= 6 { SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL } else { 0 },
+            handled_access_net: if abi >= 4 {
+                NET_BIND_TCP | NET_CONNECT_TCP
+            } else {
+                0
+            },
+            scoped: if abi >= 6 {
+                SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+            } else {
+                0
+            },
         };
         let size = match abi {
             0 => return Err(SandboxError::Unsupported("landlock")),
@@ -102,12 +117,17 @@ impl Ruleset {
         // SAFETY: attr outlives the call and `size` never exceeds its size.
         let fd = unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, &attr, size, 0u32) };
         if fd < 0 {
-            return Err(SandboxError::Os("landlock_create_ruleset", std::io::Error::last_os_error()));
+            return Err(SandboxError::Os(
+                "landlock_create_ruleset",
+                std::io::Error::last_os_error(),
+            ));
         }
         // SAFETY: the kernel just returned this descriptor to us.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         for (path, access) in rules {
-            let Ok(cpath) = CString::new(path.as_os_str().as_bytes()) else { continue };
+            let Ok(cpath) = CString::new(path.as_os_str().as_bytes()) else {
+                continue;
+            };
             // SAFETY: cpath is a valid NUL-terminated string.
             let pfd = unsafe { libc::open(cpath.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
             if pfd < 0 {
@@ -120,11 +140,25 @@ impl Ruleset {
             if !is_dir {
                 rights &= FILE_RIGHTS;
             }
-            let rule = PathBeneathAttr { allowed_access: rights, parent_fd: pfd.as_raw_fd() };
+            let rule = PathBeneathAttr {
+                allowed_access: rights,
+                parent_fd: pfd.as_raw_fd(),
+            };
             // SAFETY: rule is a valid path-beneath attribute that outlives the call.
-            let rc = unsafe { libc::syscall(libc::SYS_landlock_add_rule, fd.as_raw_fd(), RULE_PATH_BENEATH, &rule, 0u32) };
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_landlock_add_rule,
+                    fd.as_raw_fd(),
+                    RULE_PATH_BENEATH,
+                    &rule,
+                    0u32,
+                )
+            };
             if rc < 0 {
-                return Err(SandboxError::Os("landlock_add_rule", std::io::Error::last_os_error()));
+                return Err(SandboxError::Os(
+                    "landlock_add_rule",
+                    std::io::Error::last_os_error(),
+                ));
             }
         }
         Ok(Self { fd })
@@ -152,9 +186,20 @@ pub fn dir_rights(abi: u32, access: Access) -> u64 {
 /// Adds a path-beneath rule for the object `path_fd` refers to. Async-signal-safe (only a
 /// syscall), for a child that mounted something the parent could not name.
 pub fn add_path_rule(ruleset: i32, path_fd: i32, rights: u64) -> std::io::Result<()> {
-    let rule = PathBeneathAttr { allowed_access: rights, parent_fd: path_fd };
+    let rule = PathBeneathAttr {
+        allowed_access: rights,
+        parent_fd: path_fd,
+    };
     // SAFETY: rule is a valid path-beneath attribute that outlives the call.
-    let rc = unsafe { libc::syscall(libc::SYS_landlock_add_rule, ruleset, RULE_PATH_BENEATH, &rule, 0u32) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_add_rule,
+            ruleset,
+            RULE_PATH_BENEATH,
+            &rule,
+            0u32,
+        )
+    };
     if rc < 0 {
         Err(std::io::Error::last_os_error())
     } else {

@@ -127,14 +127,34 @@ pub struct SandboxConfig {
 impl SandboxConfig {
     /// The usual system locations plus the given toolchain directories.
     pub fn with_toolchains(toolchains: impl IntoIterator<Item = PathBuf>) -> Self {
-        let mut read_only: Vec<PathBuf> =
-            ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/opt", "/sys", "/dev/shm", "/run/nvidia-persistenced"]
-                .iter()
-                .map(PathBuf::from)
-                .collect();
+        let mut read_only: Vec<PathBuf> = [
+            "/usr",
+            "/bin",
+            "/sbin",
+            "/lib",
+            "/lib32",
+            "/lib64",
+            "/etc",
+            "/opt",
+            "/sys",
+            "/dev/shm",
+            "/run/nvidia-persistenced",
+        ]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
         read_only.extend(toolchains);
-        let mut devices: Vec<PathBuf> =
-            ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"].iter().map(PathBuf::from).collect();
+        let mut devices: Vec<PathBuf> = [
+            "/dev/null",
+            "/dev/zero",
+            "/dev/full",
+            "/dev/random",
+            "/dev/urandom",
+            "/dev/tty",
+        ]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
         if let Ok(entries) = std::fs::read_dir("/dev") {
             for e in entries.flatten() {
                 if e.file_name().to_string_lossy().starts_with("nvidia") {
@@ -282,7 +302,13 @@ pub struct Jail {
 impl Jail {
     /// A jail over a workspace and its temp dir with the standard scrubbed environment:
     /// `PATH` from `path_dirs`, `HOME` the workspace, `TMPDIR` the temp dir, plus `extra_env`.
-    pub fn standard(workspace: &Path, tmp: &Path, path_dirs: &[PathBuf], extra_env: &[(String, String)], uid: Option<(u32, u32)>) -> Self {
+    pub fn standard(
+        workspace: &Path,
+        tmp: &Path,
+        path_dirs: &[PathBuf],
+        extra_env: &[(String, String)],
+        uid: Option<(u32, u32)>,
+    ) -> Self {
         let path = std::env::join_paths(path_dirs).unwrap_or_default();
         let mut env: Vec<(OsString, OsString)> = vec![
             ("PATH".into(), path),
@@ -294,7 +320,10 @@ impl Jail {
             ("USER".into(), "agent".into()),
             ("SHELL".into(), "/bin/bash".into()),
             ("PYTHONUNBUFFERED".into(), "1".into()),
-            ("TORCH_EXTENSIONS_DIR".into(), tmp.join("torch_extensions").into()),
+            (
+                "TORCH_EXTENSIONS_DIR".into(),
+                tmp.join("torch_extensions").into(),
+            ),
             // Inductor's compile workers start their own sessions, which the sandbox forbids.
             ("TORCHINDUCTOR_COMPILE_THREADS".into(), "1".into()),
         ];
@@ -337,7 +366,9 @@ struct Inner {
 
 impl std::fmt::Debug for Sandbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sandbox").field("status", &self.status()).finish()
+        f.debug_struct("Sandbox")
+            .field("status", &self.status())
+            .finish()
     }
 }
 
@@ -355,12 +386,35 @@ impl Sandbox {
         if !missing.is_empty() && !config.allow_unconfined {
             return Err(SandboxError::Unconfined(missing.join(", ")));
         }
-        let filters = if features.seccomp { seccomp::compile()? } else { Vec::new() };
-        let cgroups = if config.cgroups { cgroup::Hierarchies::detect() } else { cgroup::Hierarchies::default() };
+        let filters = if features.seccomp {
+            seccomp::compile()?
+        } else {
+            Vec::new()
+        };
+        let cgroups = if config.cgroups {
+            cgroup::Hierarchies::detect()
+        } else {
+            cgroup::Hierarchies::default()
+        };
         features.cgroups = cgroups.support();
-        let uids = if features.can_switch_uid { Some(UidPool::new(&config.uid_lock_dir, config.uid_range.clone())?) } else { None };
+        let uids = if features.can_switch_uid {
+            Some(UidPool::new(
+                &config.uid_lock_dir,
+                config.uid_range.clone(),
+            )?)
+        } else {
+            None
+        };
         become_subreaper();
-        Ok(Self { inner: Arc::new(Inner { config, features, filters, cgroups, uids }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                features,
+                filters,
+                cgroups,
+                uids,
+            }),
+        })
     }
 
     /// The uid pool, when tool processes can run under their own uids.
@@ -376,7 +430,11 @@ impl Sandbox {
     /// Leases two uids for an evaluation (judge, worker); `None` when the server cannot
     /// switch uids.
     pub fn lease_uid_pair(&self) -> Result<Option<(UidLease, UidLease)>, SandboxError> {
-        self.inner.uids.as_ref().map(UidPool::acquire_pair).transpose()
+        self.inner
+            .uids
+            .as_ref()
+            .map(UidPool::acquire_pair)
+            .transpose()
     }
 
     /// Ends what a previous run (or a crashed server) left: processes of the pool's uids no
@@ -385,7 +443,12 @@ impl Sandbox {
         let processes_killed = self.inner.uids.as_ref().map(UidPool::sweep).unwrap_or(0);
         let (cgroups_removed, cgroup_processes_killed) = self.inner.cgroups.sweep();
         let volumes_unmounted = sweep_volumes();
-        let report = SweepReport { processes_killed, cgroups_removed, cgroup_processes_killed, volumes_unmounted };
+        let report = SweepReport {
+            processes_killed,
+            cgroups_removed,
+            cgroup_processes_killed,
+            volumes_unmounted,
+        };
         if report != SweepReport::default() {
             tracing::warn!(?report, "ended what an earlier run left behind");
         }
@@ -423,9 +486,17 @@ impl Sandbox {
                 "session"
             },
             die_with_server: namespace::lifeline().is_some(),
-            unix_sockets: if f.seccomp { "socketpair_only" } else { "unrestricted" },
+            unix_sockets: if f.seccomp {
+                "socketpair_only"
+            } else {
+                "unrestricted"
+            },
             cgroups: f.cgroups,
-            disk_quota: if f.hidepid { QuotaEnforcement::Tmpfs } else { QuotaEnforcement::Measured },
+            disk_quota: if f.hidepid {
+                QuotaEnforcement::Tmpfs
+            } else {
+                QuotaEnforcement::Measured
+            },
             uid_pool: self.inner.uids.as_ref().map(UidPool::range),
         }
     }
@@ -442,16 +513,51 @@ impl Sandbox {
 
     /// Builds a command that runs `program args` inside `jail` with `cwd` as working directory.
     /// The returned value must stay alive until the child is spawned.
-    pub fn command(&self, jail: &Jail, program: &Path, args: &[OsString], cwd: &Path) -> Result<SandboxedCommand, SandboxError> {
+    pub fn command(
+        &self,
+        jail: &Jail,
+        program: &Path,
+        args: &[OsString],
+        cwd: &Path,
+    ) -> Result<SandboxedCommand, SandboxError> {
         let inner = &self.inner;
         let ruleset = if inner.features.landlock_abi > 0 {
             let mut rules: Vec<(&Path, Access)> = Vec::new();
-            rules.extend(inner.config.read_only.iter().map(|p| (p.as_path(), Access::ReadOnly)));
-            rules.extend(jail.read_only.iter().map(|p| (p.as_path(), Access::ReadOnly)));
-            rules.extend(inner.config.devices.iter().map(|p| (p.as_path(), Access::Device)));
-            rules.extend(inner.config.write_existing.iter().map(|p| (p.as_path(), Access::WriteExisting)));
-            rules.extend(jail.writable.iter().map(|p| (p.as_path(), Access::ReadWrite)));
-            Some(landlock::Ruleset::build(inner.features.landlock_abi, &rules)?)
+            rules.extend(
+                inner
+                    .config
+                    .read_only
+                    .iter()
+                    .map(|p| (p.as_path(), Access::ReadOnly)),
+            );
+            rules.extend(
+                jail.read_only
+                    .iter()
+                    .map(|p| (p.as_path(), Access::ReadOnly)),
+            );
+            rules.extend(
+                inner
+                    .config
+                    .devices
+                    .iter()
+                    .map(|p| (p.as_path(), Access::Device)),
+            );
+            rules.extend(
+                inner
+                    .config
+                    .write_existing
+                    .iter()
+                    .map(|p| (p.as_path(), Access::WriteExisting)),
+            );
+            rules.extend(
+                jail.writable
+                    .iter()
+                    .map(|p| (p.as_path(), Access::ReadWrite)),
+            );
+            Some(landlock::Ruleset::build(
+                inner.features.landlock_abi,
+                &rules,
+            )?)
         } else {
             None
         };
@@ -474,7 +580,10 @@ impl Sandbox {
             (libc::RLIMIT_NPROC, limits.processes),
             (libc::RLIMIT_CORE, 0),
         ];
-        let cgroup = match inner.cgroups.create(limits.total_memory_bytes, limits.total_processes) {
+        let cgroup = match inner
+            .cgroups
+            .create(limits.total_memory_bytes, limits.total_processes)
+        {
             Ok(cg) => cg,
             Err(e) => {
                 tracing::warn!(error = %e, "no cgroup for this command; falling back to the session kill and per-process limits");
@@ -492,11 +601,18 @@ impl Sandbox {
         };
         let plan = namespace::ChildPlan {
             view: self.effective_view(jail.process_view),
-            cgroup_procs: cgroup.as_ref().map(cgroup::CommandCgroup::procs_files).unwrap_or_default(),
+            cgroup_procs: cgroup
+                .as_ref()
+                .map(cgroup::CommandCgroup::procs_files)
+                .unwrap_or_default(),
             cgroup_kill: cgroup.as_ref().and_then(cgroup::CommandCgroup::kill_file),
             lifeline: namespace::lifeline(),
             rlimits,
-            uid: if inner.features.can_switch_uid { jail.uid } else { None },
+            uid: if inner.features.can_switch_uid {
+                jail.uid
+            } else {
+                None
+            },
             ruleset_fd: ruleset.as_ref().map(|r| r.raw_fd()),
             proc_rights,
             argv_area: namespace::argv_area(),
@@ -508,7 +624,13 @@ impl Sandbox {
         unsafe {
             cmd.pre_exec(move || plan.run(&this.inner.filters));
         }
-        Ok(SandboxedCommand { cmd, _ruleset: ruleset, cgroup, view, volume: jail.volume.clone() })
+        Ok(SandboxedCommand {
+            cmd,
+            _ruleset: ruleset,
+            cgroup,
+            view,
+            volume: jail.volume.clone(),
+        })
     }
 }
 
@@ -528,7 +650,15 @@ impl SandboxedCommand {
         match self.cmd.spawn() {
             Ok(child) => {
                 let sid = child.id().map(|p| p as i32);
-                Ok(SandboxedChild { child, sid, cgroup: self.cgroup.take(), view: self.view, volume: self.volume.take(), exited: false, cleaned: false })
+                Ok(SandboxedChild {
+                    child,
+                    sid,
+                    cgroup: self.cgroup.take(),
+                    view: self.view,
+                    volume: self.volume.take(),
+                    exited: false,
+                    cleaned: false,
+                })
             }
             Err(e) => {
                 if let Some(cg) = self.cgroup.take() {
@@ -572,7 +702,12 @@ impl std::ops::DerefMut for SandboxedChild {
 
 /// Kills what is left of a command and removes its cgroups. `keeper_done`: the keeper has
 /// exited, so in a pid namespace nothing can be left.
-fn clean_up(sid: Option<i32>, keeper_done: bool, view: ProcessView, cgroup: Option<cgroup::CommandCgroup>) -> usize {
+fn clean_up(
+    sid: Option<i32>,
+    keeper_done: bool,
+    view: ProcessView,
+    cgroup: Option<cgroup::CommandCgroup>,
+) -> usize {
     let mut killed = 0;
     if let Some(cg) = &cgroup {
         killed += cg.kill_all();
@@ -593,7 +728,10 @@ fn clean_up(sid: Option<i32>, keeper_done: bool, view: ProcessView, cgroup: Opti
 impl SandboxedChild {
     /// The limit the command has run into, if any.
     pub fn breach(&self) -> Option<Breach> {
-        self.cgroup.as_ref().and_then(cgroup::CommandCgroup::breach).or_else(|| self.volume.as_ref().and_then(|v| v.breach()))
+        self.cgroup
+            .as_ref()
+            .and_then(cgroup::CommandCgroup::breach)
+            .or_else(|| self.volume.as_ref().and_then(|v| v.breach()))
     }
 
     /// Waits for the command to end, at most `timeout`, checking its limits meanwhile; a
@@ -642,7 +780,12 @@ impl SandboxedChild {
         };
         // A command that filled its volume and then exited still ran into the limit.
         let breach = breach.or_else(|| self.breach());
-        Outcome { status, timed_out, breach, killed }
+        Outcome {
+            status,
+            timed_out,
+            breach,
+            killed,
+        }
     }
 
     /// Kills the command and everything it started; returns how many processes were killed
@@ -661,7 +804,9 @@ impl SandboxedChild {
         }
         self.cleaned = true;
         let (sid, view, cgroup) = (self.sid, self.view, self.cgroup.take());
-        tokio::task::spawn_blocking(move || clean_up(sid, ended_itself, view, cgroup)).await.unwrap_or(0)
+        tokio::task::spawn_blocking(move || clean_up(sid, ended_itself, view, cgroup))
+            .await
+            .unwrap_or(0)
     }
 }
 

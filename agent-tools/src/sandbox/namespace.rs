@@ -72,7 +72,13 @@ fn check(rc: libc::c_long) -> std::io::Result<()> {
 fn private_mounts() -> std::io::Result<()> {
     // SAFETY: constant NUL-terminated strings.
     check(unsafe {
-        libc::mount(std::ptr::null(), ROOT.as_ptr().cast(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null())
+        libc::mount(
+            std::ptr::null(),
+            ROOT.as_ptr().cast(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
     } as libc::c_long)
 }
 
@@ -201,8 +207,16 @@ impl ChildPlan {
             if pidfd >= 0 {
                 loop {
                     let mut fds = [
-                        libc::pollfd { fd: pidfd, events: libc::POLLIN, revents: 0 },
-                        libc::pollfd { fd: lifeline, events: libc::POLLIN, revents: 0 },
+                        libc::pollfd {
+                            fd: pidfd,
+                            events: libc::POLLIN,
+                            revents: 0,
+                        },
+                        libc::pollfd {
+                            fd: lifeline,
+                            events: libc::POLLIN,
+                            revents: 0,
+                        },
                     ];
                     let n = libc::poll(fds.as_mut_ptr(), if lifeline >= 0 { 2 } else { 1 }, -1);
                     if n < 0 {
@@ -282,7 +296,10 @@ impl ChildPlan {
         unsafe {
             // Before the descriptor limit: until exec the child still holds every descriptor
             // of the server's, which may number more than the limit allows a new one.
-            if let (Some(ruleset), true) = (self.ruleset_fd, self.proc_rights != 0 && self.view != ProcessView::Host) {
+            if let (Some(ruleset), true) = (
+                self.ruleset_fd,
+                self.proc_rights != 0 && self.view != ProcessView::Host,
+            ) {
                 // The /proc mounted here is a new filesystem the parent's rule cannot name.
                 let fd = libc::open(PROC.as_ptr().cast(), libc::O_PATH | libc::O_CLOEXEC);
                 if fd < 0 {
@@ -293,13 +310,19 @@ impl ChildPlan {
                 rc?;
             }
             for &(res, value) in &self.rlimits {
-                let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
+                let lim = libc::rlimit {
+                    rlim_cur: value,
+                    rlim_max: value,
+                };
                 if libc::setrlimit(res, &lim) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
             }
             if let Some((uid, gid)) = self.uid {
-                if libc::setgroups(0, std::ptr::null()) < 0 || libc::setresgid(gid, gid, gid) < 0 || libc::setresuid(uid, uid, uid) < 0 {
+                if libc::setgroups(0, std::ptr::null()) < 0
+                    || libc::setresgid(gid, gid, gid) < 0
+                    || libc::setresuid(uid, uid, uid) < 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
             }
@@ -358,14 +381,17 @@ pub(crate) fn probe() -> (bool, bool) {
         unsafe {
             let pid = libc::fork();
             if pid == 0 {
-                let ok = libc::unshare(flags) == 0 && private_mounts().is_ok() && mount_proc().is_ok();
+                let ok =
+                    libc::unshare(flags) == 0 && private_mounts().is_ok() && mount_proc().is_ok();
                 libc::_exit(if ok { 0 } else { 1 });
             }
             if pid < 0 {
                 return false;
             }
             let mut status = 0;
-            libc::waitpid(pid, &mut status, 0) == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+            libc::waitpid(pid, &mut status, 0) == pid
+                && libc::WIFEXITED(status)
+                && libc::WEXITSTATUS(status) == 0
         }
     };
     let pidfd = {

@@ -32,8 +32,13 @@ fn parse_uids(pid: i32) -> Option<(u32, u32)> {
 }
 
 fn pids() -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries.flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).collect()
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .collect()
 }
 
 /// Every process on the host, without uids (cheaper).
@@ -42,7 +47,13 @@ pub(crate) fn processes() -> Vec<ProcEntry> {
         .into_iter()
         .filter_map(|pid| {
             let (ppid, session, zombie) = parse_stat(pid)?;
-            Some(ProcEntry { pid, ppid, session, zombie, uids: None })
+            Some(ProcEntry {
+                pid,
+                ppid,
+                session,
+                zombie,
+                uids: None,
+            })
         })
         .collect()
 }
@@ -53,7 +64,13 @@ pub(crate) fn processes_with_uids() -> Vec<ProcEntry> {
         .into_iter()
         .filter_map(|pid| {
             let (ppid, session, zombie) = parse_stat(pid)?;
-            Some(ProcEntry { pid, ppid, session, zombie, uids: parse_uids(pid) })
+            Some(ProcEntry {
+                pid,
+                ppid,
+                session,
+                zombie,
+                uids: parse_uids(pid),
+            })
         })
         .collect()
 }
@@ -93,7 +110,10 @@ pub fn kill_session(sid: i32, leader_unreaped: bool) -> usize {
     let mut killed = 0;
     for _ in 0..100 {
         let procs = processes();
-        let members: Vec<&ProcEntry> = procs.iter().filter(|p| p.session == sid && p.pid != sid).collect();
+        let members: Vec<&ProcEntry> = procs
+            .iter()
+            .filter(|p| p.session == sid && p.pid != sid)
+            .collect();
         if members.is_empty() {
             break;
         }
@@ -120,8 +140,13 @@ pub fn kill_uid(uid: u32) -> usize {
     let mut found = 0;
     for _ in 0..50 {
         let procs = processes_with_uids();
-        let alive = procs.iter().filter(|p| !p.zombie && p.uids.is_some_and(|(r, e)| r == uid || e == uid)).count();
-        reap_orphans(&procs, |p| p.uids.is_some_and(|(r, e)| r == uid || e == uid));
+        let alive = procs
+            .iter()
+            .filter(|p| !p.zombie && p.uids.is_some_and(|(r, e)| r == uid || e == uid))
+            .count();
+        reap_orphans(&procs, |p| {
+            p.uids.is_some_and(|(r, e)| r == uid || e == uid)
+        });
         if alive == 0 {
             break;
         }
@@ -132,7 +157,9 @@ pub fn kill_uid(uid: u32) -> usize {
             if pid == 0 {
                 // Raw syscalls: glibc's setresuid would try to sync other threads, which do
                 // not exist in the child.
-                if libc::syscall(libc::SYS_setresgid, uid, uid, uid) == 0 && libc::syscall(libc::SYS_setresuid, uid, uid, uid) == 0 {
+                if libc::syscall(libc::SYS_setresgid, uid, uid, uid) == 0
+                    && libc::syscall(libc::SYS_setresuid, uid, uid, uid) == 0
+                {
                     libc::kill(-1, libc::SIGKILL);
                 }
                 libc::_exit(0);

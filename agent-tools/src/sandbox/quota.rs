@@ -31,7 +31,10 @@ impl VolumeLimits {
     /// A byte limit with the default inode limit (64Ki: ample for builds, far below what
     /// slows the server's directory walks).
     pub fn bytes(bytes: u64) -> Self {
-        Self { bytes, inodes: 65_536 }
+        Self {
+            bytes,
+            inodes: 65_536,
+        }
     }
 }
 
@@ -63,8 +66,12 @@ pub struct Volume {
 }
 
 fn cstr(p: &Path) -> Result<CString, SandboxError> {
-    CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| SandboxError::Os("volume path", std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path")))
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| {
+        SandboxError::Os(
+            "volume path",
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"),
+        )
+    })
 }
 
 impl Volume {
@@ -73,13 +80,27 @@ impl Volume {
     pub fn create(path: &Path, limits: VolumeLimits) -> Result<Self, SandboxError> {
         std::fs::create_dir_all(path).map_err(|e| SandboxError::Os("volume dir", e))?;
         let me = std::process::id();
-        let source = CString::new(format!("{SOURCE}.{me}.{}", start_time(me as i32).unwrap_or(0))).unwrap_or_default();
-        let opts =
-            CString::new(format!("size={},nr_inodes={},mode=0711", limits.bytes.max(4096), limits.inodes.max(16))).unwrap_or_default();
+        let source = CString::new(format!(
+            "{SOURCE}.{me}.{}",
+            start_time(me as i32).unwrap_or(0)
+        ))
+        .unwrap_or_default();
+        let opts = CString::new(format!(
+            "size={},nr_inodes={},mode=0711",
+            limits.bytes.max(4096),
+            limits.inodes.max(16)
+        ))
+        .unwrap_or_default();
         let target = cstr(path)?;
         // SAFETY: NUL-terminated strings that outlive the call.
         let rc = unsafe {
-            libc::mount(source.as_ptr(), target.as_ptr(), c"tmpfs".as_ptr(), libc::MS_NOSUID | libc::MS_NODEV, opts.as_ptr().cast())
+            libc::mount(
+                source.as_ptr(),
+                target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                opts.as_ptr().cast(),
+            )
         };
         let mounted = rc == 0;
         if !mounted {
@@ -88,7 +109,11 @@ impl Volume {
         }
         std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o711))
             .map_err(|e| SandboxError::Os("volume dir", e))?;
-        Ok(Self { path: path.to_path_buf(), limits, mounted })
+        Ok(Self {
+            path: path.to_path_buf(),
+            limits,
+            mounted,
+        })
     }
 
     /// The directory.
@@ -117,12 +142,19 @@ impl Volume {
                 // SAFETY: statvfs fills the zeroed struct.
                 let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
                 if unsafe { libc::statvfs(path.as_ptr(), &mut st) } == 0 {
-                    return VolumeUsage { bytes: (st.f_blocks - st.f_bfree) * st.f_frsize, inodes: st.f_files - st.f_ffree };
+                    return VolumeUsage {
+                        bytes: (st.f_blocks - st.f_bfree) * st.f_frsize,
+                        inodes: st.f_files - st.f_ffree,
+                    };
                 }
             }
         }
         let (mut bytes, mut inodes) = (0u64, 0u64);
-        for e in walkdir::WalkDir::new(&self.path).follow_links(false).into_iter().flatten() {
+        for e in walkdir::WalkDir::new(&self.path)
+            .follow_links(false)
+            .into_iter()
+            .flatten()
+        {
             inodes += 1;
             if let Ok(m) = e.metadata() {
                 use std::os::unix::fs::MetadataExt;
@@ -161,15 +193,31 @@ impl Drop for Volume {
 /// Unmounts the volumes a server that is no longer running left mounted (their contents
 /// are lost with them). Returns the mount points.
 pub fn sweep_volumes() -> Vec<PathBuf> {
-    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
     let mut swept = Vec::new();
     for line in mountinfo.lines() {
-        let Some((left, right)) = line.split_once(" - ") else { continue };
-        let Some(mountpoint) = left.split_whitespace().nth(4) else { continue };
-        let Some(source) = right.split_whitespace().nth(1) else { continue };
-        let Some(owner) = source.strip_prefix(SOURCE).and_then(|s| s.strip_prefix('.')) else { continue };
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(mountpoint) = left.split_whitespace().nth(4) else {
+            continue;
+        };
+        let Some(source) = right.split_whitespace().nth(1) else {
+            continue;
+        };
+        let Some(owner) = source
+            .strip_prefix(SOURCE)
+            .and_then(|s| s.strip_prefix('.'))
+        else {
+            continue;
+        };
         let mut f = owner.split('.');
-        let (Some(pid), Some(start)) = (f.next().and_then(|p| p.parse::<i32>().ok()), f.next().and_then(|s| s.parse::<u64>().ok())) else {
+        let (Some(pid), Some(start)) = (
+            f.next().and_then(|p| p.parse::<i32>().ok()),
+            f.next().and_then(|s| s.parse::<u64>().ok()),
+        ) else {
             continue;
         };
         if start_time(pid) == Some(start) {
@@ -192,7 +240,10 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {

@@ -5,7 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
 
 use super::SandboxError;
 
@@ -74,11 +77,13 @@ const CLONE_NS_FLAGS: &[u64] = &[
 ];
 
 fn arch() -> Result<TargetArch, SandboxError> {
-    TargetArch::try_from(std::env::consts::ARCH).map_err(|e| SandboxError::Seccomp(format!("unsupported architecture: {e}")))
+    TargetArch::try_from(std::env::consts::ARCH)
+        .map_err(|e| SandboxError::Seccomp(format!("unsupported architecture: {e}")))
 }
 
 fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, SandboxError> {
-    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value).map_err(|e| SandboxError::Seccomp(e.to_string()))
+    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)
+        .map_err(|e| SandboxError::Seccomp(e.to_string()))
 }
 
 fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SandboxError> {
@@ -87,27 +92,42 @@ fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SandboxError> {
 
 /// Compiles the filters, in the order they are to be installed.
 pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
     // No socket() at all: network families are a way out, and so are AF_UNIX sockets, which
     // can connect to any named socket on the host (landlock does not govern connect on a
     // socket file). Toolchains get their local channels from socketpair(), allowed for
     // AF_UNIX stream and seqpacket pairs only: a datagram socket could still send to a
     // named socket elsewhere (sendmsg with an address, which a filter cannot read).
     rules.insert(libc::SYS_socket, Vec::new());
-    let mut pair_rules = vec![rule(vec![cond(0, SeccompCmpOp::Ne, libc::AF_UNIX as u64)?])?];
+    let mut pair_rules = vec![rule(vec![cond(
+        0,
+        SeccompCmpOp::Ne,
+        libc::AF_UNIX as u64,
+    )?])?];
     for ty in 0..16u64 {
         if ty != libc::SOCK_STREAM as u64 && ty != libc::SOCK_SEQPACKET as u64 {
             pair_rules.push(rule(vec![cond(1, SeccompCmpOp::MaskedEq(0xf), ty)?])?);
         }
     }
     rules.insert(libc::SYS_socketpair, pair_rules);
-    let clone_rules =
-        CLONE_NS_FLAGS.iter().map(|&flag| rule(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag)?])).collect::<Result<Vec<_>, _>>()?;
+    let clone_rules = CLONE_NS_FLAGS
+        .iter()
+        .map(|&flag| rule(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag)?]))
+        .collect::<Result<Vec<_>, _>>()?;
     rules.insert(libc::SYS_clone, clone_rules);
     // ioctl(TIOCSTI) pushes input into a terminal someone else reads.
-    rules.insert(libc::SYS_ioctl, vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::TIOCSTI)?])?]);
-    let deny = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch()?)
-        .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
+    rules.insert(
+        libc::SYS_ioctl,
+        vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::TIOCSTI)?])?],
+    );
+    let deny = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch()?,
+    )
+    .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
 
     // clone3 passes its flags in memory a filter cannot read: answer ENOSYS so that libc
     // falls back to clone, whose flags the first filter checks.
@@ -119,14 +139,26 @@ pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
     )
     .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
 
-    [deny, clone3].into_iter().map(|f| BpfProgram::try_from(f).map_err(|e| SandboxError::Seccomp(e.to_string()))).collect()
+    [deny, clone3]
+        .into_iter()
+        .map(|f| BpfProgram::try_from(f).map_err(|e| SandboxError::Seccomp(e.to_string())))
+        .collect()
 }
 
 /// Installs one compiled filter on the calling thread. Async-signal-safe: only a syscall.
 pub fn install(prog: &BpfProgram) -> std::io::Result<()> {
-    let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr() as *mut libc::sock_filter };
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr() as *mut libc::sock_filter,
+    };
     // SAFETY: fprog points at a live program for the duration of the call.
-    let rc = unsafe { libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &fprog as *const _ as libc::c_ulong) };
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER,
+            &fprog as *const _ as libc::c_ulong,
+        )
+    };
     if rc < 0 {
         Err(std::io::Error::last_os_error())
     } else {

@@ -58,7 +58,12 @@ impl Drop for UidLease {
 }
 
 fn try_lock(path: &Path) -> Option<std::fs::File> {
-    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).ok()?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .ok()?;
     // SAFETY: flock on a descriptor we own.
     let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     (rc == 0).then_some(file)
@@ -70,7 +75,10 @@ impl UidPool {
         if range.is_empty() || range.start == 0 {
             return Err(SandboxError::Os(
                 "uid pool",
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty uid range or root in it"),
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "empty uid range or root in it",
+                ),
             ));
         }
         std::fs::create_dir_all(dir).map_err(|e| SandboxError::Os("uid lock dir", e))?;
@@ -79,9 +87,16 @@ impl UidPool {
         // Start at a point that differs between servers and runs, so that servers sharing
         // the host rarely probe the same uids.
         let seed = std::process::id().wrapping_mul(2_654_435_761)
-            ^ (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0));
+            ^ (std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or(0));
         let len = range.end - range.start;
-        Ok(Self { dir: dir.to_path_buf(), next: AtomicU32::new(seed % len), range })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            next: AtomicU32::new(seed % len),
+            range,
+        })
     }
 
     /// The range leased from.
@@ -94,7 +109,11 @@ impl UidPool {
     }
 
     fn busy_uids() -> std::collections::HashSet<u32> {
-        processes_with_uids().iter().filter_map(|p| p.uids).flat_map(|(r, e)| [r, e]).collect()
+        processes_with_uids()
+            .iter()
+            .filter_map(|p| p.uids)
+            .flat_map(|(r, e)| [r, e])
+            .collect()
     }
 
     /// Leases `n` distinct uids.
@@ -115,7 +134,10 @@ impl UidPool {
             }
         }
         if leases.len() < n {
-            return Err(SandboxError::NoFreeUid { start: self.range.start, end: self.range.end });
+            return Err(SandboxError::NoFreeUid {
+                start: self.range.start,
+                end: self.range.end,
+            });
         }
         Ok(leases)
     }
@@ -135,12 +157,17 @@ impl UidPool {
     /// Kills every process running under a uid of the range that no running server holds
     /// (what a crashed server or an earlier run left). Returns how many were killed.
     pub fn sweep(&self) -> usize {
-        let mut leftover: Vec<u32> = Self::busy_uids().into_iter().filter(|u| self.range.contains(u)).collect();
+        let mut leftover: Vec<u32> = Self::busy_uids()
+            .into_iter()
+            .filter(|u| self.range.contains(u))
+            .collect();
         leftover.sort_unstable();
         let mut killed = 0;
         for uid in leftover {
             // Held by a live server (or by us): its processes are not leftovers.
-            let Some(_lock) = try_lock(&self.lock_path(uid)) else { continue };
+            let Some(_lock) = try_lock(&self.lock_path(uid)) else {
+                continue;
+            };
             killed += kill_uid(uid);
         }
         killed

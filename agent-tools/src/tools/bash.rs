@@ -50,9 +50,14 @@ impl Capped {
         let half = cap / 2;
         let head: String = head.chars().take(half).collect();
         let tail_chars: Vec<char> = tail.chars().collect();
-        let tail: String = tail_chars[tail_chars.len().saturating_sub(half)..].iter().collect();
+        let tail: String = tail_chars[tail_chars.len().saturating_sub(half)..]
+            .iter()
+            .collect();
         let cut = self.total.saturating_sub(head.len() + tail.len());
-        (format!("{head}\n[... {cut} bytes of output truncated ...]\n{tail}"), true)
+        (
+            format!("{head}\n[... {cut} bytes of output truncated ...]\n{tail}"),
+            true,
+        )
     }
 }
 
@@ -77,35 +82,67 @@ async fn read_capped<R: tokio::io::AsyncRead + Unpin>(mut r: R, cap: usize) -> C
     c
 }
 
-pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> Result<ToolOutput, ToolError> {
+pub(super) async fn run(
+    tb: &mut Toolbox,
+    command: &str,
+    timeout: Duration,
+) -> Result<ToolOutput, ToolError> {
     if command.trim().is_empty() {
         return Err(ToolError::InvalidArgument("command is empty".into()));
     }
     if timeout.is_zero() {
-        return Err(ToolError::InvalidArgument("no tool time is left in this episode".into()));
+        return Err(ToolError::InvalidArgument(
+            "no tool time is left in this episode".into(),
+        ));
     }
     let cwd_file = tb.state_dir.join("bash.cwd");
     let _ = std::fs::remove_file(&cwd_file);
     let mut jail = tb.jail.clone();
-    jail.env.push(("CUDA_AGENT_CWD_FILE".into(), cwd_file.clone().into()));
-    let cwd = if tb.cwd.is_dir() { tb.cwd.clone() } else { tb.workspace.root().to_path_buf() };
-    let args: Vec<OsString> = vec!["--noprofile".into(), "--norc".into(), "-c".into(), WRAPPER.into(), "bash".into(), command.into()];
-    let sc = tb.sandbox.command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
+    jail.env
+        .push(("CUDA_AGENT_CWD_FILE".into(), cwd_file.clone().into()));
+    let cwd = if tb.cwd.is_dir() {
+        tb.cwd.clone()
+    } else {
+        tb.workspace.root().to_path_buf()
+    };
+    let args: Vec<OsString> = vec![
+        "--noprofile".into(),
+        "--norc".into(),
+        "-c".into(),
+        WRAPPER.into(),
+        "bash".into(),
+        command.into(),
+    ];
+    let sc = tb
+        .sandbox
+        .command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
     let started = Instant::now();
     // Dropping `child` (the step's future cancelled, say by a client that went away) kills
     // the command and everything it started.
-    let mut child = sc.spawn().map_err(|e| ToolError::io(Path::new("/bin/bash"), e))?;
+    let mut child = sc
+        .spawn()
+        .map_err(|e| ToolError::io(Path::new("/bin/bash"), e))?;
     let cap = tb.limits.max_output_chars;
     // Readers keep draining so a chatty process never blocks on a full pipe.
-    let out_task = child.stdout.take().map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
-    let err_task = child.stderr.take().map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
+    let out_task = child
+        .stdout
+        .take()
+        .map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
+    let err_task = child
+        .stderr
+        .take()
+        .map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
     // Whatever happened, nothing the command started outlives the step.
     let outcome = child.wait_within(timeout).await;
     let (timed_out, killed, breach) = (outcome.timed_out, outcome.killed, outcome.breach);
     let elapsed = started.elapsed();
     let collect = |t: Option<AbortOnDrop<Capped>>| async move {
         match t {
-            Some(mut t) => tokio::time::timeout(Duration::from_secs(5), &mut t.0).await.ok().and_then(Result::ok).unwrap_or_default(),
+            Some(mut t) => tokio::time::timeout(Duration::from_secs(5), &mut t.0)
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default(),
             None => Capped::default(),
         }
     };
@@ -117,12 +154,15 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
     });
 
     let mut note = None;
-    if let Some(new_cwd) = crate::workspace::read_state_file(&cwd_file, 8192).map(|s| PathBuf::from(s.trim_end())) {
+    if let Some(new_cwd) =
+        crate::workspace::read_state_file(&cwd_file, 8192).map(|s| PathBuf::from(s.trim_end()))
+    {
         if new_cwd.starts_with(tb.workspace.root()) {
             tb.cwd = new_cwd;
         } else {
             tb.cwd = tb.workspace.root().to_path_buf();
-            note = Some("[working directory was outside the workspace; reset to the workspace root]");
+            note =
+                Some("[working directory was outside the workspace; reset to the workspace root]");
         }
     }
 
@@ -140,12 +180,17 @@ pub(super) async fn run(tb: &mut Toolbox, command: &str, timeout: Duration) -> R
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
-        text.push_str(&format!("[stopped: {b}; the command and every process it started were killed]"));
+        text.push_str(&format!(
+            "[stopped: {b}; the command and every process it started were killed]"
+        ));
     } else if timed_out {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
-        text.push_str(&format!("[timed out after {:.1} s; the command and every process it started were killed]", timeout.as_secs_f64()));
+        text.push_str(&format!(
+            "[timed out after {:.1} s; the command and every process it started were killed]",
+            timeout.as_secs_f64()
+        ));
     } else if let Some(code) = exit_code.filter(|c| *c != 0) {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');

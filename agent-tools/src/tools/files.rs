@@ -25,26 +25,42 @@ fn prefix(s: &str, max: usize) -> &str {
 /// Says a directory is one, with what to use instead, rather than "not a regular file".
 fn directory_hint(err: ToolError, what: &str) -> ToolError {
     match err {
-        ToolError::NotRegular { path, kind: "a directory" } => ToolError::InvalidArgument(format!("{path} is a directory{what}")),
+        ToolError::NotRegular {
+            path,
+            kind: "a directory",
+        } => ToolError::InvalidArgument(format!("{path} is a directory{what}")),
         other => other,
     }
 }
 
-pub(super) fn read(ws: &Workspace, args: &ReadArgs, limits: &ToolLimits) -> Result<ToolOutput, ToolError> {
+pub(super) fn read(
+    ws: &Workspace,
+    args: &ReadArgs,
+    limits: &ToolLimits,
+) -> Result<ToolOutput, ToolError> {
     let rel = ws.rel_path(&args.file_path)?;
     let shown = ws.display(&rel);
     let hint = "; use Glob or Bash ls to list it";
     if rel.as_os_str().is_empty() {
-        return Err(ToolError::InvalidArgument(format!("{shown} is a directory{hint}")));
+        return Err(ToolError::InvalidArgument(format!(
+            "{shown} is a directory{hint}"
+        )));
     }
     let capped = match ws.read_capped(&rel, limits.max_read_bytes) {
         Ok(Some(c)) => c,
-        Ok(None) => return Err(ToolError::Io { path: shown, source: std::io::ErrorKind::NotFound.into() }),
+        Ok(None) => {
+            return Err(ToolError::Io {
+                path: shown,
+                source: std::io::ErrorKind::NotFound.into(),
+            })
+        }
         Err(e) => return Err(directory_hint(e, hint)),
     };
     let mut bytes = capped.bytes;
     if bytes.contains(&0) {
-        return Err(ToolError::InvalidArgument(format!("{shown} is a binary file")));
+        return Err(ToolError::InvalidArgument(format!(
+            "{shown} is a binary file"
+        )));
     }
     if capped.truncated {
         // Show whole lines only: the partial last line is part of the cut.
@@ -61,7 +77,10 @@ pub(super) fn read(ws: &Workspace, args: &ReadArgs, limits: &ToolLimits) -> Resu
     if text.is_empty() {
         let mut out = "(empty file)".to_string();
         if let Some(n) = &cut_note {
-            out = format!("(no whole line in the first {} bytes)\n{n}", limits.max_read_bytes);
+            out = format!(
+                "(no whole line in the first {} bytes)\n{n}",
+                limits.max_read_bytes
+            );
         }
         return Ok(ToolOutput::ok(out, data(0)));
     }
@@ -77,7 +96,11 @@ pub(super) fn read(ws: &Workspace, args: &ReadArgs, limits: &ToolLimits) -> Resu
             break;
         }
         let shown_line: String = line.chars().take(MAX_LINE_CHARS).collect();
-        let cut = if shown_line.len() < line.len() { " [line truncated]" } else { "" };
+        let cut = if shown_line.len() < line.len() {
+            " [line truncated]"
+        } else {
+            ""
+        };
         out.push_str(&format!("{:>6}\t{shown_line}{cut}\n", i + 1));
     }
     let mut notes = Vec::new();
@@ -88,9 +111,13 @@ pub(super) fn read(ws: &Workspace, args: &ReadArgs, limits: &ToolLimits) -> Resu
     let shown_to = (offset - 1 + limit).min(total);
     if offset > total {
         out.clear();
-        notes.push(format!("(the file has {total} lines; offset {offset} is past its end)"));
+        notes.push(format!(
+            "(the file has {total} lines; offset {offset} is past its end)"
+        ));
     } else if shown_to < total {
-        notes.push(format!("[lines {offset}-{shown_to} of {total}; use offset to read more]"));
+        notes.push(format!(
+            "[lines {offset}-{shown_to} of {total}; use offset to read more]"
+        ));
     }
     notes.extend(cut_note);
     if !notes.is_empty() {
@@ -102,13 +129,22 @@ pub(super) fn read(ws: &Workspace, args: &ReadArgs, limits: &ToolLimits) -> Resu
     Ok(ToolOutput::ok(out, data(total)))
 }
 
-pub(super) fn write(ws: &Workspace, args: &WriteArgs, limits: &ToolLimits) -> Result<ToolOutput, ToolError> {
+pub(super) fn write(
+    ws: &Workspace,
+    args: &WriteArgs,
+    limits: &ToolLimits,
+) -> Result<ToolOutput, ToolError> {
     let rel = ws.rel_path(&args.file_path)?;
     let shown = ws.display(&rel);
     if args.content.len() as u64 > limits.max_write_bytes {
-        return Err(ToolError::TooLarge { what: format!("the content for {shown}"), limit: limits.max_write_bytes });
+        return Err(ToolError::TooLarge {
+            what: format!("the content for {shown}"),
+            limit: limits.max_write_bytes,
+        });
     }
-    let created = ws.write_rel(&rel, args.content.as_bytes()).map_err(|e| directory_hint(e, ""))?;
+    let created = ws
+        .write_rel(&rel, args.content.as_bytes())
+        .map_err(|e| directory_hint(e, ""))?;
     let verb = if created { "Created" } else { "Updated" };
     Ok(ToolOutput::ok(
         format!("{verb} {shown} ({} bytes)", args.content.len()),
@@ -118,18 +154,35 @@ pub(super) fn write(ws: &Workspace, args: &WriteArgs, limits: &ToolLimits) -> Re
 
 /// Applies the edits to `original` (None for a missing file) in memory; no intermediate
 /// text may grow past `cap` bytes, which is checked before anything is allocated.
-fn apply_edits(original: Option<&str>, args: &MultiEditArgs, cap: u64) -> Result<(String, usize), ToolError> {
+fn apply_edits(
+    original: Option<&str>,
+    args: &MultiEditArgs,
+    cap: u64,
+) -> Result<(String, usize), ToolError> {
     let total = args.edits.len();
     if total == 0 {
         return Err(ToolError::InvalidArgument("edits is empty".into()));
     }
-    let fail = |index: usize, reason: String| ToolError::Edit { index, total, reason };
-    let over = |index: usize, size: u128| fail(index, format!("the file would grow to {size} bytes, over the limit of {cap} bytes"));
+    let fail = |index: usize, reason: String| ToolError::Edit {
+        index,
+        total,
+        reason,
+    };
+    let over = |index: usize, size: u128| {
+        fail(
+            index,
+            format!("the file would grow to {size} bytes, over the limit of {cap} bytes"),
+        )
+    };
     let mut text = match original {
         Some(t) => t.to_string(),
         None => {
             if !args.edits[0].old_string.is_empty() {
-                return Err(fail(1, "the file does not exist; to create it, make the first edit's old_string empty".into()));
+                return Err(fail(
+                    1,
+                    "the file does not exist; to create it, make the first edit's old_string empty"
+                        .into(),
+                ));
             }
             String::new()
         }
@@ -149,11 +202,17 @@ fn apply_edits(original: Option<&str>, args: &MultiEditArgs, cap: u64) -> Result
                 replacements += 1;
                 continue;
             }
-            return Err(fail(index, "old_string is empty; only the first edit of a new file may be empty".into()));
+            return Err(fail(
+                index,
+                "old_string is empty; only the first edit of a new file may be empty".into(),
+            ));
         }
         let count = text.matches(&e.old_string).count();
         // The size after this edit, in u128 so that no count can overflow it.
-        let grown = |n: usize| text.len() as u128 - (n * e.old_string.len()) as u128 + n as u128 * e.new_string.len() as u128;
+        let grown = |n: usize| {
+            text.len() as u128 - (n * e.old_string.len()) as u128
+                + n as u128 * e.new_string.len() as u128
+        };
         match (count, e.replace_all) {
             (0, _) => return Err(fail(index, "old_string was not found in the file (after the edits before it)".into())),
             (1, _) => {
@@ -181,12 +240,18 @@ fn apply_edits(original: Option<&str>, args: &MultiEditArgs, cap: u64) -> Result
     Ok((text, replacements))
 }
 
-pub(super) fn multi_edit(ws: &Workspace, args: &MultiEditArgs, limits: &ToolLimits) -> Result<ToolOutput, ToolError> {
+pub(super) fn multi_edit(
+    ws: &Workspace,
+    args: &MultiEditArgs,
+    limits: &ToolLimits,
+) -> Result<ToolOutput, ToolError> {
     let rel = ws.rel_path(&args.file_path)?;
     let shown = ws.display(&rel);
     ws.check_writable(&rel)?;
     if rel.as_os_str().is_empty() {
-        return Err(ToolError::InvalidArgument(format!("{shown} is a directory")));
+        return Err(ToolError::InvalidArgument(format!(
+            "{shown} is a directory"
+        )));
     }
     if args.edits.len() > limits.max_edits {
         return Err(ToolError::InvalidArgument(format!(
@@ -195,18 +260,31 @@ pub(super) fn multi_edit(ws: &Workspace, args: &MultiEditArgs, limits: &ToolLimi
             limits.max_edits
         )));
     }
-    let original = match ws.read_capped(&rel, limits.max_read_bytes).map_err(|e| directory_hint(e, ""))? {
+    let original = match ws
+        .read_capped(&rel, limits.max_read_bytes)
+        .map_err(|e| directory_hint(e, ""))?
+    {
         Some(c) if c.truncated => {
-            return Err(ToolError::TooLarge { what: format!("{shown} (to edit)"), limit: limits.max_read_bytes });
+            return Err(ToolError::TooLarge {
+                what: format!("{shown} (to edit)"),
+                limit: limits.max_read_bytes,
+            });
         }
-        Some(c) => Some(String::from_utf8(c.bytes).map_err(|_| ToolError::InvalidArgument(format!("{shown} is not UTF-8 text")))?),
+        Some(c) => Some(
+            String::from_utf8(c.bytes)
+                .map_err(|_| ToolError::InvalidArgument(format!("{shown} is not UTF-8 text")))?,
+        ),
         None => None,
     };
     let (text, replacements) = apply_edits(original.as_deref(), args, limits.max_write_bytes)?;
     ws.write_rel(&rel, text.as_bytes())?;
     let created = original.is_none();
     Ok(ToolOutput::ok(
-        format!("{} {shown}: {} edit(s), {replacements} replacement(s)", if created { "Created" } else { "Edited" }, args.edits.len()),
+        format!(
+            "{} {shown}: {} edit(s), {replacements} replacement(s)",
+            if created { "Created" } else { "Edited" },
+            args.edits.len()
+        ),
         json!({"path": shown, "edits": args.edits.len(), "replacements": replacements, "created": created}),
     ))
 }

@@ -83,7 +83,10 @@ pub enum ToolError {
 
 impl ToolError {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
-        Self::Io { path: path.display().to_string(), source }
+        Self::Io {
+            path: path.display().to_string(),
+            source,
+        }
     }
 }
 
@@ -287,17 +290,28 @@ impl ToolCall {
         let spec = TOOLS
             .iter()
             .find(|t| t.name == name)
-            .ok_or_else(|| CallError::UnknownTool { name: name.to_string(), available: tool_names().join(", ") })?;
+            .ok_or_else(|| CallError::UnknownTool {
+                name: name.to_string(),
+                available: tool_names().join(", "),
+            })?;
         let tool = spec.name;
         let args = match arguments {
             Value::String(s) if s.trim().is_empty() => json!({}),
-            Value::String(s) => serde_json::from_str(s)
-                .map_err(|e| CallError::BadArguments { tool, message: format!("arguments string is not JSON: {e}") })?,
+            Value::String(s) => serde_json::from_str(s).map_err(|e| CallError::BadArguments {
+                tool,
+                message: format!("arguments string is not JSON: {e}"),
+            })?,
             Value::Null => json!({}),
             other => other.clone(),
         };
-        fn de<T: serde::de::DeserializeOwned>(tool: &'static str, v: Value) -> Result<T, CallError> {
-            serde_json::from_value(v).map_err(|e| CallError::BadArguments { tool, message: e.to_string() })
+        fn de<T: serde::de::DeserializeOwned>(
+            tool: &'static str,
+            v: Value,
+        ) -> Result<T, CallError> {
+            serde_json::from_value(v).map_err(|e| CallError::BadArguments {
+                tool,
+                message: e.to_string(),
+            })
         }
         Ok(match tool {
             "Bash" => ToolCall::Bash(de(tool, args)?),
@@ -337,11 +351,19 @@ pub struct ToolOutput {
 
 impl ToolOutput {
     fn ok(text: impl Into<String>, data: Value) -> Self {
-        Self { text: text.into(), is_error: false, data }
+        Self {
+            text: text.into(),
+            is_error: false,
+            data,
+        }
     }
 
     fn error(err: &ToolError) -> Self {
-        Self { text: format!("Error: {err}"), is_error: true, data: json!({}) }
+        Self {
+            text: format!("Error: {err}"),
+            is_error: true,
+            data: json!({}),
+        }
     }
 }
 
@@ -413,9 +435,23 @@ pub struct Toolbox {
 impl Toolbox {
     /// A toolbox over `workspace`; `state_dir` is a writable scratch directory of the jail
     /// (its temp dir) where the tools keep per-call state.
-    pub fn new(sandbox: Sandbox, workspace: Workspace, jail: Jail, state_dir: PathBuf, limits: ToolLimits) -> Self {
+    pub fn new(
+        sandbox: Sandbox,
+        workspace: Workspace,
+        jail: Jail,
+        state_dir: PathBuf,
+        limits: ToolLimits,
+    ) -> Self {
         let cwd = workspace.root().to_path_buf();
-        Self { sandbox, workspace, jail, state_dir, cwd, todos: Vec::new(), limits }
+        Self {
+            sandbox,
+            workspace,
+            jail,
+            state_dir,
+            cwd,
+            todos: Vec::new(),
+            limits,
+        }
     }
 
     /// The workspace.
@@ -455,9 +491,13 @@ impl Toolbox {
                 bash::run(self, &a.command, timeout).await
             }
             ToolCall::TodoWrite(a) => todo::write(&mut self.todos, a),
-            ToolCall::Submit(_) => Ok(ToolOutput::ok("Submitted model_new.py for evaluation.", json!({}))),
+            ToolCall::Submit(_) => Ok(ToolOutput::ok(
+                "Submitted model_new.py for evaluation.",
+                json!({}),
+            )),
             ToolCall::Glob(_) | ToolCall::MultiEdit(_) | ToolCall::Read(_) | ToolCall::Write(_) => {
-                let (ws, limits, call) = (self.workspace.clone(), self.limits.clone(), call.clone());
+                let (ws, limits, call) =
+                    (self.workspace.clone(), self.limits.clone(), call.clone());
                 off_runtime(timeout, move || run_file_tool(&ws, &limits, &call)).await
             }
         };
@@ -465,7 +505,10 @@ impl Toolbox {
         let ws = self.workspace.clone();
         match off_runtime(timeout, move || ws.restore_protected()).await {
             Ok(restored) if !restored.is_empty() => {
-                out.text.push_str(&format!("\n[read-only files were changed and have been restored: {}]", restored.join(", ")));
+                out.text.push_str(&format!(
+                    "\n[read-only files were changed and have been restored: {}]",
+                    restored.join(", ")
+                ));
                 out.data["restored_read_only"] = json!(restored);
             }
             Ok(_) => {}
@@ -476,13 +519,20 @@ impl Toolbox {
 }
 
 /// The in-process file tools; the others are not run here.
-fn run_file_tool(ws: &Workspace, limits: &ToolLimits, call: &ToolCall) -> Result<ToolOutput, ToolError> {
+fn run_file_tool(
+    ws: &Workspace,
+    limits: &ToolLimits,
+    call: &ToolCall,
+) -> Result<ToolOutput, ToolError> {
     match call {
         ToolCall::Glob(a) => glob::run(ws, a, limits),
         ToolCall::MultiEdit(a) => files::multi_edit(ws, a, limits),
         ToolCall::Read(a) => files::read(ws, a, limits),
         ToolCall::Write(a) => files::write(ws, a, limits),
-        other => Err(ToolError::Failed(format!("{} is not a file tool", other.name()))),
+        other => Err(ToolError::Failed(format!(
+            "{} is not a file tool",
+            other.name()
+        ))),
     }
 }
 

@@ -96,7 +96,8 @@ fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
 }
 
 fn cstr(name: &OsStr) -> io::Result<CString> {
-    CString::new(name.as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains a NUL byte"))
+    CString::new(name.as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains a NUL byte"))
 }
 
 fn openat2(dir: RawFd, path: &CStr, flags: libc::c_int, resolve: u64) -> io::Result<OwnedFd> {
@@ -107,7 +108,13 @@ fn openat2(dir: RawFd, path: &CStr, flags: libc::c_int, resolve: u64) -> io::Res
     loop {
         // SAFETY: valid fd/path pointers and the exact size of `how`.
         let ret = unsafe {
-            libc::syscall(libc::SYS_openat2, dir, path.as_ptr(), &how as *const libc::open_how, std::mem::size_of::<libc::open_how>())
+            libc::syscall(
+                libc::SYS_openat2,
+                dir,
+                path.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
         };
         if ret >= 0 {
             // SAFETY: the kernel handed us a new fd that nothing else owns.
@@ -123,7 +130,14 @@ fn openat2(dir: RawFd, path: &CStr, flags: libc::c_int, resolve: u64) -> io::Res
 
 fn openat(dir: RawFd, name: &CStr, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
     // SAFETY: valid fd and C string; the returned fd is owned by the caller.
-    let fd = cvt(unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_CLOEXEC, mode as libc::c_uint) })?;
+    let fd = cvt(unsafe {
+        libc::openat(
+            dir,
+            name.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            mode as libc::c_uint,
+        )
+    })?;
     // SAFETY: a fresh fd from the kernel.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -133,7 +147,14 @@ pub(crate) fn stat_at(dir: &OwnedFd, name: &CStr) -> io::Result<Option<libc::sta
     // SAFETY: `stat` is plain data, filled by the kernel.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid fd, C string and out pointer.
-    let ret = unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
+    let ret = unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &mut st,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
     if ret == 0 {
         return Ok(Some(st));
     }
@@ -159,14 +180,22 @@ fn components(rel: &Path) -> io::Result<Vec<&OsStr>> {
     rel.components()
         .map(|c| match c {
             Component::Normal(n) => Ok(n),
-            _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "path is not normalised")),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "path is not normalised",
+            )),
         })
         .collect()
 }
 
 /// Opens `rel` beneath `dir` with `flags`, following no link at any component. An empty
 /// `rel` opens `dir` itself again.
-pub(crate) fn open_beneath(resolver: Resolver, dir: &OwnedFd, rel: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+pub(crate) fn open_beneath(
+    resolver: Resolver,
+    dir: &OwnedFd,
+    rel: &Path,
+    flags: libc::c_int,
+) -> io::Result<OwnedFd> {
     let parts = components(rel)?;
     let flags = flags | libc::O_NOFOLLOW | libc::O_CLOEXEC;
     if parts.is_empty() {
@@ -175,7 +204,8 @@ pub(crate) fn open_beneath(resolver: Resolver, dir: &OwnedFd, rel: &Path, flags:
     match resolver {
         Resolver::Openat2 => {
             let path = cstr(rel.as_os_str())?;
-            let resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+            let resolve =
+                libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
             openat2(dir.as_raw_fd(), &path, flags, resolve)
         }
         Resolver::Walk => {
@@ -183,7 +213,12 @@ pub(crate) fn open_beneath(resolver: Resolver, dir: &OwnedFd, rel: &Path, flags:
             let mut cur: Option<OwnedFd> = None;
             for part in parents {
                 let at = cur.as_ref().unwrap_or(dir).as_raw_fd();
-                cur = Some(openat(at, &cstr(part)?, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW, 0)?);
+                cur = Some(openat(
+                    at,
+                    &cstr(part)?,
+                    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                    0,
+                )?);
             }
             let at = cur.as_ref().unwrap_or(dir).as_raw_fd();
             openat(at, &cstr(last)?, flags, 0)
@@ -200,7 +235,12 @@ pub(crate) fn open_dir(resolver: Resolver, dir: &OwnedFd, rel: &Path) -> io::Res
 /// time. New directories get mode 0755 and `owner`. With `displace`, a non-directory in the
 /// way (a link, a file, a FIFO) is moved aside first, as the restore of protected files
 /// needs; without it, it is an error.
-pub(crate) fn make_dirs(dir: &OwnedFd, rel: &Path, owner: Option<(u32, u32)>, displace: bool) -> io::Result<OwnedFd> {
+pub(crate) fn make_dirs(
+    dir: &OwnedFd,
+    rel: &Path,
+    owner: Option<(u32, u32)>,
+    displace: bool,
+) -> io::Result<OwnedFd> {
     let mut cur = openat(dir.as_raw_fd(), c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
     for part in components(rel)? {
         let name = cstr(part)?;
@@ -233,7 +273,12 @@ fn mkdir_owned(dir: &OwnedFd, name: &CStr, owner: Option<(u32, u32)>) -> io::Res
     if let Some((uid, gid)) = owner {
         // Through an fd opened without following links: if the new directory was swapped for
         // a link in between, the open fails and nothing is chowned.
-        let fd = openat(dir.as_raw_fd(), name, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW, 0)?;
+        let fd = openat(
+            dir.as_raw_fd(),
+            name,
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+            0,
+        )?;
         // SAFETY: valid fd.
         cvt(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) })?;
     }
@@ -242,11 +287,21 @@ fn mkdir_owned(dir: &OwnedFd, name: &CStr, owner: Option<(u32, u32)>) -> io::Res
 
 /// Renames `name` to a fresh hidden name in the same directory; returns the new name.
 pub(crate) fn move_aside(dir: &OwnedFd, name: &CStr) -> io::Result<String> {
-    let shown: String = String::from_utf8_lossy(name.to_bytes()).chars().take(64).collect();
+    let shown: String = String::from_utf8_lossy(name.to_bytes())
+        .chars()
+        .take(64)
+        .collect();
     let aside = format!(".{shown}.displaced-{}", random_hex()?);
     let aside_c = cstr(OsStr::new(&aside))?;
     // SAFETY: valid fds and C strings.
-    cvt(unsafe { libc::renameat(dir.as_raw_fd(), name.as_ptr(), dir.as_raw_fd(), aside_c.as_ptr()) })?;
+    cvt(unsafe {
+        libc::renameat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            dir.as_raw_fd(),
+            aside_c.as_ptr(),
+        )
+    })?;
     Ok(aside)
 }
 
@@ -256,7 +311,8 @@ fn random_hex() -> io::Result<String> {
     let mut filled = 0;
     while filled < buf.len() {
         // SAFETY: writes at most the remaining length into `buf`.
-        let n = unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
+        let n =
+            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
         if n > 0 {
             filled += n as usize;
         } else {
@@ -296,8 +352,17 @@ impl From<io::Error> for OpenError {
 
 /// Opens `rel` beneath `dir` for reading, only if it is a regular file. Non-blocking, so a
 /// FIFO answers at once, and checked after opening, so a swap in between is caught.
-pub(crate) fn open_regular(resolver: Resolver, dir: &OwnedFd, rel: &Path) -> Result<(File, libc::stat), OpenError> {
-    let fd = open_beneath(resolver, dir, rel, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY)?;
+pub(crate) fn open_regular(
+    resolver: Resolver,
+    dir: &OwnedFd,
+    rel: &Path,
+) -> Result<(File, libc::stat), OpenError> {
+    let fd = open_beneath(
+        resolver,
+        dir,
+        rel,
+        libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY,
+    )?;
     let st = fstat(&fd)?;
     match Kind::of_mode(st.st_mode) {
         Kind::Regular => Ok((File::from(fd), st)),
@@ -320,17 +385,29 @@ pub(crate) struct Capped {
 pub(crate) fn read_capped(file: &mut File, size: u64, cap: u64) -> io::Result<Capped> {
     let mut bytes = Vec::with_capacity(size.min(cap) as usize);
     // One byte past the cap tells a file that grew since the fstat from one that fits.
-    Read::by_ref(file).take(cap.saturating_add(1)).read_to_end(&mut bytes)?;
+    Read::by_ref(file)
+        .take(cap.saturating_add(1))
+        .read_to_end(&mut bytes)?;
     let truncated = bytes.len() as u64 > cap;
     bytes.truncate(cap as usize);
-    Ok(Capped { bytes, size, truncated })
+    Ok(Capped {
+        bytes,
+        size,
+        truncated,
+    })
 }
 
 /// Writes `contents` as `name` in `dir` atomically: a fresh file under an unpredictable
 /// name, created exclusively without following links, given `owner` and `mode` through its
 /// fd, then renamed over `name` within the same directory. The rename replaces whatever
 /// entry `name` is (a link is replaced, never followed).
-pub(crate) fn write_replace(dir: &OwnedFd, name: &CStr, contents: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<()> {
+pub(crate) fn write_replace(
+    dir: &OwnedFd,
+    name: &CStr,
+    contents: &[u8],
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> io::Result<()> {
     let (tmp, fd) = create_temp(dir)?;
     let result = (|| {
         let mut file = File::from(fd);
@@ -346,7 +423,14 @@ pub(crate) fn write_replace(dir: &OwnedFd, name: &CStr, contents: &[u8], mode: u
         // truncated), and the rename alone keeps readers from seeing a half-written file.
         drop(file);
         // SAFETY: valid fds and C strings.
-        cvt(unsafe { libc::renameat(dir.as_raw_fd(), tmp.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })?;
+        cvt(unsafe {
+            libc::renameat(
+                dir.as_raw_fd(),
+                tmp.as_ptr(),
+                dir.as_raw_fd(),
+                name.as_ptr(),
+            )
+        })?;
         Ok(())
     })();
     if result.is_err() {
@@ -405,10 +489,19 @@ pub(crate) fn list_dir(dir: &OwnedFd, max: usize) -> io::Result<(Vec<Entry>, boo
         let ent = unsafe { libc::readdir(stream) };
         if ent.is_null() {
             let errno = io::Error::last_os_error();
-            break if errno.raw_os_error() == Some(0) { Ok(()) } else { Err(errno) };
+            break if errno.raw_os_error() == Some(0) {
+                Ok(())
+            } else {
+                Err(errno)
+            };
         }
         // SAFETY: readdir returned a valid entry with a NUL-terminated name.
-        let (name, d_type) = unsafe { (CStr::from_ptr((*ent).d_name.as_ptr()).to_bytes().to_vec(), (*ent).d_type) };
+        let (name, d_type) = unsafe {
+            (
+                CStr::from_ptr((*ent).d_name.as_ptr()).to_bytes().to_vec(),
+                (*ent).d_type,
+            )
+        };
         if name == b"." || name == b".." {
             continue;
         }
@@ -431,7 +524,10 @@ pub(crate) fn list_dir(dir: &OwnedFd, max: usize) -> io::Result<(Vec<Entry>, boo
                 }
             }
         };
-        entries.push(Entry { name: OsString::from_vec(name), kind });
+        entries.push(Entry {
+            name: OsString::from_vec(name),
+            kind,
+        });
     };
     // SAFETY: closes the stream and its duplicate fd.
     unsafe { libc::closedir(stream) };

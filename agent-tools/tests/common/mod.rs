@@ -8,7 +8,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use agent_tools::{create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits, ToolOutput, Toolbox, Workspace};
+use agent_tools::{
+    create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits,
+    ToolOutput, Toolbox, Workspace,
+};
 use serde_json::Value;
 
 /// Python's installation prefixes, which the sandbox must be able to read.
@@ -20,7 +23,10 @@ pub fn python_dirs() -> (PathBuf, Vec<PathBuf>) {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let mut lines = text.lines().map(PathBuf::from);
     let exe = lines.next().expect("python path");
-    (exe.parent().expect("bin dir").to_path_buf(), lines.collect())
+    (
+        exe.parent().expect("bin dir").to_path_buf(),
+        lines.collect(),
+    )
 }
 
 static NEXT_UID: AtomicU32 = AtomicU32::new(0);
@@ -44,7 +50,8 @@ pub fn fixture_with(limits: ResourceLimits) -> Fixture {
     let sandbox_probe = agent_tools::sandbox::KernelFeatures::detect();
     // A distinct uid per fixture, so process limits of parallel tests do not add up.
     let owner = sandbox_probe.can_switch_uid.then(|| {
-        let uid = 61_000 + std::process::id() % 1000 * 16 + NEXT_UID.fetch_add(1, Ordering::Relaxed) % 16;
+        let uid =
+            61_000 + std::process::id() % 1000 * 16 + NEXT_UID.fetch_add(1, Ordering::Relaxed) % 16;
         (uid, uid)
     });
     let root = dir.path().join("ws");
@@ -53,8 +60,13 @@ pub fn fixture_with(limits: ResourceLimits) -> Fixture {
     create_private_dir(&tmp, owner).expect("tmp");
     let other_workspace = dir.path().join("other-ws");
     std::fs::create_dir(&other_workspace).expect("other");
-    std::fs::write(other_workspace.join("model_new.py"), "other episode's secret kernel").expect("write");
-    std::fs::set_permissions(&other_workspace, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::write(
+        other_workspace.join("model_new.py"),
+        "other episode's secret kernel",
+    )
+    .expect("write");
+    std::fs::set_permissions(&other_workspace, std::fs::Permissions::from_mode(0o755))
+        .expect("chmod");
     let server = dir.path().join("server-state");
     std::fs::create_dir(&server).expect("server dir");
     std::fs::set_permissions(&server, std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -67,13 +79,27 @@ pub fn fixture_with(limits: ResourceLimits) -> Fixture {
     config.limits = limits;
     let sandbox = Sandbox::new(config).expect("sandbox available on this kernel");
     let mut ws = Workspace::open(&root, owner).expect("workspace");
-    ws.add_protected("verify.py", b"print('pristine verify')\n").expect("protected");
-    ws.add_protected("model.py", b"class Model: pass\n").expect("protected");
-    let path = vec![py_bin, PathBuf::from("/usr/local/bin"), PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
+    ws.add_protected("verify.py", b"print('pristine verify')\n")
+        .expect("protected");
+    ws.add_protected("model.py", b"class Model: pass\n")
+        .expect("protected");
+    let path = vec![
+        py_bin,
+        PathBuf::from("/usr/local/bin"),
+        PathBuf::from("/usr/bin"),
+        PathBuf::from("/bin"),
+    ];
     let jail = Jail::standard(ws.root(), &tmp, &path, &[], owner);
     let toolbox = Toolbox::new(sandbox, ws, jail, tmp.clone(), ToolLimits::default());
     let root = toolbox.workspace().root().to_path_buf();
-    Fixture { dir, root, tmp, other_workspace, secret, toolbox }
+    Fixture {
+        dir,
+        root,
+        tmp,
+        other_workspace,
+        secret,
+        toolbox,
+    }
 }
 
 impl Fixture {
@@ -83,6 +109,7 @@ impl Fixture {
     }
 
     pub async fn bash(&mut self, command: &str) -> ToolOutput {
-        self.call("Bash", serde_json::json!({"command": command})).await
+        self.call("Bash", serde_json::json!({"command": command}))
+            .await
     }
 }

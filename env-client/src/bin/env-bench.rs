@@ -53,7 +53,13 @@ async fn episode(c: EnvClient, steps: usize) -> Samples {
     let mut s = Samples::default();
     let t = Instant::now();
     s.requests += 1;
-    let id = match c.reset(&ResetRequest { task: Some("L1/1_ReLU".into()), ..Default::default() }).await {
+    let id = match c
+        .reset(&ResetRequest {
+            task: Some("L1/1_ReLU".into()),
+            ..Default::default()
+        })
+        .await
+    {
         Ok(r) => r.episode_id,
         Err(e) => {
             eprintln!("reset: {e}");
@@ -62,13 +68,20 @@ async fn episode(c: EnvClient, steps: usize) -> Samples {
         }
     };
     s.reset.push(t.elapsed());
-    for (tool, args, bucket) in [("Glob", json!({"pattern": "*.py"}), 0), ("Bash", json!({"command": "true"}), 1)] {
+    for (tool, args, bucket) in [
+        ("Glob", json!({"pattern": "*.py"}), 0),
+        ("Bash", json!({"command": "true"}), 1),
+    ] {
         for _ in 0..steps {
             let t = Instant::now();
             s.requests += 1;
             match c.step(&id, tool, args.clone()).await {
                 Ok(r) if !r.observation.is_error => {
-                    if bucket == 0 { s.glob.push(t.elapsed()) } else { s.bash.push(t.elapsed()) }
+                    if bucket == 0 {
+                        s.glob.push(t.elapsed())
+                    } else {
+                        s.bash.push(t.elapsed())
+                    }
                 }
                 Ok(r) => {
                     eprintln!("{tool}: {}", r.observation.text);
@@ -118,7 +131,9 @@ async fn main() -> anyhow::Result<()> {
     println!("| --- | --- | --- | --- | --- | --- |");
     for &n in &args.concurrency {
         let start = Instant::now();
-        let handles: Vec<_> = (0..n).map(|_| tokio::spawn(episode(client.clone(), args.steps))).collect();
+        let handles: Vec<_> = (0..n)
+            .map(|_| tokio::spawn(episode(client.clone(), args.steps)))
+            .collect();
         let mut all = Samples::default();
         for h in handles {
             let s = h.await?;

@@ -15,7 +15,9 @@ use tower::ServiceExt;
 
 /// The Python with torch the tests run the harness with.
 pub fn python() -> std::path::PathBuf {
-    std::env::var_os("CUDA_AGENT_PYTHON").map(Into::into).unwrap_or_else(|| "python3".into())
+    std::env::var_os("CUDA_AGENT_PYTHON")
+        .map(Into::into)
+        .unwrap_or_else(|| "python3".into())
 }
 
 /// A CPU configuration over `dir` with small bodies.
@@ -36,37 +38,67 @@ pub fn state_from(cfg: ServerConfig) -> Arc<AppState> {
 }
 
 /// One request through the router, in-process; the body is parsed as JSON when it is.
-pub async fn raw(state: &Arc<AppState>, method: &str, uri: &str, body: Option<Vec<u8>>) -> (StatusCode, Value) {
+pub async fn raw(
+    state: &Arc<AppState>,
+    method: &str,
+    uri: &str,
+    body: Option<Vec<u8>>,
+) -> (StatusCode, Value) {
     let mut req = Request::builder().method(method).uri(uri);
     if body.is_some() {
         req = req.header(header::CONTENT_TYPE, "application/json");
     }
-    let req = req.body(body.map(Body::from).unwrap_or_else(Body::empty)).expect("request");
-    let resp = router(state.clone()).oneshot(req).await.expect("infallible");
+    let req = req
+        .body(body.map(Body::from).unwrap_or_else(Body::empty))
+        .expect("request");
+    let resp = router(state.clone())
+        .oneshot(req)
+        .await
+        .expect("infallible");
     let status = resp.status();
     let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-    let v = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
     (status, v)
 }
 
 /// A JSON request through the router.
-pub async fn call(state: &Arc<AppState>, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, Value) {
+pub async fn call(
+    state: &Arc<AppState>,
+    method: &str,
+    uri: &str,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
     raw(state, method, uri, body.map(|b| b.to_string().into_bytes())).await
 }
 
 /// A tiny-family episode (judged without PyTorch); its id.
 pub async fn tiny_episode(state: &Arc<AppState>) -> String {
-    let (st, v) = call(state, "POST", "/v1/episodes", Some(serde_json::json!({"task": "tiny/0_red"}))).await;
+    let (st, v) = call(
+        state,
+        "POST",
+        "/v1/episodes",
+        Some(serde_json::json!({"task": "tiny/0_red"})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     v["episode_id"].as_str().expect("id").to_string()
 }
 
 /// The real connection loop over `state` on a free loopback port; its address.
 pub async fn serve(state: Arc<AppState>, limits: HttpLimits) -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let counters = state.http.clone();
-    tokio::spawn(env_server::http::serve(listener, router(state), limits, counters, std::future::pending()));
+    tokio::spawn(env_server::http::serve(
+        listener,
+        router(state),
+        limits,
+        counters,
+        std::future::pending(),
+    ));
     addr
 }
 

@@ -24,7 +24,9 @@ use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 use std::marker::PhantomData;
 
 use super::module::Source;
-use super::stream::{enabled, queue, stride, Cube, CudaTensor as Cuda, FusionTensor as Tensor, Handles, Runtime};
+use super::stream::{
+    enabled, queue, stride, Cube, CudaTensor as Cuda, FusionTensor as Tensor, Handles, Runtime,
+};
 
 pub(super) static SOURCE: Source = Source {
     name: "attention.cu",
@@ -58,7 +60,6 @@ pub fn install() -> bool {
     });
     true
 }
-
 
 /// Whether the kernels take these inputs: f32 or bf16 throughout, rows countable by a grid.
 fn supported(q: &Tensor, others: &[&Tensor]) -> bool {
@@ -184,7 +185,6 @@ impl<F: FloatElement> Operation<Runtime> for AttentionOp<F> {
     }
 }
 
-
 fn transposed<F: FloatElement>(t: Cuda) -> Cuda {
     Cube::<F>::float_swap_dims(t, 2, 3)
 }
@@ -275,7 +275,16 @@ fn softmax_in_place(scores: &Cuda, mask: Option<&Cuda>, scale: f64, causal: bool
     }
     scalars.extend([u64::from(causal), scale.to_bits()]);
     let nulls = 2 - buffers.len();
-    queue(&scores.client, &SOURCE, kernel(scores, false), rows.div_ceil(ROWS_PER_BLOCK), THREADS, buffers, nulls, &scalars);
+    queue(
+        &scores.client,
+        &SOURCE,
+        kernel(scores, false),
+        rows.div_ceil(ROWS_PER_BLOCK),
+        THREADS,
+        buffers,
+        nulls,
+        &scalars,
+    );
 }
 
 fn grad_scores_in_place(dp: &Cuda, probs: &Cuda, grad: &Cuda, out: &Cuda, scale: f64) {
@@ -292,6 +301,17 @@ fn grad_scores_in_place(dp: &Cuda, probs: &Cuda, grad: &Cuda, out: &Cuda, scale:
     scalars.extend(strides(grad, 4));
     scalars.extend(strides(out, 4));
     scalars.push(scale.to_bits());
-    let buffers = [dp, probs, grad, out].map(|t| t.handle.clone().binding()).into();
-    queue(&dp.client, &SOURCE, kernel(dp, true), rows.div_ceil(ROWS_PER_BLOCK), THREADS, buffers, 0, &scalars);
+    let buffers = [dp, probs, grad, out]
+        .map(|t| t.handle.clone().binding())
+        .into();
+    queue(
+        &dp.client,
+        &SOURCE,
+        kernel(dp, true),
+        rows.div_ceil(ROWS_PER_BLOCK),
+        THREADS,
+        buffers,
+        0,
+        &scalars,
+    );
 }

@@ -29,12 +29,17 @@ static LOADED: Mutex<LoadedTable> = Mutex::new(Vec::new());
 
 /// The device's compute capability as NVRTC spells it (`90` for an H200).
 fn architecture(device: i32) -> Result<String, String> {
-    use cuda::CUdevice_attribute::{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR};
+    use cuda::CUdevice_attribute::{
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
+    };
     // SAFETY: attribute queries on a device the context belongs to.
     unsafe {
         let dev = driver::device::get(device).map_err(|e| format!("cuDeviceGet: {e}"))?;
-        let major = driver::device::get_attribute(dev, MAJOR).map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
-        let minor = driver::device::get_attribute(dev, MINOR).map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
+        let major = driver::device::get_attribute(dev, MAJOR)
+            .map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
+        let minor = driver::device::get_attribute(dev, MINOR)
+            .map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
         Ok(format!("{major}{minor}"))
     }
 }
@@ -51,10 +56,17 @@ fn compile(source: &Source, device: i32) -> Result<Vec<u8>, String> {
     unsafe {
         let compiled = nvrtc::compile_program(program, &options);
         let result = match compiled {
-            Ok(()) => nvrtc::get_ptx(program).map(|ptx| ptx.iter().map(|c| *c as u8).collect::<Vec<u8>>()).map_err(|e| format!("NVRTC: {e:?}")),
+            Ok(()) => nvrtc::get_ptx(program)
+                .map(|ptx| ptx.iter().map(|c| *c as u8).collect::<Vec<u8>>())
+                .map_err(|e| format!("NVRTC: {e:?}")),
             Err(e) => {
-                let log = nvrtc::get_program_log(program).map(|l| l.iter().map(|c| *c as u8 as char).collect::<String>()).unwrap_or_default();
-                Err(format!("NVRTC could not compile {}: {e:?}\n{log}", source.name))
+                let log = nvrtc::get_program_log(program)
+                    .map(|l| l.iter().map(|c| *c as u8 as char).collect::<String>())
+                    .unwrap_or_default();
+                Err(format!(
+                    "NVRTC could not compile {}: {e:?}\n{log}",
+                    source.name
+                ))
             }
         };
         let _ = nvrtc::destroy_program(program);
@@ -95,11 +107,18 @@ fn load(source: &Source, device: i32) -> Result<Loaded, String> {
     // SAFETY: called on cubecl's device thread, whose current context is the device's
     // primary context; the image is NUL-terminated PTX.
     unsafe {
-        let module = driver::module::load_data(ptx.as_ptr() as *const c_void).map_err(|e| format!("cuModuleLoadData: {e}"))?;
+        let module = driver::module::load_data(ptx.as_ptr() as *const c_void)
+            .map_err(|e| format!("cuModuleLoadData: {e}"))?;
         source
             .kernels
             .iter()
-            .map(|k| driver::module::get_function(module, CString::new(*k).expect("kernel names have no NUL")).map_err(|e| format!("cuModuleGetFunction {k}: {e}")))
+            .map(|k| {
+                driver::module::get_function(
+                    module,
+                    CString::new(*k).expect("kernel names have no NUL"),
+                )
+                .map_err(|e| format!("cuModuleGetFunction {k}: {e}"))
+            })
             .collect::<Result<Vec<_>, _>>()
             .map(Loaded)
     }
@@ -109,14 +128,23 @@ fn load(source: &Source, device: i32) -> Result<Loaded, String> {
 fn current_device() -> Result<i32, String> {
     let mut device = 0;
     // SAFETY: writes one int.
-    unsafe { cuda::cuCtxGetDevice(&mut device) }.result().map_err(|e| format!("cuCtxGetDevice: {e}"))?;
+    unsafe { cuda::cuCtxGetDevice(&mut device) }
+        .result()
+        .map_err(|e| format!("cuCtxGetDevice: {e}"))?;
     Ok(device)
 }
 
 /// Launches kernel number `kernel` of `source` with `rows` blocks of `threads` threads on
 /// `stream`; `args` are the kernel's parameters, each 8 bytes (pointers, `long long`, or a
 /// `double`'s bits). Compiles and loads the source on the device's first call.
-pub(crate) fn launch(source: &'static Source, kernel: usize, rows: u32, threads: u32, stream: cuda::CUstream, args: &[u64]) -> Result<(), String> {
+pub(crate) fn launch(
+    source: &'static Source,
+    kernel: usize,
+    rows: u32,
+    threads: u32,
+    stream: cuda::CUstream,
+    args: &[u64],
+) -> Result<(), String> {
     let device = current_device()?;
     let function = {
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
@@ -128,14 +156,32 @@ pub(crate) fn launch(source: &'static Source, kernel: usize, rows: u32, threads:
             }
             loaded.push((key, module));
         }
-        let (_, module) = loaded.iter().find(|(k, _)| *k == key).expect("inserted above");
+        let (_, module) = loaded
+            .iter()
+            .find(|(k, _)| *k == key)
+            .expect("inserted above");
         let module = module.as_ref().map_err(|e| e.clone())?;
-        *module.0.get(kernel).ok_or_else(|| format!("{} has no kernel number {kernel}", source.name))?
+        *module
+            .0
+            .get(kernel)
+            .ok_or_else(|| format!("{} has no kernel number {kernel}", source.name))?
     };
     let mut values: Vec<u64> = args.to_vec();
-    let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+    let mut params: Vec<*mut c_void> = values
+        .iter_mut()
+        .map(|v| v as *mut u64 as *mut c_void)
+        .collect();
     // SAFETY: the parameters match the kernel's signature (every one 8 bytes, in order, as
     // the kernel's caller builds them) and point at `values`, alive until the call returns.
-    unsafe { driver::launch_kernel(function, (rows, 1, 1), (threads, 1, 1), 0, stream, &mut params) }
-        .map_err(|e| format!("cuLaunchKernel {}: {e}", source.kernels[kernel]))
+    unsafe {
+        driver::launch_kernel(
+            function,
+            (rows, 1, 1),
+            (threads, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+    .map_err(|e| format!("cuLaunchKernel {}: {e}", source.kernels[kernel]))
 }

@@ -6,7 +6,6 @@
 //! H200, the product a few tens of microseconds). Each direction is one custom operation of
 //! the fusion stream; on the autodiff backend the pair is one tracked operation.
 
-use std::marker::PhantomData;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, Shape};
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -18,9 +17,12 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_ir::{CustomOpIr, OperationIr, TensorIr};
+use std::marker::PhantomData;
 
 use super::module::Source;
-use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
+use super::stream::{
+    enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime,
+};
 use crate::model::fused;
 use crate::model::transformer::FusedRmsNorm;
 
@@ -188,7 +190,6 @@ struct NormOp<F> {
     _f: PhantomData<F>,
 }
 
-
 impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
     fn execute(&self, handles: &mut Handles) {
         let inputs = &self.desc.inputs;
@@ -210,16 +211,27 @@ impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
                 Shape::new([rows]),
                 DType::F32,
             );
-            let scalars = [d as u64,
+            let scalars = [
+                d as u64,
                 stride(&x, 0),
                 stride(&y, 0),
                 stride(&w, 0),
                 stride(&inv, 0),
-                self.eps.to_bits()];
+                self.eps.to_bits(),
+            ];
             let buffers = [&x, &w, &y, &inv]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            queue(&client, &SOURCE, bf16 as usize, rows as u64, THREADS, buffers, 0, &scalars);
+            queue(
+                &client,
+                &SOURCE,
+                bf16 as usize,
+                rows as u64,
+                THREADS,
+                buffers,
+                0,
+                &scalars,
+            );
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, y);
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[1].id, inv);
         } else {
@@ -242,17 +254,28 @@ impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
                 Shape::new([rows, d]),
                 x.dtype,
             );
-            let scalars = [d as u64,
+            let scalars = [
+                d as u64,
                 stride(&x, 0),
                 stride(&w, 0),
                 stride(&inv, 0),
                 stride(&grad, 0),
                 stride(&dx, 0),
-                stride(&gx, 0)];
+                stride(&gx, 0),
+            ];
             let buffers = [&x, &w, &inv, &grad, &dx, &gx]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            queue(&client, &SOURCE, (2 + bf16) as usize, rows as u64, THREADS, buffers, 0, &scalars);
+            queue(
+                &client,
+                &SOURCE,
+                (2 + bf16) as usize,
+                rows as u64,
+                THREADS,
+                buffers,
+                0,
+                &scalars,
+            );
             // dw = 1ᵀ (g ∘ x̂): column sums as one product.
             let ones = Cube::<F>::float_ones(Shape::new([1, rows]), &device, x.dtype.into());
             let dw = Cube::<F>::float_reshape(Cube::<F>::float_matmul(ones, gx), Shape::new([d]));
@@ -261,5 +284,3 @@ impl<F: FloatElement> Operation<Runtime> for NormOp<F> {
         }
     }
 }
-
-

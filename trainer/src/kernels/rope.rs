@@ -5,7 +5,6 @@
 //! operation of the fusion stream; on the autodiff backend the pair is one tracked operation
 //! whose state is the angles.
 
-use std::marker::PhantomData;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -17,9 +16,12 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_ir::{CustomOpIr, OperationIr, TensorIr};
+use std::marker::PhantomData;
 
 use super::module::Source;
-use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
+use super::stream::{
+    enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime,
+};
 use crate::model::fused;
 use crate::model::rope::FusedRope;
 
@@ -140,7 +142,6 @@ struct RopeOp<F> {
     _f: PhantomData<F>,
 }
 
-
 impl<F: FloatElement> Operation<Runtime> for RopeOp<F> {
     fn execute(&self, handles: &mut Handles) {
         let inputs = &self.desc.inputs;
@@ -151,13 +152,17 @@ impl<F: FloatElement> Operation<Runtime> for RopeOp<F> {
         let (cos, sin) = if (0..2).all(|d| stride(&sin, d) == stride(&cos, d)) {
             (cos, sin)
         } else {
-            (burn_cubecl::kernel::into_contiguous(cos), burn_cubecl::kernel::into_contiguous(sin))
+            (
+                burn_cubecl::kernel::into_contiguous(cos),
+                burn_cubecl::kernel::into_contiguous(sin),
+            )
         };
         let shape = x.meta.shape().clone();
         let [_, t, heads, d] = [shape[0], shape[1], shape[2], shape[3]];
         let pairs = (shape.num_elements() / 2) as u64;
         let y = empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
-        let scalars = [pairs,
+        let scalars = [
+            pairs,
             t as u64,
             heads as u64,
             (d / 2) as u64,
@@ -166,13 +171,21 @@ impl<F: FloatElement> Operation<Runtime> for RopeOp<F> {
             stride(&x, 2),
             stride(&cos, 0),
             stride(&cos, 1),
-            u64::from(self.inverse)];
+            u64::from(self.inverse),
+        ];
         let buffers = [&x, &cos, &sin, &y]
             .map(|t| t.handle.clone().binding())
             .into();
-        queue(&x.client, &SOURCE, u64::from(x.dtype == DType::BF16) as usize, pairs.div_ceil(THREADS), THREADS as u32, buffers, 0, &scalars);
+        queue(
+            &x.client,
+            &SOURCE,
+            u64::from(x.dtype == DType::BF16) as usize,
+            pairs.div_ceil(THREADS),
+            THREADS as u32,
+            buffers,
+            0,
+            &scalars,
+        );
         handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, y);
     }
 }
-
-

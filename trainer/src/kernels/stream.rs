@@ -66,7 +66,13 @@ pub(crate) fn enabled(source: &Source, env: &str, what: &str) -> bool {
 
 /// Every source launched through [`queue`], by number (the number travels with the launch).
 fn sources() -> [&'static Source; 5] {
-    [&super::attention::SOURCE, &super::vocab::SOURCE, &super::norm::SOURCE, &super::rope::SOURCE, &super::swiglu::SOURCE]
+    [
+        &super::attention::SOURCE,
+        &super::vocab::SOURCE,
+        &super::norm::SOURCE,
+        &super::rope::SOURCE,
+        &super::swiglu::SOURCE,
+    ]
 }
 
 /// Queues kernel number `kernel` of `source` on `client`'s stream, `blocks` blocks of
@@ -83,8 +89,17 @@ pub(crate) fn queue(
     nulls: usize,
     scalars: &[u64],
 ) {
-    let number = sources().iter().position(|s| std::ptr::eq(*s, source)).expect("every source is listed in `sources`");
-    let mut data = vec![number as u64, kernel as u64, blocks, u64::from(threads), (buffers.len() + nulls) as u64];
+    let number = sources()
+        .iter()
+        .position(|s| std::ptr::eq(*s, source))
+        .expect("every source is listed in `sources`");
+    let mut data = vec![
+        number as u64,
+        kernel as u64,
+        blocks,
+        u64::from(threads),
+        (buffers.len() + nulls) as u64,
+    ];
     data.extend_from_slice(scalars);
     external::launch_external(client, op(), buffers, &data);
 }
@@ -102,10 +117,20 @@ fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
     let [source, kernel, blocks, threads, pointers, scalars @ ..] = call.data else {
         return Err("trainer kernel: truncated launch".into());
     };
-    let source = *sources().get(*source as usize).ok_or("trainer kernel: unknown source")?;
-    let blocks = u32::try_from(*blocks).map_err(|_| format!("{}: {blocks} blocks do not fit a grid", source.name))?;
+    let source = *sources()
+        .get(*source as usize)
+        .ok_or("trainer kernel: unknown source")?;
+    let blocks = u32::try_from(*blocks)
+        .map_err(|_| format!("{}: {blocks} blocks do not fit a grid", source.name))?;
     let mut args: Vec<u64> = call.pointers.to_vec();
     args.resize(*pointers as usize, 0);
     args.extend_from_slice(scalars);
-    module::launch(source, *kernel as usize, blocks, *threads as u32, call.stream, &args)
+    module::launch(
+        source,
+        *kernel as usize,
+        blocks,
+        *threads as u32,
+        call.stream,
+        &args,
+    )
 }

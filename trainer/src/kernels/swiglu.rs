@@ -5,7 +5,6 @@
 //! Each direction is one custom operation of the fusion stream; on the autodiff backend the
 //! pair is one tracked operation whose state is the projection.
 
-use std::marker::PhantomData;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -17,9 +16,12 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_ir::{CustomOpIr, OperationIr, TensorIr};
+use std::marker::PhantomData;
 
 use super::module::Source;
-use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
+use super::stream::{
+    enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime,
+};
 use crate::model::fused;
 use crate::model::transformer::FusedSwiGlu;
 
@@ -149,7 +151,6 @@ struct GateOp<F> {
     _f: PhantomData<F>,
 }
 
-
 impl<F: FloatElement> Operation<Runtime> for GateOp<F> {
     fn execute(&self, handles: &mut Handles) {
         let inputs = &self.desc.inputs;
@@ -165,12 +166,18 @@ impl<F: FloatElement> Operation<Runtime> for GateOp<F> {
                 Shape::new([rows, n]),
                 gu.dtype,
             );
-            let scalars = [rows as u64,
-                n as u64,
-                stride(&gu, 0),
-                stride(&y, 0)];
+            let scalars = [rows as u64, n as u64, stride(&gu, 0), stride(&y, 0)];
             let buffers = [&gu, &y].map(|t| t.handle.clone().binding()).into();
-            queue(&client, &SOURCE, bf16 as usize, blocks, THREADS as u32, buffers, 0, &scalars);
+            queue(
+                &client,
+                &SOURCE,
+                bf16 as usize,
+                blocks,
+                THREADS as u32,
+                buffers,
+                0,
+                &scalars,
+            );
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, y);
         } else {
             let dy = rows_contiguous(handles.get_float_tensor::<Cube<F>>(&inputs[1]));
@@ -185,16 +192,25 @@ impl<F: FloatElement> Operation<Runtime> for GateOp<F> {
                 Shape::new([rows, 2 * n]),
                 gu.dtype,
             );
-            let scalars = [rows as u64,
+            let scalars = [
+                rows as u64,
                 n as u64,
                 stride(&gu, 0),
                 stride(&dy, 0),
-                stride(&dgu, 0)];
+                stride(&dgu, 0),
+            ];
             let buffers = [&gu, &dy, &dgu].map(|t| t.handle.clone().binding()).into();
-            queue(&client, &SOURCE, (2 + bf16) as usize, blocks, THREADS as u32, buffers, 0, &scalars);
+            queue(
+                &client,
+                &SOURCE,
+                (2 + bf16) as usize,
+                blocks,
+                THREADS as u32,
+                buffers,
+                0,
+                &scalars,
+            );
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, dgu);
         }
     }
 }
-
-

@@ -5,7 +5,6 @@
 //! stream; on the autodiff backend the pair is one tracked operation whose state is the
 //! logits, the targets and the forward's per-row results.
 
-use std::marker::PhantomData;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -17,9 +16,12 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_ir::{CustomOpIr, OperationIr, TensorIr};
+use std::marker::PhantomData;
 
 use super::module::Source;
-use super::stream::{enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime};
+use super::stream::{
+    enabled, queue, rows_contiguous, stride, Cube, Cuda, FusionTensor as Tensor, Handles, Runtime,
+};
 use crate::model::vocab::register_token_stats;
 
 pub(super) static SOURCE: Source = Source {
@@ -184,7 +186,6 @@ struct StatsOp {
     backward: bool,
 }
 
-
 impl Operation<Runtime> for StatsOp {
     fn execute(&self, handles: &mut Handles) {
         let inputs = &self.desc.inputs;
@@ -209,16 +210,27 @@ impl Operation<Runtime> for StatsOp {
                 Shape::new([rows]),
                 DType::F32,
             );
-            let scalars = [vocab as u64,
+            let scalars = [
+                vocab as u64,
                 stride(&logits, 0),
                 stride(&targets, 0),
                 stride(&stats, 0),
                 stride(&lse, 0),
-                inv_temp];
+                inv_temp,
+            ];
             let buffers = [&logits, &targets, &stats, &lse]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            queue(&client, &SOURCE, bf16 as usize, rows as u64, THREADS, buffers, 0, &scalars);
+            queue(
+                &client,
+                &SOURCE,
+                bf16 as usize,
+                rows as u64,
+                THREADS,
+                buffers,
+                0,
+                &scalars,
+            );
             handles.register_float_tensor::<Cube<f32>>(&self.desc.outputs[0].id, stats);
             handles.register_float_tensor::<Cube<f32>>(&self.desc.outputs[1].id, lse);
         } else {
@@ -237,7 +249,8 @@ impl Operation<Runtime> for StatsOp {
                 Shape::new([rows, vocab]),
                 logits.dtype,
             );
-            let scalars = [vocab as u64,
+            let scalars = [
+                vocab as u64,
                 stride(&logits, 0),
                 stride(&targets, 0),
                 stride(&lse, 0),
@@ -245,14 +258,22 @@ impl Operation<Runtime> for StatsOp {
                 stride(&grad, 0),
                 stride(&grad, 1),
                 stride(&dz, 0),
-                inv_temp];
+                inv_temp,
+            ];
             let buffers = [&logits, &dz, &targets, &lse, &stats, &grad]
                 .map(|t| t.handle.clone().binding())
                 .into();
-            queue(&client, &SOURCE, (2 + bf16) as usize, rows as u64, THREADS, buffers, 0, &scalars);
+            queue(
+                &client,
+                &SOURCE,
+                (2 + bf16) as usize,
+                rows as u64,
+                THREADS,
+                buffers,
+                0,
+                &scalars,
+            );
             handles.register_float_tensor::<Cube<f32>>(&self.desc.outputs[0].id, dz);
         }
     }
 }
-
-

@@ -39,7 +39,12 @@ pub struct KvCache<B: Backend> {
 impl<B: Backend> KvCache<B> {
     /// An empty cache for `n_layers` layers.
     pub fn new(n_layers: usize) -> Self {
-        Self { layers: (0..n_layers).map(|_| LayerCache { k: None, v: None }).collect(), valid: None }
+        Self {
+            layers: (0..n_layers)
+                .map(|_| LayerCache { k: None, v: None })
+                .collect(),
+            valid: None,
+        }
     }
 
     /// Cached length (including padding slots).
@@ -68,7 +73,10 @@ impl<B: Backend> KvCache<B> {
     /// Keeps only the batch rows `rows` (sequences that are still generating).
     pub fn retain(&mut self, rows: &[usize], device: &B::Device) {
         let idx = Tensor::<B, 1, burn::tensor::Int>::from_data(
-            burn::tensor::TensorData::new(rows.iter().map(|&r| r as i32).collect::<Vec<_>>(), [rows.len()]),
+            burn::tensor::TensorData::new(
+                rows.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+                [rows.len()],
+            ),
             device,
         );
         for l in &mut self.layers {

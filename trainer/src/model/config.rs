@@ -89,7 +89,11 @@ struct RawConfig {
 impl ModelConfig {
     /// Reads `config.json` from a checkpoint directory or a file path.
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
-        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let file = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
         let text = std::fs::read_to_string(&file).map_err(|e| ModelError::Io(file.clone(), e))?;
         Self::from_json(&text).map_err(|e| match e {
             ModelError::Config(m) => ModelError::Config(format!("{}: {m}", file.display())),
@@ -113,11 +117,17 @@ impl ModelConfig {
         };
         if let Some(act) = &raw.hidden_act {
             if act != "silu" {
-                return Err(ModelError::Config(format!("hidden_act {act:?}: only silu (SwiGLU) is supported")));
+                return Err(ModelError::Config(format!(
+                    "hidden_act {act:?}: only silu (SwiGLU) is supported"
+                )));
             }
         }
-        if raw.num_attention_heads == 0 || raw.hidden_size % raw.num_attention_heads != 0 && raw.head_dim.is_none() {
-            return Err(ModelError::Config("hidden_size must divide into num_attention_heads".into()));
+        if raw.num_attention_heads == 0
+            || raw.hidden_size % raw.num_attention_heads != 0 && raw.head_dim.is_none()
+        {
+            return Err(ModelError::Config(
+                "hidden_size must divide into num_attention_heads".into(),
+            ));
         }
         let kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
         if kv == 0 || raw.num_attention_heads % kv != 0 {
@@ -132,8 +142,14 @@ impl ModelConfig {
         };
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let eos_token_ids = match raw.eos_token_id {
-            Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).map(|n| n as u32).collect(),
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().map(|n| vec![n as u32]).unwrap_or_default()
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|v| v.as_u64())
+                .map(|n| n as u32)
+                .collect(),
             _ => Vec::new(),
         };
         Ok(Self {
@@ -144,7 +160,9 @@ impl ModelConfig {
             num_hidden_layers: raw.num_hidden_layers,
             num_attention_heads: raw.num_attention_heads,
             num_key_value_heads: kv,
-            head_dim: raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads),
+            head_dim: raw
+                .head_dim
+                .unwrap_or(raw.hidden_size / raw.num_attention_heads),
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: raw.rope_theta.unwrap_or(10_000.0),
             rope_scaling,
@@ -161,8 +179,15 @@ impl ModelConfig {
     pub fn to_hf_json(&self) -> serde_json::Value {
         let rope_scaling = match &self.rope_scaling {
             None => serde_json::Value::Null,
-            Some(RopeScaling::Linear { factor }) => serde_json::json!({"rope_type": "linear", "factor": factor}),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            Some(RopeScaling::Linear { factor }) => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
                 serde_json::json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
                     "high_freq_factor": high_freq_factor,
                     "original_max_position_embeddings": original_max_position_embeddings})
@@ -211,7 +236,9 @@ fn parse_rope_scaling(v: &serde_json::Value) -> Result<RopeScaling, ModelError> 
             .ok_or_else(|| ModelError::Config(format!("rope_scaling {kind:?} lacks {k}")))
     };
     match kind {
-        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,

@@ -24,13 +24,20 @@ impl WeightMap {
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::Io(index.clone(), e))?;
+            let text =
+                std::fs::read_to_string(&index).map_err(|e| ModelError::Io(index.clone(), e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| ModelError::Weights(format!("{}: {e}", index.display())))?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-                ModelError::Weights(format!("{}: no weight_map", index.display()))
-            })?;
-            let mut shards: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    ModelError::Weights(format!("{}: no weight_map", index.display()))
+                })?;
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect();
             shards.sort();
             shards.dedup();
             shards.into_iter().map(|s| dir.join(s)).collect()
@@ -46,7 +53,10 @@ impl WeightMap {
             found
         };
         if files.is_empty() {
-            return Err(ModelError::Weights(format!("no *.safetensors in {}", dir.display())));
+            return Err(ModelError::Weights(format!(
+                "no *.safetensors in {}",
+                dir.display()
+            )));
         }
         let mut tensors = HashMap::new();
         for file in &files {
@@ -59,7 +69,10 @@ impl WeightMap {
                 tensors.insert(name, (view.shape().to_vec(), data));
             }
         }
-        Ok(Self { tensors, source: dir.to_path_buf() })
+        Ok(Self {
+            tensors,
+            source: dir.to_path_buf(),
+        })
     }
 
     /// Names of all tensors.
@@ -72,7 +85,9 @@ impl WeightMap {
             ModelError::Weights(format!("{} lacks tensor {name}", self.source.display()))
         })?;
         if s != shape {
-            return Err(ModelError::Weights(format!("{name}: shape {s:?}, config expects {shape:?}")));
+            return Err(ModelError::Weights(format!(
+                "{name}: shape {s:?}, config expects {shape:?}"
+            )));
         }
         Ok(TensorData::new(data, s))
     }
@@ -81,8 +96,17 @@ impl WeightMap {
         self.tensors.contains_key(name)
     }
 
-    fn dense<B: Backend>(&mut self, prefix: &str, d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Result<Dense<B>, ModelError> {
-        Ok(Dense::from_parts(vec![self.dense_part(prefix, d_in, d_out, bias, device)?]))
+    fn dense<B: Backend>(
+        &mut self,
+        prefix: &str,
+        d_in: usize,
+        d_out: usize,
+        bias: bool,
+        device: &B::Device,
+    ) -> Result<Dense<B>, ModelError> {
+        Ok(Dense::from_parts(vec![
+            self.dense_part(prefix, d_in, d_out, bias, device)?
+        ]))
     }
 
     /// One layer's weight `[in, out]` and bias as plain tensors (parameters are made once the
@@ -96,46 +120,126 @@ impl WeightMap {
         device: &B::Device,
     ) -> Result<(Tensor<B, 2>, Option<Tensor<B, 1>>), ModelError> {
         // Stored [out, in]; the forward pass wants [in, out].
-        let w = Tensor::<B, 2>::from_data(self.take(&format!("{prefix}.weight"), &[d_out, d_in])?, device).transpose();
+        let w = Tensor::<B, 2>::from_data(
+            self.take(&format!("{prefix}.weight"), &[d_out, d_in])?,
+            device,
+        )
+        .transpose();
         let b = if bias {
-            Some(Tensor::<B, 1>::from_data(self.take(&format!("{prefix}.bias"), &[d_out])?, device))
+            Some(Tensor::<B, 1>::from_data(
+                self.take(&format!("{prefix}.bias"), &[d_out])?,
+                device,
+            ))
         } else {
             None
         };
         Ok((w, b))
     }
 
-    fn norm<B: Backend>(&mut self, name: &str, d: usize, eps: f64, device: &B::Device) -> Result<RmsNorm<B>, ModelError> {
-        Ok(RmsNorm { weight: Param::from_tensor(Tensor::from_data(self.take(name, &[d])?, device)), eps })
+    fn norm<B: Backend>(
+        &mut self,
+        name: &str,
+        d: usize,
+        eps: f64,
+        device: &B::Device,
+    ) -> Result<RmsNorm<B>, ModelError> {
+        Ok(RmsNorm {
+            weight: Param::from_tensor(Tensor::from_data(self.take(name, &[d])?, device)),
+            eps,
+        })
     }
 
     /// Builds the backbone from `model.*` tensors, consuming them.
-    pub fn backbone<B: Backend>(&mut self, cfg: &ModelConfig, device: &B::Device) -> Result<Backbone<B>, ModelError> {
-        let (d, hd, h, kv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
-        let embed = Tensor::from_data(self.take("model.embed_tokens.weight", &[cfg.vocab_size, d])?, device);
+    pub fn backbone<B: Backend>(
+        &mut self,
+        cfg: &ModelConfig,
+        device: &B::Device,
+    ) -> Result<Backbone<B>, ModelError> {
+        let (d, hd, h, kv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
+        let embed = Tensor::from_data(
+            self.take("model.embed_tokens.weight", &[cfg.vocab_size, d])?,
+            device,
+        );
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             layers.push(Block {
-                input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
+                input_layernorm: self.norm(
+                    &format!("{p}.input_layernorm.weight"),
+                    d,
+                    cfg.rms_norm_eps,
+                    device,
+                )?,
                 self_attn: Attention {
                     qkv_proj: Dense::from_parts(vec![
-                        self.dense_part(&format!("{p}.self_attn.q_proj"), d, h * hd, cfg.qkv_bias, device)?,
-                        self.dense_part(&format!("{p}.self_attn.k_proj"), d, kv * hd, cfg.qkv_bias, device)?,
-                        self.dense_part(&format!("{p}.self_attn.v_proj"), d, kv * hd, cfg.qkv_bias, device)?,
+                        self.dense_part(
+                            &format!("{p}.self_attn.q_proj"),
+                            d,
+                            h * hd,
+                            cfg.qkv_bias,
+                            device,
+                        )?,
+                        self.dense_part(
+                            &format!("{p}.self_attn.k_proj"),
+                            d,
+                            kv * hd,
+                            cfg.qkv_bias,
+                            device,
+                        )?,
+                        self.dense_part(
+                            &format!("{p}.self_attn.v_proj"),
+                            d,
+                            kv * hd,
+                            cfg.qkv_bias,
+                            device,
+                        )?,
                     ]),
-                    o_proj: self.dense(&format!("{p}.self_attn.o_proj"), h * hd, d, cfg.o_bias, device)?,
+                    o_proj: self.dense(
+                        &format!("{p}.self_attn.o_proj"),
+                        h * hd,
+                        d,
+                        cfg.o_bias,
+                        device,
+                    )?,
                     n_heads: h,
                     n_kv_heads: kv,
                     head_dim: hd,
                 },
-                post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"), d, cfg.rms_norm_eps, device)?,
+                post_attention_layernorm: self.norm(
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    d,
+                    cfg.rms_norm_eps,
+                    device,
+                )?,
                 mlp: Mlp {
                     gate_up_proj: Dense::from_parts(vec![
-                        self.dense_part(&format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
-                        self.dense_part(&format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias, device)?,
+                        self.dense_part(
+                            &format!("{p}.mlp.gate_proj"),
+                            d,
+                            cfg.intermediate_size,
+                            cfg.mlp_bias,
+                            device,
+                        )?,
+                        self.dense_part(
+                            &format!("{p}.mlp.up_proj"),
+                            d,
+                            cfg.intermediate_size,
+                            cfg.mlp_bias,
+                            device,
+                        )?,
                     ]),
-                    down_proj: self.dense(&format!("{p}.mlp.down_proj"), cfg.intermediate_size, d, cfg.mlp_bias, device)?,
+                    down_proj: self.dense(
+                        &format!("{p}.mlp.down_proj"),
+                        cfg.intermediate_size,
+                        d,
+                        cfg.mlp_bias,
+                        device,
+                    )?,
                 },
             });
         }
@@ -148,20 +252,31 @@ impl WeightMap {
 
     /// The untied output projection, or `None` when the config ties it to the embeddings
     /// (a checkpoint that ties but still ships `lm_head.weight` is read as untied).
-    pub fn lm_head<B: Backend>(&mut self, cfg: &ModelConfig, device: &B::Device) -> Result<Option<Dense<B>>, ModelError> {
+    pub fn lm_head<B: Backend>(
+        &mut self,
+        cfg: &ModelConfig,
+        device: &B::Device,
+    ) -> Result<Option<Dense<B>>, ModelError> {
         if cfg.tie_word_embeddings && !self.has("lm_head.weight") {
             return Ok(None);
         }
-        self.dense("lm_head", cfg.hidden_size, cfg.vocab_size, false, device).map(Some)
+        self.dense("lm_head", cfg.hidden_size, cfg.vocab_size, false, device)
+            .map(Some)
     }
 }
 
 fn to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, String> {
     let chunks = |n: usize| bytes.chunks_exact(n);
     Ok(match dtype {
-        Dtype::F32 => chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        Dtype::F16 => chunks(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        Dtype::BF16 => chunks(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::F32 => chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F16 => chunks(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => chunks(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
         Dtype::F64 => chunks(8)
             .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
             .collect(),
@@ -170,7 +285,10 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, String> {
 }
 
 /// Writes named f32 tensors as one safetensors file (used for checkpoints and test fixtures).
-pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<(), ModelError> {
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+) -> Result<(), ModelError> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect())
@@ -184,5 +302,6 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]
                 .map_err(|e| ModelError::Weights(format!("{n}: {e}")))
         })
         .collect::<Result<_, _>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))
 }

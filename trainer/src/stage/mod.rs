@@ -67,7 +67,13 @@ pub struct Learner<B: AutodiffBackend> {
 impl<B: AutodiffBackend> Learner<B> {
     /// Loads the starting checkpoint, then `init` weights, then this stage's newest
     /// checkpoint when resuming; `context` sizes the RoPE tables.
-    pub fn new(cfg: TrainConfig, stage: &str, opts: &StageOptions, context: usize, device: B::Device) -> Result<Self, TrainError> {
+    pub fn new(
+        cfg: TrainConfig,
+        stage: &str,
+        opts: &StageOptions,
+        context: usize,
+        device: B::Device,
+    ) -> Result<Self, TrainError> {
         let loaded = load_policy::<B>(&cfg.model, cfg.run.seed, &device)?;
         let mut policy = loaded.lm;
         let mut critic = Critic::from_policy(&policy, &device);
@@ -91,7 +97,11 @@ impl<B: AutodiffBackend> Learner<B> {
                 Some(files) => {
                     let state = files.read_state()?;
                     if state.stage != stage {
-                        return Err(TrainError::Data(format!("{} holds a {} checkpoint, not {stage}", files.dir.display(), state.stage)));
+                        return Err(TrainError::Data(format!(
+                            "{} holds a {} checkpoint, not {stage}",
+                            files.dir.display(),
+                            state.stage
+                        )));
                     }
                     policy = policy.load_record(&files.policy(), &device)?;
                     critic = critic.load_record(&files.critic(), &device)?;
@@ -100,10 +110,15 @@ impl<B: AutodiffBackend> Learner<B> {
                     step = state.step;
                     tracing::info!(stage, step, dir = %files.dir.display(), "resumed");
                 }
-                None => tracing::warn!(stage, dir = %stage_dir.display(), "--resume: no checkpoint yet, starting fresh"),
+                None => {
+                    tracing::warn!(stage, dir = %stage_dir.display(), "--resume: no checkpoint yet, starting fresh")
+                }
             }
         }
-        let metrics = MetricsLog::open(&stage_dir.join("metrics.jsonl"), opts.resume.then_some(step))?;
+        let metrics = MetricsLog::open(
+            &stage_dir.join("metrics.jsonl"),
+            opts.resume.then_some(step),
+        )?;
         let max_pos = context.max(16);
         let arch = Architecture::new(loaded.config.clone(), max_pos, &device);
         let infer_arch = Architecture::new(loaded.config.clone(), max_pos, &device);
@@ -135,12 +150,16 @@ impl<B: AutodiffBackend> Learner<B> {
 
     /// The policy.
     pub fn policy(&self) -> &CausalLm<B> {
-        self.policy.as_ref().expect("policy is present between steps")
+        self.policy
+            .as_ref()
+            .expect("policy is present between steps")
     }
 
     /// The critic.
     pub fn critic(&self) -> &Critic<B> {
-        self.critic.as_ref().expect("critic is present between steps")
+        self.critic
+            .as_ref()
+            .expect("critic is present between steps")
     }
 
     /// The tokenizer.
@@ -169,19 +188,34 @@ impl<B: AutodiffBackend> Learner<B> {
 
     /// Applies the critic's accumulated gradients; returns the gradient norm.
     pub fn critic_step(&mut self, lr: f64) -> Option<f32> {
-        let (c, norm) = self.critic_opt.step(lr, self.critic.take().expect("critic"));
+        let (c, norm) = self
+            .critic_opt
+            .step(lr, self.critic.take().expect("critic"));
         self.critic = Some(c);
         norm
     }
 
     /// The policy on the inference backend, as a rollout generator.
-    pub fn generator<'a>(&'a self, lm: &'a CausalLm<B::InnerBackend>) -> PolicyGenerator<'a, B::InnerBackend> {
-        PolicyGenerator { lm, arch: &self.infer_arch, tokenizer: self.renderer.tokenizer(), device: self.device.clone() }
+    pub fn generator<'a>(
+        &'a self,
+        lm: &'a CausalLm<B::InnerBackend>,
+    ) -> PolicyGenerator<'a, B::InnerBackend> {
+        PolicyGenerator {
+            lm,
+            arch: &self.infer_arch,
+            tokenizer: self.renderer.tokenizer(),
+            device: self.device.clone(),
+        }
     }
 
     /// Writes a checkpoint of the current step.
     pub fn save_checkpoint(&self, total_steps: usize) -> Result<PathBuf, TrainError> {
-        let state = StageState { stage: self.stage.clone(), step: self.step, total_steps, seed: self.cfg.run.seed };
+        let state = StageState {
+            stage: self.stage.clone(),
+            step: self.step,
+            total_steps,
+            seed: self.cfg.run.seed,
+        };
         let dir = checkpoint::save(&self.stage_dir, &state, |f| {
             self.policy().save_record(&f.policy())?;
             self.critic().save_record(&f.critic())?;
@@ -207,7 +241,8 @@ impl<B: AutodiffBackend> Learner<B> {
             for name in ["tokenizer.json", "tokenizer_config.json"] {
                 let from = src.join(name);
                 if from.exists() {
-                    std::fs::copy(&from, hf.join(name)).map_err(|e| TrainError::Io(from.clone(), e))?;
+                    std::fs::copy(&from, hf.join(name))
+                        .map_err(|e| TrainError::Io(from.clone(), e))?;
                 }
             }
         }
@@ -224,13 +259,27 @@ impl<B: AutodiffBackend> Learner<B> {
     /// the split (so a resumed run draws the same tasks).
     pub fn resets_for(&self, step: usize, n: usize) -> Vec<ResetRequest> {
         let r = &self.cfg.rollout;
-        let options = Some(ResetOptions { max_turns: Some(r.max_turns), time_budget_s: None });
+        let options = Some(ResetOptions {
+            max_turns: Some(r.max_turns),
+            time_budget_s: None,
+        });
         (0..n)
             .map(|k| {
                 if r.tasks.is_empty() {
-                    ResetRequest { split: Some(r.split.clone()), seed: Some(seed_of(self.cfg.run.seed, step as u64, k as u64)), options: options.clone(), ..Default::default() }
+                    ResetRequest {
+                        split: Some(r.split.clone()),
+                        seed: Some(seed_of(self.cfg.run.seed, step as u64, k as u64)),
+                        options: options.clone(),
+                        ..Default::default()
+                    }
                 } else {
-                    ResetRequest { task: Some(r.tasks[step.wrapping_mul(n).wrapping_add(k) % r.tasks.len()].clone()), options: options.clone(), ..Default::default() }
+                    ResetRequest {
+                        task: Some(
+                            r.tasks[step.wrapping_mul(n).wrapping_add(k) % r.tasks.len()].clone(),
+                        ),
+                        options: options.clone(),
+                        ..Default::default()
+                    }
                 }
             })
             .collect()
@@ -257,18 +306,34 @@ pub struct TokenBatch<B: Backend> {
 impl<B: Backend> TokenBatch<B> {
     /// Packs `samples` (each at least two tokens long).
     pub fn new(samples: &[&Sample], device: &B::Device) -> Self {
-        let width = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(2).max(2);
+        let width = samples
+            .iter()
+            .map(|s| s.tokens.len())
+            .max()
+            .unwrap_or(2)
+            .max(2);
         let rows = samples.len();
         let mut ids = Vec::with_capacity(rows * width);
         let mut valid = Vec::with_capacity(rows * width);
         let mut mask = Vec::with_capacity(rows * (width - 1));
         for s in samples {
             let pad = width - s.tokens.len();
-            ids.extend(s.tokens.iter().map(|&t| t as i32).chain(std::iter::repeat_n(0, pad)));
-            valid.extend(std::iter::repeat_n(true, s.tokens.len()).chain(std::iter::repeat_n(false, pad)));
+            ids.extend(
+                s.tokens
+                    .iter()
+                    .map(|&t| t as i32)
+                    .chain(std::iter::repeat_n(0, pad)),
+            );
+            valid.extend(
+                std::iter::repeat_n(true, s.tokens.len()).chain(std::iter::repeat_n(false, pad)),
+            );
             let m = s.shifted_mask();
             let mpad = width - 1 - m.len();
-            mask.extend(m.iter().map(|&b| if b { 1.0f32 } else { 0.0 }).chain(std::iter::repeat_n(0.0, mpad)));
+            mask.extend(
+                m.iter()
+                    .map(|&b| if b { 1.0f32 } else { 0.0 })
+                    .chain(std::iter::repeat_n(0.0, mpad)),
+            );
         }
         Self {
             tokens: Tensor::from_data(TensorData::new(ids, [rows, width]), device),
@@ -284,7 +349,11 @@ impl<B: Backend> TokenBatch<B> {
         let w = self.width - 1;
         let mut data = Vec::with_capacity(rows.len() * w);
         for r in rows {
-            data.extend(r.iter().copied().chain(std::iter::repeat_n(0.0, w - r.len())));
+            data.extend(
+                r.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0.0, w - r.len())),
+            );
         }
         Tensor::from_data(TensorData::new(data, [rows.len(), w]), device)
     }
@@ -293,13 +362,20 @@ impl<B: Backend> TokenBatch<B> {
     pub fn unpack(&self, t: Tensor<B, 2>) -> Vec<Vec<f32>> {
         let w = self.width - 1;
         let host: Vec<f32> = t.into_data().convert::<f32>().to_vec().unwrap_or_default();
-        self.lengths.iter().enumerate().map(|(r, &len)| host[r * w..r * w + len - 1].to_vec()).collect()
+        self.lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| host[r * w..r * w + len - 1].to_vec())
+            .collect()
     }
 }
 
 /// Samples that can be trained on: finished or closed, with at least one policy token.
 pub fn trainable(samples: Vec<Sample>) -> Vec<Sample> {
-    samples.into_iter().filter(|s| s.usable() && s.tokens.len() >= 2).collect()
+    samples
+        .into_iter()
+        .filter(|s| s.usable() && s.tokens.len() >= 2)
+        .collect()
 }
 
 /// Mean of a module-free scalar.
@@ -318,6 +394,9 @@ pub fn require_dir(p: &Path) -> Result<(), TrainError> {
     if p.is_dir() {
         Ok(())
     } else {
-        Err(TrainError::Data(format!("{} is not a directory", p.display())))
+        Err(TrainError::Data(format!(
+            "{} is not a directory",
+            p.display()
+        )))
     }
 }

@@ -14,7 +14,10 @@ use super::{inference, permutation, scalar, seed_of, trainable, Learner, TokenBa
 use crate::error::TrainError;
 use crate::metrics::batch_summary;
 use crate::model::CausalLm;
-use crate::objective::{clipped_mask, clipped_surrogate, clipped_value_loss, explained_variance, gae, kl_k3, masked_sum, whiten};
+use crate::objective::{
+    clipped_mask, clipped_surrogate, clipped_value_loss, explained_variance, gae, kl_k3,
+    masked_sum, whiten,
+};
 use crate::rollout::{run_episodes, run_single_turn, EnvPool, RolloutSettings, RolloutStats};
 use crate::sample::Sample;
 
@@ -59,12 +62,29 @@ pub fn run<B: AutodiffBackend>(
             match mode {
                 PpoMode::SingleTurn => {
                     let settings = RolloutSettings::single_turn(&learner.cfg.rollout, &stop);
-                    run_single_turn(rt, pool, &learner.renderer, &mut generator, &resets, &settings, seed)
+                    run_single_turn(
+                        rt,
+                        pool,
+                        &learner.renderer,
+                        &mut generator,
+                        &resets,
+                        &settings,
+                        seed,
+                    )
                 }
                 PpoMode::MultiTurn => {
                     let settings = RolloutSettings::multi_turn(&learner.cfg.rollout, &stop);
                     let tag = format!("{}-s{}-{step}", learner.stage, learner.cfg.run.seed);
-                    run_episodes(rt, pool, &learner.renderer, &mut generator, &resets, &settings, &tag, seed)
+                    run_episodes(
+                        rt,
+                        pool,
+                        &learner.renderer,
+                        &mut generator,
+                        &resets,
+                        &settings,
+                        &tag,
+                        seed,
+                    )
                 }
             }
         };
@@ -76,14 +96,27 @@ pub fn run<B: AutodiffBackend>(
         let total_s = t0.elapsed().as_secs_f64();
         learner.step += 1;
         merge(&mut record, &update);
-        merge(&mut record, &rollout_record(&stats, rollout_s, update_s, total_s));
-        let warnings = warnings(&record, learner.cfg.ppo.entropy_warn, learner.cfg.ppo.kl_warn);
+        merge(
+            &mut record,
+            &rollout_record(&stats, rollout_s, update_s, total_s),
+        );
+        let warnings = warnings(
+            &record,
+            learner.cfg.ppo.entropy_warn,
+            learner.cfg.ppo.kl_warn,
+        );
         for w in &warnings {
             tracing::warn!(stage = %learner.stage, step = learner.step, "{w}");
         }
-        merge(&mut record, &json!({"stage": learner.stage, "step": learner.step, "warnings": warnings}));
+        merge(
+            &mut record,
+            &json!({"stage": learner.stage, "step": learner.step, "warnings": warnings}),
+        );
         learner.metrics.write(&record)?;
-        bar.set_message(format!("reward {:.3}", record["reward_mean"].as_f64().unwrap_or(0.0)));
+        bar.set_message(format!(
+            "reward {:.3}",
+            record["reward_mean"].as_f64().unwrap_or(0.0)
+        ));
         bar.inc(1);
         if learner.checkpoint_due(steps) {
             learner.save_checkpoint(steps)?;
@@ -97,7 +130,9 @@ pub fn run<B: AutodiffBackend>(
 fn progress(steps: usize, done: usize, stage: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(steps as u64);
     bar.set_position(done as u64);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}") {
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{prefix} {bar:30} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
+    ) {
         bar.set_style(style);
     }
     bar.set_prefix(stage.to_string());
@@ -133,7 +168,9 @@ fn warnings(record: &Value, entropy_warn: f64, kl_warn: f64) -> Vec<String> {
     }
     if let Some(k) = record["approx_kl"].as_f64() {
         if k > kl_warn {
-            out.push(format!("KL {k:.4} to the rollout policy is above {kl_warn}: updates are too large"));
+            out.push(format!(
+                "KL {k:.4} to the rollout policy is above {kl_warn}: updates are too large"
+            ));
         }
     }
     out
@@ -153,7 +190,11 @@ fn update<B: AutodiffBackend>(
     }
     let cfg = learner.cfg.clone();
     let ppo = &cfg.ppo;
-    let temperature = if cfg.rollout.temperature > 0.0 { cfg.rollout.temperature } else { 1.0 };
+    let temperature = if cfg.rollout.temperature > 0.0 {
+        cfg.rollout.temperature
+    } else {
+        1.0
+    };
     let mut prepared = prepare(learner, samples, temperature, reference);
     // Advantages are whitened over the whole batch's policy tokens.
     let masks: Vec<Vec<bool>> = prepared.iter().map(|p| p.sample.shifted_mask()).collect();
@@ -178,41 +219,109 @@ fn update<B: AutodiffBackend>(
     let lr_c = cfg.optim.lr_at(cfg.optim.critic_lr, step, total);
     let micro = cfg.optim.micro_batch.max(1);
     let mb = ppo.minibatch.max(1).min(prepared.len());
-    let (mut pg_sum, mut vl_sum, mut ent_sum, mut kl_sum, mut ref_kl_sum, mut clip_sum, mut n_mb) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0usize);
+    let (mut pg_sum, mut vl_sum, mut ent_sum, mut kl_sum, mut ref_kl_sum, mut clip_sum, mut n_mb) =
+        (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0usize);
     let (mut gn_a, mut gn_c) = (Vec::new(), Vec::new());
     let device = learner.device.clone();
     for epoch in 0..ppo.epochs.max(1) {
-        let order = permutation(prepared.len(), seed_of(cfg.run.seed, step as u64, 1_000 + epoch as u64));
+        let order = permutation(
+            prepared.len(),
+            seed_of(cfg.run.seed, step as u64, 1_000 + epoch as u64),
+        );
         for chunk in order.chunks(mb) {
-            let tokens: f32 = chunk.iter().map(|&i| prepared[i].sample.policy_tokens() as f32).sum();
-            let (mut pg, mut vl, mut ent, mut kl, mut rkl, mut clip) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+            let tokens: f32 = chunk
+                .iter()
+                .map(|&i| prepared[i].sample.policy_tokens() as f32)
+                .sum();
+            let (mut pg, mut vl, mut ent, mut kl, mut rkl, mut clip) =
+                (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
             for micro_rows in chunk.chunks(micro) {
                 let rows: Vec<&Prepared> = micro_rows.iter().map(|&i| &prepared[i]).collect();
                 let samples: Vec<&Sample> = rows.iter().map(|p| &p.sample).collect();
                 let batch = TokenBatch::<B>::new(&samples, &device);
-                let old_lp = batch.shifted(&rows.iter().map(|p| p.old_logprobs.as_slice()).collect::<Vec<_>>(), &device);
-                let adv = batch.shifted(&rows.iter().map(|p| p.advantages.as_slice()).collect::<Vec<_>>(), &device);
-                let stats = learner.policy().sequence_stats(batch.tokens.clone(), batch.valid.clone(), &learner.arch, temperature);
-                let surrogate = clipped_surrogate(stats.logprobs.clone(), old_lp.clone(), adv, ppo.clip_low, ppo.clip_high);
+                let old_lp = batch.shifted(
+                    &rows
+                        .iter()
+                        .map(|p| p.old_logprobs.as_slice())
+                        .collect::<Vec<_>>(),
+                    &device,
+                );
+                let adv = batch.shifted(
+                    &rows
+                        .iter()
+                        .map(|p| p.advantages.as_slice())
+                        .collect::<Vec<_>>(),
+                    &device,
+                );
+                let stats = learner.policy().sequence_stats(
+                    batch.tokens.clone(),
+                    batch.valid.clone(),
+                    &learner.arch,
+                    temperature,
+                );
+                let surrogate = clipped_surrogate(
+                    stats.logprobs.clone(),
+                    old_lp.clone(),
+                    adv,
+                    ppo.clip_low,
+                    ppo.clip_high,
+                );
                 let pg_loss = masked_sum(surrogate, batch.mask.clone(), tokens);
                 let entropy = masked_sum(stats.entropy, batch.mask.clone(), tokens);
                 let mut loss = pg_loss.clone() - entropy.clone() * ppo.entropy_coef;
                 if let (true, Some(_)) = (ppo.kl_coef > 0.0, rows[0].ref_logprobs.as_ref()) {
-                    let ref_lp = batch.shifted(&rows.iter().map(|p| p.ref_logprobs.as_deref().unwrap_or(&[])).collect::<Vec<_>>(), &device);
-                    let ref_kl = masked_sum(kl_k3(stats.logprobs.clone(), ref_lp), batch.mask.clone(), tokens);
+                    let ref_lp = batch.shifted(
+                        &rows
+                            .iter()
+                            .map(|p| p.ref_logprobs.as_deref().unwrap_or(&[]))
+                            .collect::<Vec<_>>(),
+                        &device,
+                    );
+                    let ref_kl = masked_sum(
+                        kl_k3(stats.logprobs.clone(), ref_lp),
+                        batch.mask.clone(),
+                        tokens,
+                    );
                     rkl += scalar(ref_kl.clone().detach());
                     loss = loss + ref_kl * ppo.kl_coef;
                 }
-                kl += scalar(masked_sum(kl_k3(stats.logprobs.clone().detach(), old_lp.clone()), batch.mask.clone(), tokens));
-                clip += scalar(masked_sum(clipped_mask(stats.logprobs.detach(), old_lp, ppo.clip_low, ppo.clip_high), batch.mask.clone(), tokens));
+                kl += scalar(masked_sum(
+                    kl_k3(stats.logprobs.clone().detach(), old_lp.clone()),
+                    batch.mask.clone(),
+                    tokens,
+                ));
+                clip += scalar(masked_sum(
+                    clipped_mask(stats.logprobs.detach(), old_lp, ppo.clip_low, ppo.clip_high),
+                    batch.mask.clone(),
+                    tokens,
+                ));
                 pg += scalar(pg_loss.detach());
                 ent += scalar(entropy.detach());
                 learner.policy_backward(loss);
 
-                let old_v = batch.shifted(&rows.iter().map(|p| p.old_values.as_slice()).collect::<Vec<_>>(), &device);
-                let ret = batch.shifted(&rows.iter().map(|p| p.returns.as_slice()).collect::<Vec<_>>(), &device);
-                let values = learner.critic().values(batch.tokens, batch.valid, &learner.arch).narrow(1, 0, batch.width - 1);
-                let v_loss = masked_sum(clipped_value_loss(values, old_v, ret, ppo.value_clip), batch.mask, tokens) * ppo.vf_coef;
+                let old_v = batch.shifted(
+                    &rows
+                        .iter()
+                        .map(|p| p.old_values.as_slice())
+                        .collect::<Vec<_>>(),
+                    &device,
+                );
+                let ret = batch.shifted(
+                    &rows
+                        .iter()
+                        .map(|p| p.returns.as_slice())
+                        .collect::<Vec<_>>(),
+                    &device,
+                );
+                let values = learner
+                    .critic()
+                    .values(batch.tokens, batch.valid, &learner.arch)
+                    .narrow(1, 0, batch.width - 1);
+                let v_loss = masked_sum(
+                    clipped_value_loss(values, old_v, ret, ppo.value_clip),
+                    batch.mask,
+                    tokens,
+                ) * ppo.vf_coef;
                 vl += scalar(v_loss.clone().detach());
                 learner.critic_backward(v_loss);
             }
@@ -232,7 +341,13 @@ fn update<B: AutodiffBackend>(
         }
     }
     let n = n_mb.max(1) as f64;
-    let mean = |v: &[f64]| if v.is_empty() { Value::Null } else { json!(v.iter().sum::<f64>() / v.len() as f64) };
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            Value::Null
+        } else {
+            json!(v.iter().sum::<f64>() / v.len() as f64)
+        }
+    };
     let mismatch = logprob_mismatch(&prepared);
     json!({
         "trained_episodes": prepared.len(),
@@ -269,11 +384,34 @@ fn prepare<B: AutodiffBackend>(
         let chunk: Vec<Sample> = it.by_ref().take(micro).collect();
         let refs: Vec<&Sample> = chunk.iter().collect();
         let batch = TokenBatch::<B::InnerBackend>::new(&refs, &device);
-        let lp = policy.sequence_stats(batch.tokens.clone(), batch.valid.clone(), &learner.infer_arch, temperature).logprobs;
+        let lp = policy
+            .sequence_stats(
+                batch.tokens.clone(),
+                batch.valid.clone(),
+                &learner.infer_arch,
+                temperature,
+            )
+            .logprobs;
         let lp = batch.unpack(lp);
-        let v = critic.values(batch.tokens.clone(), batch.valid.clone(), &learner.infer_arch).narrow(1, 0, batch.width - 1);
+        let v = critic
+            .values(
+                batch.tokens.clone(),
+                batch.valid.clone(),
+                &learner.infer_arch,
+            )
+            .narrow(1, 0, batch.width - 1);
         let v = batch.unpack(v);
-        let rl = reference.map(|r| batch.unpack(r.sequence_stats(batch.tokens.clone(), batch.valid.clone(), &learner.infer_arch, temperature).logprobs));
+        let rl = reference.map(|r| {
+            batch.unpack(
+                r.sequence_stats(
+                    batch.tokens.clone(),
+                    batch.valid.clone(),
+                    &learner.infer_arch,
+                    temperature,
+                )
+                .logprobs,
+            )
+        });
         for (k, s) in chunk.into_iter().enumerate() {
             let mask = s.shifted_mask();
             let g = gae(&s.shifted_rewards(), &v[k], &mask, ppo.gamma, ppo.lambda);
@@ -296,7 +434,13 @@ fn logprob_mismatch(prepared: &[Prepared]) -> Option<f64> {
     let (mut sum, mut n) = (0.0f64, 0usize);
     for p in prepared {
         let sampled = p.sample.shifted_logprobs();
-        for ((&on, &a), &b) in p.sample.shifted_mask().iter().zip(&sampled).zip(&p.old_logprobs) {
+        for ((&on, &a), &b) in p
+            .sample
+            .shifted_mask()
+            .iter()
+            .zip(&sampled)
+            .zip(&p.old_logprobs)
+        {
             if on && a != 0.0 {
                 sum += (a - b).abs() as f64;
                 n += 1;

@@ -29,24 +29,40 @@ pub fn rft_steps(n: usize, minibatch: usize, epochs: usize) -> usize {
 }
 
 /// Fine-tunes the policy on `samples` (already filtered).
-pub fn run_rft<B: AutodiffBackend>(learner: &mut Learner<B>, samples: &[Sample]) -> Result<(), TrainError> {
+pub fn run_rft<B: AutodiffBackend>(
+    learner: &mut Learner<B>,
+    samples: &[Sample],
+) -> Result<(), TrainError> {
     if samples.is_empty() {
-        return Err(TrainError::Data("no trajectories passed the RFT filter".into()));
+        return Err(TrainError::Data(
+            "no trajectories passed the RFT filter".into(),
+        ));
     }
     let cfg = learner.cfg.clone();
-    let plan = schedule(samples.len(), cfg.rft.minibatch, cfg.rft.epochs, cfg.run.seed);
+    let plan = schedule(
+        samples.len(),
+        cfg.rft.minibatch,
+        cfg.rft.epochs,
+        cfg.run.seed,
+    );
     let total = plan.len();
     let peak = cfg.rft.lr.unwrap_or(cfg.optim.actor_lr);
     let bar = bar(total, learner.step, "rft");
     let device = learner.device.clone();
     while learner.step < total {
         let rows = &plan[learner.step];
-        let tokens: f32 = rows.iter().map(|&i| samples[i].policy_tokens() as f32).sum();
+        let tokens: f32 = rows
+            .iter()
+            .map(|&i| samples[i].policy_tokens() as f32)
+            .sum();
         let mut nll_sum = 0.0;
         for micro in rows.chunks(cfg.optim.micro_batch.max(1)) {
             let refs: Vec<&Sample> = micro.iter().map(|&i| &samples[i]).collect();
             let batch = TokenBatch::<B>::new(&refs, &device);
-            let stats = learner.policy().sequence_stats(batch.tokens, batch.valid, &learner.arch, 1.0);
+            let stats =
+                learner
+                    .policy()
+                    .sequence_stats(batch.tokens, batch.valid, &learner.arch, 1.0);
             let nll = masked_sum(stats.logprobs, batch.mask, tokens).neg();
             nll_sum += scalar(nll.clone().detach());
             learner.policy_backward(nll);
@@ -71,29 +87,56 @@ pub fn run_rft<B: AutodiffBackend>(learner: &mut Learner<B>, samples: &[Sample])
 
 /// Pre-trains the critic on `samples`: each minibatch's targets are GAE returns under the
 /// current critic (gamma, lambda from the PPO config), regressed with a squared loss.
-pub fn run_value_pretrain<B: AutodiffBackend>(learner: &mut Learner<B>, samples: &[Sample]) -> Result<(), TrainError> {
+pub fn run_value_pretrain<B: AutodiffBackend>(
+    learner: &mut Learner<B>,
+    samples: &[Sample],
+) -> Result<(), TrainError> {
     if samples.is_empty() {
-        return Err(TrainError::Data("no trajectories to pre-train the critic on".into()));
+        return Err(TrainError::Data(
+            "no trajectories to pre-train the critic on".into(),
+        ));
     }
     let cfg = learner.cfg.clone();
-    let plan = schedule(samples.len(), cfg.value.minibatch, cfg.value.epochs, cfg.run.seed);
+    let plan = schedule(
+        samples.len(),
+        cfg.value.minibatch,
+        cfg.value.epochs,
+        cfg.run.seed,
+    );
     let total = plan.len();
     let bar = bar(total, learner.step, "value");
     let device = learner.device.clone();
     while learner.step < total {
         let rows = &plan[learner.step];
-        let tokens: f32 = rows.iter().map(|&i| samples[i].policy_tokens() as f32).sum();
+        let tokens: f32 = rows
+            .iter()
+            .map(|&i| samples[i].policy_tokens() as f32)
+            .sum();
         let critic = inference(learner.critic());
         let (mut loss_sum, mut v_all, mut r_all) = (0.0, Vec::new(), Vec::new());
         for micro in rows.chunks(cfg.optim.micro_batch.max(1)) {
             let refs: Vec<&Sample> = micro.iter().map(|&i| &samples[i]).collect();
             let inner = TokenBatch::<B::InnerBackend>::new(&refs, &device);
             let w = inner.width - 1;
-            let old = inner.unpack(critic.values(inner.tokens.clone(), inner.valid.clone(), &learner.infer_arch).narrow(1, 0, w));
+            let old = inner.unpack(
+                critic
+                    .values(
+                        inner.tokens.clone(),
+                        inner.valid.clone(),
+                        &learner.infer_arch,
+                    )
+                    .narrow(1, 0, w),
+            );
             let mut returns = Vec::with_capacity(refs.len());
             for (s, v) in refs.iter().zip(&old) {
                 let mask = s.shifted_mask();
-                let g = gae(&s.shifted_rewards(), v, &mask, cfg.ppo.gamma, cfg.ppo.lambda);
+                let g = gae(
+                    &s.shifted_rewards(),
+                    v,
+                    &mask,
+                    cfg.ppo.gamma,
+                    cfg.ppo.lambda,
+                );
                 for (j, &on) in mask.iter().enumerate() {
                     if on {
                         v_all.push(v[j]);
@@ -103,8 +146,14 @@ pub fn run_value_pretrain<B: AutodiffBackend>(learner: &mut Learner<B>, samples:
                 returns.push(g.returns);
             }
             let batch = TokenBatch::<B>::new(&refs, &device);
-            let ret = batch.shifted(&returns.iter().map(Vec::as_slice).collect::<Vec<_>>(), &device);
-            let values = learner.critic().values(batch.tokens, batch.valid, &learner.arch).narrow(1, 0, w);
+            let ret = batch.shifted(
+                &returns.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+                &device,
+            );
+            let values = learner
+                .critic()
+                .values(batch.tokens, batch.valid, &learner.arch)
+                .narrow(1, 0, w);
             let loss = masked_sum((values - ret).powi_scalar(2) * 0.5, batch.mask, tokens);
             loss_sum += scalar(loss.clone().detach());
             learner.critic_backward(loss);
@@ -130,7 +179,9 @@ pub fn run_value_pretrain<B: AutodiffBackend>(learner: &mut Learner<B>, samples:
 fn bar(total: usize, done: usize, stage: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(total as u64);
     bar.set_position(done as u64);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} steps {elapsed_precise} {msg}") {
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{prefix} {bar:30} {pos}/{len} steps {elapsed_precise} {msg}",
+    ) {
         bar.set_style(style);
     }
     bar.set_prefix(stage.to_string());
