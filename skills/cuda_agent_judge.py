@@ -261,6 +261,7 @@ class WorkerLink:
                     pass
 
 
+# Failures a worker may report about itself (anything else it says is a protocol break).
 WORKER_RULES = {"compile", "missing_solution", "runtime_error", "wrong_output", "precision", "pytorch_compute", "no_custom_kernel", "input_mutation"}
 
 
@@ -351,8 +352,6 @@ class Judge:
         self.regions: dict = {}
         self.ref: WorkerLink | None = None
         self.cand: WorkerLink | None = None
-        self.layouts: dict = {}
-        self._last_cand_outs: list | None = None
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -454,7 +453,7 @@ class Judge:
                 out.append(region.tensor[off: off + extent].view(dtype).as_strided(shape, stride))
         return out
 
-    def fingerprint(self, link: WorkerLink, model: str, reply: dict, outs: list | None) -> list:
+    def fingerprint(self, link: WorkerLink, model: str, outs: list) -> list:
         """Fingerprints of the candidate's output memory as it is now (read again from the
         worker's file on CPU; over the mapped memory on GPU)."""
         if self.device.type == "cpu":
@@ -463,9 +462,6 @@ class Judge:
                 return [h.checksum(f.read(0, f.size()))]
             finally:
                 f.close()
-        if outs is None:
-            outs = self._last_cand_outs
-        self._last_cand_outs = outs
         return [h.checksum(t.reshape(-1).view(torch.uint8)) if isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() else None for t in outs]
 
     def compare(self, want: list, got: list, label: str, rule: str = "wrong_output") -> dict:
@@ -581,9 +577,7 @@ class Judge:
                 t0, t1 = link.sent_at, link.replied_at
                 outs[name] = self.outputs(link, model, reply)
                 if name == "candidate":
-                    reply_cand = reply
-                if name == "candidate":
-                    fingerprint = self.fingerprint(link, model, reply, outs[name])
+                    fingerprint = self.fingerprint(link, model, outs[name])
                 if timed:
                     times[name].append((t1 - t0) * 1e3)
             try:
@@ -594,7 +588,7 @@ class Judge:
                 raise
             checked += 1
             h.synchronize(self.device)
-            again = self.fingerprint(self.cand, "timed", reply_cand, None)
+            again = self.fingerprint(self.cand, "timed", outs["candidate"])
             if again != fingerprint:
                 raise h.RuleBreak("late_work", f"timed call {rounds + 1}: the output changed after the worker had replied")
             del outs

@@ -54,9 +54,6 @@ ALLOWED_OPS = {
     "record_stream", "_local_scalar_dense", "item",
 }
 
-# Failures a worker may report about itself (anything else it says is a protocol break).
-SELF_REPORTED = {"compile", "missing_solution", "runtime_error", "wrong_output", "precision", "pytorch_compute", "no_custom_kernel", "input_mutation"}
-
 
 class ExtensionCalls:
     """Counts calls into compiled extension modules, so the worker knows a custom kernel ran."""

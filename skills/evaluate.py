@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 # module (torch imports it): look here last.
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != _HERE] + [_HERE]
-import cuda_agent_harness as h  # noqa: E402
 import cuda_agent_judge as judge  # noqa: E402
 
 
