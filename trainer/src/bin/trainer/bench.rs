@@ -1,0 +1,233 @@
+//! `bench-model`: training and generation throughput of a model shape with random weights.
+
+use anyhow::Result;
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::cli::BenchArgs;
+use crate::device::Job;
+
+/// The benchmark, as a [`Job`].
+pub struct Bench<'a>(pub &'a BenchArgs);
+
+impl Job for Bench<'_> {
+    fn run<B: AutodiffBackend>(self, device: B::Device, note: &str) -> Result<()> {
+        bench::<B>(self.0, device, note)
+    }
+}
+
+/// Qwen2.5-0.5B's architecture (the shape the benchmark defaults to).
+const QWEN25_05B: &str = r#"{"model_type":"qwen2","vocab_size":151936,"hidden_size":896,"intermediate_size":4864,
+"num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"max_position_embeddings":32768,
+"rope_theta":1000000.0,"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#;
+
+/// `engine_note` is appended to the backend's name in the report (the CUDA path names its
+/// matmul choice).
+fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str) -> Result<()> {
+    use burn::tensor::{Bool, ElementConversion, Int, Tensor, TensorData};
+    use std::time::Instant;
+    use trainer::generate::{generate, SamplingParams};
+    use trainer::model::{Architecture, CausalLm, ModelConfig};
+    let cfg = match &a.shape {
+        Some(p) => ModelConfig::from_file(p)?,
+        None => ModelConfig::from_json(QWEN25_05B)?,
+    };
+    let sync = |d: &B::Device| B::sync(d).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
+    B::seed(&device, 0);
+    let t_init = Instant::now();
+    let lm = CausalLm::<B>::random(&cfg, &device);
+    let positions = a.seq.max(a.prompt + a.new_tokens) + 1;
+    let arch = Architecture::<B>::new(cfg.clone(), positions, &device);
+    sync(&device)?;
+    // Printed apart from the passes: on a fresh GPU machine kernel compilation lands here first.
+    eprintln!(
+        "model initialised in {:.3} s",
+        t_init.elapsed().as_secs_f64()
+    );
+    let tokens_of = |b: usize, t: usize| -> Vec<i32> {
+        (0..b * t)
+            .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as i32)
+            .collect()
+    };
+    // Training: forward (log-probabilities of every next token) and backward.
+    let (b, t) = (a.train_batch, a.seq);
+    let mut times = Vec::new();
+    let mut first_loss = 0.0;
+    let train_passes = if a.train_iters == 0 {
+        0
+    } else {
+        a.train_iters + 1
+    };
+    for i in 0..train_passes {
+        let tokens =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(tokens_of(b, t), [b, t]), &device);
+        let valid =
+            Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; b * t], [b, t]), &device);
+        sync(&device)?;
+        let t0 = Instant::now();
+        let stats = lm.sequence_stats(tokens, valid, &arch, 1.0);
+        let loss = stats.logprobs.mean().neg();
+        let grads = loss.backward();
+        drop(grads);
+        sync(&device)?;
+        if i > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        // The same weights and tokens every pass: kernel choices that change the numbers show
+        // here. Read once, outside the timed region.
+        if i == 0 {
+            first_loss = loss.into_scalar().elem::<f64>();
+        }
+        eprintln!("train pass {i}: {:.3} s", t0.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let train = times.get(times.len() / 2).map(|&train_s| {
+        serde_json::json!({"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": first_loss})
+    });
+    let mut gen_rows = Vec::new();
+    let inner = burn::module::AutodiffModule::valid(&lm);
+    let inner_arch = Architecture::<B::InnerBackend>::new(cfg.clone(), positions, &device);
+    for &gb in &a.gen_batch {
+        let prompts: Vec<Vec<u32>> = (0..gb)
+            .map(|r| {
+                tokens_of(1, a.prompt)
+                    .iter()
+                    .map(|&x| ((x as usize + r) % cfg.vocab_size) as u32)
+                    .collect()
+            })
+            .collect();
+        let params = SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: a.new_tokens,
+            ..Default::default()
+        };
+        let mut best = f64::INFINITY;
+        for rep in 0..2 {
+            sync(&device)?;
+            let t0 = Instant::now();
+            let out = generate(&inner, &inner_arch, &prompts, &params, None, rep, &device);
+            sync(&device)?;
+            let dt = t0.elapsed().as_secs_f64();
+            let n: usize = out.iter().map(|g| g.tokens.len()).sum();
+            eprintln!("generate batch {gb} run {rep}: {n} tokens in {dt:.3} s");
+            if rep > 0 || a.gen_batch.len() == 1 {
+                best = best.min(dt);
+            }
+            if rep == 1 {
+                gen_rows.push(serde_json::json!({"batch": gb, "prompt": a.prompt, "new_tokens": a.new_tokens, "seconds": best, "tokens_per_s": n as f64 / best}));
+            }
+        }
+    }
+    let products = if a.products {
+        bench_products::<B::InnerBackend>(&cfg, &a.gen_batch, &device)?
+    } else {
+        Vec::new()
+    };
+    let report = serde_json::json!({
+        "products": products,
+        "engine": format!("burn {}{engine_note}", B::name(&device)),
+        "params": param_count(&cfg),
+        "train": train,
+        "generate": gen_rows,
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+/// A named way to compute one product.
+type Formulation<'a, B> = (
+    &'static str,
+    Box<dyn Fn() -> burn::tensor::Tensor<B, 2> + 'a>,
+);
+
+/// Times `[rows, k] x [k, n]` for the products of one decoding step (per layer: q/k/v,
+/// output, gate/up, down; then the tied head) in four formulations, and prints a table.
+fn bench_products<B: burn::tensor::backend::Backend>(
+    cfg: &trainer::model::ModelConfig,
+    batches: &[usize],
+    device: &B::Device,
+) -> Result<Vec<serde_json::Value>> {
+    use burn::tensor::{Distribution, ElementConversion, Tensor};
+    use std::time::Instant;
+    let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+    let qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd;
+    let shapes = [
+        ("qkv", d, qkv),
+        ("o", cfg.num_attention_heads * hd, d),
+        ("gate_up", d, 2 * cfg.intermediate_size),
+        ("down", cfg.intermediate_size, d),
+        ("head", d, cfg.vocab_size),
+    ];
+    let sync = || B::sync(device).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
+    let mut rows = Vec::new();
+    eprintln!("| rows | product | k | n | plain us | split-k 8 us | rows as batch us | transposed us | max diff |");
+    eprintln!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    for &m in batches {
+        for (name, k, n) in shapes {
+            let x = Tensor::<B, 2>::random([m, k], Distribution::Normal(0.0, 1.0), device);
+            let w = Tensor::<B, 2>::random([k, n], Distribution::Normal(0.0, 0.02), device);
+            let split = 8;
+            let forms: [Formulation<'_, B>; 4] = [
+                ("plain", Box::new(|| x.clone().matmul(w.clone()))),
+                (
+                    "split-k",
+                    Box::new(|| {
+                        let xs = x.clone().reshape([m, split, k / split]).swap_dims(0, 1);
+                        let ws = w.clone().reshape([split, k / split, n]);
+                        xs.matmul(ws).sum_dim(0).reshape([m, n])
+                    }),
+                ),
+                (
+                    "rows-as-batch",
+                    Box::new(|| {
+                        x.clone()
+                            .reshape([m, 1, k])
+                            .matmul(w.clone().unsqueeze::<3>())
+                            .reshape([m, n])
+                    }),
+                ),
+                (
+                    "transposed",
+                    Box::new(|| {
+                        w.clone()
+                            .transpose()
+                            .matmul(x.clone().transpose())
+                            .transpose()
+                    }),
+                ),
+            ];
+            let mut times = Vec::new();
+            let reference = forms[0].1();
+            let mut worst = 0.0f64;
+            for (form, f) in &forms {
+                if *form == "split-k" && k % split != 0 {
+                    times.push(f64::NAN);
+                    continue;
+                }
+                // Warm-up compiles the kernels (and checks the formulation); then 20 back to back.
+                let diff: f64 = (f() - reference.clone()).abs().max().into_scalar().elem();
+                worst = worst.max(diff);
+                sync()?;
+                let t0 = Instant::now();
+                // Results are kept until the sync so that none is skipped as unused.
+                let outs: Vec<_> = (0..20).map(|_| f()).collect();
+                sync()?;
+                drop(outs);
+                times.push(t0.elapsed().as_secs_f64() / 20.0 * 1e6);
+            }
+            eprintln!(
+                "| {m} | {name} | {k} | {n} | {:.0} | {:.0} | {:.0} | {:.0} | {worst:.2e} |",
+                times[0], times[1], times[2], times[3]
+            );
+            rows.push(serde_json::json!({"rows": m, "product": name, "k": k, "n": n, "max_diff": worst, "us": {"plain": times[0], "split_k8": times[1], "rows_as_batch": times[2], "transposed": times[3]}}));
+        }
+    }
+    Ok(rows)
+}
+
+fn param_count(c: &trainer::model::ModelConfig) -> usize {
+    let hd = c.head_dim;
+    let attn = c.hidden_size * hd * (c.num_attention_heads * 2 + c.num_key_value_heads * 2);
+    let mlp = 3 * c.hidden_size * c.intermediate_size;
+    let emb = c.vocab_size * c.hidden_size * if c.tie_word_embeddings { 1 } else { 2 };
+    c.num_hidden_layers * (attn + mlp) + emb
+}

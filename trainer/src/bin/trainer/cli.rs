@@ -1,0 +1,198 @@
+//! The command line: subcommands and their flags.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use trainer::config::TrainConfig;
+
+/// `trainer`: parsed arguments.
+#[derive(Parser)]
+#[command(
+    name = "trainer",
+    version,
+    about = "Train LLM agents that write CUDA kernels, against env-server"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand)]
+pub enum Command {
+    /// Single-turn PPO warm-up: one answer per task, reward from /v1/evaluate.
+    Warmup(StageArgs),
+    /// Rejection-sampling fine-tuning on filtered trajectories.
+    Rft(DataArgs),
+    /// Pre-train the critic on GAE targets of trajectories.
+    ValuePretrain(DataArgs),
+    /// Multi-turn PPO against the server.
+    Ppo(StageArgs),
+    /// Roll out episodes with a policy and print the reward summary.
+    Evaluate(EvalArgs),
+    /// Draw a stage's metrics.jsonl as PNG curves.
+    Plot(PlotArgs),
+    /// Measure training and generation throughput of a model shape (random weights).
+    BenchModel(BenchArgs),
+}
+
+/// Where tensors live.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// burn's ndarray CPU backend.
+    Cpu,
+    /// burn's CUDA backend (needs the `cuda` build feature and a GPU).
+    Cuda,
+}
+
+/// Float precision of the weights and activations.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// 32-bit floats.
+    F32,
+    /// bfloat16 (CUDA only).
+    Bf16,
+}
+
+/// Flags every stage takes.
+#[derive(Args, Clone)]
+pub struct Common {
+    /// TOML config (every field defaults to the recipe's value).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Checkpoint directory (config.json, tokenizer.json, optional *.safetensors); overrides model.path.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Server base URL (repeatable); overrides server.urls.
+    #[arg(long = "server")]
+    pub servers: Vec<String>,
+    /// Output directory; overrides run.out_dir.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Seed; overrides run.seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Compute device.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Float precision on CUDA.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub precision: Precision,
+    /// Start from an earlier stage's checkpoint directory (its final/ or a step-N/).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+}
+
+/// A training stage's flags.
+#[derive(Args, Clone)]
+pub struct StageArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// Continue from this stage's newest checkpoint.
+    #[arg(long)]
+    pub resume: bool,
+    /// Training steps; overrides ppo.steps.
+    #[arg(long)]
+    pub steps: Option<usize>,
+}
+
+/// RFT and value pre-training: a stage plus its data.
+#[derive(Args, Clone)]
+pub struct DataArgs {
+    #[command(flatten)]
+    pub stage: StageArgs,
+    /// Trajectory logs (a server's <data-dir>/trajectories; repeatable). Without any, the
+    /// stage rolls out rft.rollouts episodes with the starting policy.
+    #[arg(long = "trajectories")]
+    pub trajectories: Vec<PathBuf>,
+}
+
+/// `evaluate`'s flags.
+#[derive(Args, Clone)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// Episodes to run.
+    #[arg(long, default_value_t = 32)]
+    pub episodes: usize,
+    /// Sample greedily instead of at the configured temperature.
+    #[arg(long)]
+    pub greedy: bool,
+    /// Write the summary JSON here too.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write every episode (task, outcome, reward, the decoded conversation) here, one JSON
+    /// object per line: the quickest way to see what a checkpoint does.
+    #[arg(long)]
+    pub episodes_out: Option<PathBuf>,
+}
+
+/// `plot`'s flags.
+#[derive(Args, Clone)]
+pub struct PlotArgs {
+    /// A metrics.jsonl.
+    pub metrics: PathBuf,
+    /// PNG to write (default: beside the metrics file).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// `bench-model`'s flags.
+#[derive(Args, Clone)]
+pub struct BenchArgs {
+    /// A config.json giving the shape (default: Qwen2.5-0.5B's).
+    #[arg(long)]
+    pub shape: Option<PathBuf>,
+    /// Compute device.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Float precision.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub precision: Precision,
+    /// Sequence length of the training passes.
+    #[arg(long, default_value_t = 2048)]
+    pub seq: usize,
+    /// Sequences per training pass.
+    #[arg(long, default_value_t = 1)]
+    pub train_batch: usize,
+    /// Timed training passes (after one untimed); 0 skips training.
+    #[arg(long, default_value_t = 5)]
+    pub train_iters: usize,
+    /// Batch sizes of the generation runs.
+    #[arg(long, value_delimiter = ',', default_value = "1,32")]
+    pub gen_batch: Vec<usize>,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub prompt: usize,
+    /// New tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    /// Also time each decoding step's matrix products (one row per sequence of each
+    /// generation batch) written four ways: plain, split along the inner dimension, rows as
+    /// a batch of vector products, transposed.
+    #[arg(long)]
+    pub products: bool,
+}
+
+/// The stage configuration: the TOML file (or the defaults), then the flags that override it.
+pub fn load_config(c: &Common) -> Result<TrainConfig> {
+    let mut cfg = match &c.config {
+        Some(p) => TrainConfig::from_file(p)?,
+        None => TrainConfig::default(),
+    };
+    if let Some(m) = &c.model {
+        cfg.model.path = Some(m.clone());
+    }
+    if !c.servers.is_empty() {
+        cfg.server.urls = c.servers.clone();
+    }
+    if let Some(o) = &c.out {
+        cfg.run.out_dir = o.clone();
+    }
+    if let Some(s) = c.seed {
+        cfg.run.seed = s;
+    }
+    Ok(cfg)
+}
