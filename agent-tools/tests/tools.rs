@@ -369,6 +369,8 @@ fn schemas_are_openai_function_tools() {
             "TodoWrite",
             "Read",
             "Write",
+            "Edit",
+            "Grep",
             "Submit"
         ]
     );

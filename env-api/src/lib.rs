@@ -1,12 +1,15 @@
 //! Wire types of the environment API (`/v1`). Field names follow Gymnasium
 //! (`observation, reward, terminated, truncated, done, info`); tool schemas are OpenAI
-//! function tools. The server derives its OpenAPI document from these types.
+//! function tools. The server derives its OpenAPI document from these types; the tools'
+//! argument types ([`tools`]) derive the JSON schemas the tools are advertised with.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
+
+pub mod tools;
 
 /// Episode options a reset may set.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
@@ -30,6 +33,11 @@ pub struct ResetRequest {
     pub seed: Option<u64>,
     /// Limits for this episode.
     pub options: Option<ResetOptions>,
+    /// A task of the user's own, in place of `task`: the text of a Python file defining
+    /// `Model`, `get_inputs` and `get_init_inputs` (as `POST /v1/evaluate` takes it), at most
+    /// [`caps::TASK_SOURCE_BYTES`]. Its id is `custom/<hash>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_source: Option<String>,
 }
 
 /// What the agent sees after a reset or a step.
@@ -471,6 +479,11 @@ impl Capped for ResetRequest {
     fn check_caps(&self) -> Result<(), FieldTooLong> {
         cap_opt("task", self.task.as_ref(), caps::ID)?;
         cap_opt("split", self.split.as_ref(), caps::NAME)?;
+        cap_opt(
+            "task_source",
+            self.task_source.as_ref(),
+            caps::TASK_SOURCE_BYTES,
+        )?;
         let turns = self.options.as_ref().and_then(|o| o.max_turns).unwrap_or(0);
         cap(
             || "options.max_turns".into(),

@@ -86,13 +86,14 @@ pub(super) async fn run(
     tb: &mut Toolbox,
     command: &str,
     timeout: Duration,
+    by_budget: bool,
 ) -> Result<ToolOutput, ToolError> {
     if command.trim().is_empty() {
         return Err(ToolError::InvalidArgument("command is empty".into()));
     }
     if timeout.is_zero() {
         return Err(ToolError::InvalidArgument(
-            "no tool time is left in this episode".into(),
+            "no tool time is left in this episode (the tool-time budget is spent)".into(),
         ));
     }
     let cwd_file = tb.state_dir.join("bash.cwd");
@@ -183,6 +184,14 @@ pub(super) async fn run(
         text.push_str(&format!(
             "[stopped: {b}; the command and every process it started were killed]"
         ));
+    } else if timed_out && by_budget {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&format!(
+            "[cut after {:.1} s: the episode's tool-time budget ran out; the command and every process it started were killed]",
+            timeout.as_secs_f64()
+        ));
     } else if timed_out {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
@@ -210,6 +219,7 @@ pub(super) async fn run(
         data: json!({
             "exit_code": exit_code,
             "timed_out": timed_out,
+            "budget_cut": timed_out && by_budget,
             "stdout": "separate",
             "stdout_bytes": stdout.total,
             "stderr_bytes": stderr.total,

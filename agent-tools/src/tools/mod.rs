@@ -2,20 +2,26 @@
 //! and the per-episode [`Toolbox`] that runs calls.
 
 mod bash;
+mod edit;
 mod files;
 mod glob;
+mod grep;
 mod todo;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::sandbox::{Jail, Sandbox};
 use crate::workspace::Workspace;
-pub use todo::{Todo, TodoStatus};
+// The argument types are wire types: they live in env-api, beside the rest of the API.
+pub use env_api::tools::{
+    BashArgs, Edit, EditArgs, GlobArgs, GrepArgs, GrepOutputMode, MultiEditArgs, ReadArgs,
+    SubmitArgs, TodoItem, TodoStatus, TodoWriteArgs, WriteArgs,
+};
+pub use todo::Todo;
 
 /// Errors a tool reports. Inside an episode these become error observations, not HTTP errors.
 #[derive(Debug, thiserror::Error)]
@@ -111,91 +117,6 @@ pub enum CallError {
     },
 }
 
-/// Arguments of `Bash`.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct BashArgs {
-    /// The command to run with bash in the workspace. The working directory persists between calls.
-    pub command: String,
-    /// Timeout in milliseconds (default 120000, at most 600000).
-    #[serde(default)]
-    pub timeout: Option<u64>,
-    /// A short description of what the command does, in 5-10 words.
-    #[serde(default)]
-    pub description: Option<String>,
-}
-
-/// Arguments of `Glob`.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct GlobArgs {
-    /// The glob pattern, such as `**/*.cu` or `kernels/*.cpp`.
-    pub pattern: String,
-    /// Directory to search in (default: the workspace root).
-    #[serde(default)]
-    pub path: Option<String>,
-}
-
-/// One replacement inside a MultiEdit.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Edit {
-    /// The exact text to replace (empty, in the first edit, to create a new file).
-    pub old_string: String,
-    /// The text to put in its place.
-    pub new_string: String,
-    /// Replace every occurrence instead of requiring exactly one.
-    #[serde(default)]
-    pub replace_all: bool,
-}
-
-/// Arguments of `MultiEdit`.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct MultiEditArgs {
-    /// The file to edit (relative to the workspace root, or absolute inside it).
-    pub file_path: String,
-    /// Edits applied in order; all of them or none are written.
-    pub edits: Vec<Edit>,
-}
-
-/// Arguments of `TodoWrite`.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct TodoWriteArgs {
-    /// The whole updated todo list (it replaces the previous one).
-    pub todos: Vec<todo::TodoItem>,
-}
-
-/// Arguments of `Read`.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReadArgs {
-    /// The file to read.
-    pub file_path: String,
-    /// 1-based line to start at.
-    #[serde(default)]
-    pub offset: Option<usize>,
-    /// Number of lines to read (default 2000).
-    #[serde(default)]
-    pub limit: Option<usize>,
-}
-
-/// Arguments of `Write`.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct WriteArgs {
-    /// The file to write (created with its directories if missing, replaced otherwise).
-    pub file_path: String,
-    /// The complete new contents.
-    pub content: String,
-}
-
-/// Arguments of `Submit`: none.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SubmitArgs {}
-
 /// A parsed tool call.
 #[derive(Debug, Clone)]
 pub enum ToolCall {
@@ -203,6 +124,10 @@ pub enum ToolCall {
     Bash(BashArgs),
     /// Find files by pattern.
     Glob(GlobArgs),
+    /// Search file contents.
+    Grep(GrepArgs),
+    /// Replace one string in one file.
+    Edit(EditArgs),
     /// Apply edits to one file.
     MultiEdit(MultiEditArgs),
     /// Replace the todo list.
@@ -251,6 +176,16 @@ const TOOLS: &[ToolSpec] = &[
         name: "Write",
         description: "Write a whole file in the workspace, replacing it if it exists.",
         schema: || schemars::schema_for!(WriteArgs),
+    },
+    ToolSpec {
+        name: "Edit",
+        description: "Replace an exact string in one file: old_string must appear exactly once unless replace_all is set, and must differ from new_string; nothing is written otherwise. An empty old_string creates a file that does not exist yet. Read the file first so old_string matches it exactly (indentation included).",
+        schema: || schemars::schema_for!(EditArgs),
+    },
+    ToolSpec {
+        name: "Grep",
+        description: "Search file contents in the workspace with a regular expression (ripgrep syntax). output_mode: files_with_matches (paths, the default), content (matching lines, with -n line numbers, -A/-B/-C context), count. Filter files with glob (`*.cpp`) or type (`py`, `cpp`, `cuda`); -i ignores case; multiline lets a match span lines; head_limit keeps the first N lines or entries. Hidden files and binary files are skipped.",
+        schema: || schemars::schema_for!(GrepArgs),
     },
     ToolSpec {
         name: "Submit",
@@ -316,6 +251,8 @@ impl ToolCall {
         Ok(match tool {
             "Bash" => ToolCall::Bash(de(tool, args)?),
             "Glob" => ToolCall::Glob(de(tool, args)?),
+            "Grep" => ToolCall::Grep(de(tool, args)?),
+            "Edit" => ToolCall::Edit(de(tool, args)?),
             "MultiEdit" => ToolCall::MultiEdit(de(tool, args)?),
             "TodoWrite" => ToolCall::TodoWrite(de(tool, args)?),
             "Read" => ToolCall::Read(de(tool, args)?),
@@ -329,6 +266,8 @@ impl ToolCall {
         match self {
             ToolCall::Bash(_) => "Bash",
             ToolCall::Glob(_) => "Glob",
+            ToolCall::Grep(_) => "Grep",
+            ToolCall::Edit(_) => "Edit",
             ToolCall::MultiEdit(_) => "MultiEdit",
             ToolCall::TodoWrite(_) => "TodoWrite",
             ToolCall::Read(_) => "Read",
@@ -482,20 +421,26 @@ impl Toolbox {
         let timeout = self.limits.file_tool_timeout;
         let result = match call {
             ToolCall::Bash(a) => {
-                let timeout = a
+                let asked = a
                     .timeout
                     .map(Duration::from_millis)
                     .unwrap_or(self.limits.default_bash_timeout)
-                    .min(self.limits.max_bash_timeout)
-                    .min(budget);
-                bash::run(self, &a.command, timeout).await
+                    .min(self.limits.max_bash_timeout);
+                // A command cut by the episode's budget says so (not just "timed out").
+                let by_budget = budget < asked;
+                bash::run(self, &a.command, asked.min(budget), by_budget).await
             }
             ToolCall::TodoWrite(a) => todo::write(&mut self.todos, a),
             ToolCall::Submit(_) => Ok(ToolOutput::ok(
                 "Submitted model_new.py for evaluation.",
                 json!({}),
             )),
-            ToolCall::Glob(_) | ToolCall::MultiEdit(_) | ToolCall::Read(_) | ToolCall::Write(_) => {
+            ToolCall::Glob(_)
+            | ToolCall::Grep(_)
+            | ToolCall::Edit(_)
+            | ToolCall::MultiEdit(_)
+            | ToolCall::Read(_)
+            | ToolCall::Write(_) => {
                 let (ws, limits, call) =
                     (self.workspace.clone(), self.limits.clone(), call.clone());
                 off_runtime(timeout, move || run_file_tool(&ws, &limits, &call)).await
@@ -526,6 +471,8 @@ fn run_file_tool(
 ) -> Result<ToolOutput, ToolError> {
     match call {
         ToolCall::Glob(a) => glob::run(ws, a, limits),
+        ToolCall::Grep(a) => grep::run(ws, a, limits),
+        ToolCall::Edit(a) => edit::run(ws, a, limits),
         ToolCall::MultiEdit(a) => files::multi_edit(ws, a, limits),
         ToolCall::Read(a) => files::read(ws, a, limits),
         ToolCall::Write(a) => files::write(ws, a, limits),

@@ -1,45 +1,8 @@
 //! `TodoWrite`: the episode's todo list, replaced whole on every call.
 
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{TodoWriteArgs, ToolError, ToolOutput};
-
-/// State of one todo item.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum TodoStatus {
-    /// Not started.
-    Pending,
-    /// Being worked on.
-    InProgress,
-    /// Done.
-    Completed,
-}
-
-/// A todo item as the agent sends it: the current form `{content, status, activeForm}` or
-/// the older `{id, content, status, priority}`.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-pub struct TodoItem {
-    /// What to do, in the imperative ("Profile the reference").
-    pub content: String,
-    /// Its state.
-    pub status: TodoStatus,
-    /// The same in the present continuous ("Profiling the reference").
-    #[serde(
-        rename = "activeForm",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub active_form: Option<String>,
-    /// Identifier (older form).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    /// Priority: high, medium or low (older form).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub priority: Option<String>,
-}
+use super::{TodoItem, TodoStatus, TodoWriteArgs, ToolError, ToolOutput};
 
 /// A stored todo item.
 pub type Todo = TodoItem;

@@ -1,0 +1,247 @@
+//! `Edit` and `Grep`: Claude Code's single-replacement edit and ripgrep-style search, with
+//! the workspace's path rules.
+
+mod common;
+
+use std::os::unix::fs::symlink;
+
+use agent_tools::{CallError, ToolCall};
+use common::fixture;
+use serde_json::json;
+
+#[tokio::test]
+async fn edit_replaces_exactly_one_occurrence_or_nothing() {
+    let mut f = fixture();
+    std::fs::write(f.root.join("a.py"), "x = 1\ny = 1\n").unwrap();
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "a.py", "old_string": "x = 1", "new_string": "x = 2"}),
+        )
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(out.text, "Edited a.py: 1 replacement(s)");
+    // "= 1" is now on one line only; "y" twice would be ambiguous.
+    std::fs::write(f.root.join("b.py"), "t t\n").unwrap();
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "b.py", "old_string": "t", "new_string": "u"}),
+        )
+        .await;
+    assert!(out.is_error);
+    assert!(out.text.contains("appears 2 times"), "{}", out.text);
+    assert!(out.text.contains("b.py was not changed"), "{}", out.text);
+    assert_eq!(
+        std::fs::read_to_string(f.root.join("b.py")).unwrap(),
+        "t t\n"
+    );
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "b.py", "old_string": "t", "new_string": "u", "replace_all": true}),
+        )
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(
+        std::fs::read_to_string(f.root.join("b.py")).unwrap(),
+        "u u\n"
+    );
+    // An empty old_string creates a missing file; a missing string is named.
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "kernels/k.cpp", "old_string": "", "new_string": "int k;\n"}),
+        )
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(out.text, "Created kernels/k.cpp");
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "a.py", "old_string": "zzz", "new_string": "w"}),
+        )
+        .await;
+    assert!(
+        out.is_error && out.text.contains("not found"),
+        "{}",
+        out.text
+    );
+}
+
+#[tokio::test]
+async fn edit_keeps_the_path_rules() {
+    let mut f = fixture();
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "model.py", "old_string": "Model", "new_string": "M"}),
+        )
+        .await;
+    assert!(
+        out.is_error && out.text.contains("read-only"),
+        "{}",
+        out.text
+    );
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "../other-ws/model_new.py", "old_string": "other", "new_string": "x"}),
+        )
+        .await;
+    assert!(out.is_error && out.text.contains("outside"), "{}", out.text);
+    symlink(&f.secret, f.root.join("link.json")).unwrap();
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "link.json", "old_string": "seeds", "new_string": "x"}),
+        )
+        .await;
+    assert!(out.is_error && out.text.contains("link"), "{}", out.text);
+    assert!(std::fs::read_to_string(&f.secret)
+        .unwrap()
+        .contains("seeds"));
+    assert!(matches!(
+        ToolCall::parse("Edit", &json!({"file_path": "a", "old_string": "x"})),
+        Err(CallError::BadArguments { .. })
+    ));
+}
+
+fn tree(f: &common::Fixture) {
+    std::fs::create_dir_all(f.root.join("kernels/sub")).unwrap();
+    std::fs::write(
+        f.root.join("model_new.py"),
+        "import torch\nclass ModelNew:\n    def forward(self, x):\n        return relu(x)\n",
+    )
+    .unwrap();
+    std::fs::write(
+        f.root.join("kernels/relu.cpp"),
+        "// relu\nfloat relu(float x) {\n  return x > 0 ? x : 0;\n}\n",
+    )
+    .unwrap();
+    std::fs::write(f.root.join("kernels/sub/RELU.h"), "#define RELU 1\n").unwrap();
+    std::fs::write(f.root.join(".hidden.py"), "relu\n").unwrap();
+    std::fs::write(f.root.join("blob.bin"), b"relu\0\0\0").unwrap();
+}
+
+#[tokio::test]
+async fn grep_lists_files_counts_and_shows_lines_with_context() {
+    let mut f = fixture();
+    tree(&f);
+    // Default: files with matches; hidden and binary files skipped.
+    let out = f.call("Grep", json!({"pattern": "relu"})).await;
+    assert!(!out.is_error, "{}", out.text);
+    let lines: Vec<&str> = out.text.lines().collect();
+    assert_eq!(lines[0], "Found 2 files", "{}", out.text);
+    let mut files = lines[1..].to_vec();
+    files.sort();
+    assert_eq!(files, ["kernels/relu.cpp", "model_new.py"]);
+    // -i reaches the header; a glob narrows by name; type by extension.
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "relu", "-i": true, "glob": "*.h"}),
+        )
+        .await;
+    assert_eq!(
+        out.text, "Found 1 files\nkernels/sub/RELU.h",
+        "{}",
+        out.text
+    );
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "relu", "type": "cpp", "output_mode": "count"}),
+        )
+        .await;
+    assert_eq!(
+        out.text, "kernels/relu.cpp:2\n[2 matching lines in 1 files]",
+        "{}",
+        out.text
+    );
+    // Content: path:line:text, context with '-', groups split by '--'.
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "return", "output_mode": "content", "-B": 1, "path": "kernels"}),
+        )
+        .await;
+    assert_eq!(
+        out.text,
+        "kernels/relu.cpp-2-float relu(float x) {\nkernels/relu.cpp:3:  return x > 0 ? x : 0;",
+        "{}",
+        out.text
+    );
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "def|return", "output_mode": "content", "path": "model_new.py", "-n": false}),
+        )
+        .await;
+    assert_eq!(
+        out.text, "model_new.py:    def forward(self, x):\nmodel_new.py:        return relu(x)",
+        "{}",
+        out.text
+    );
+    // head_limit keeps the first lines and says so.
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "x", "output_mode": "content", "head_limit": 1, "glob": "*.py"}),
+        )
+        .await;
+    assert_eq!(out.text.lines().count(), 2, "{}", out.text);
+    assert!(
+        out.text.contains("[stopped at head_limit 1]"),
+        "{}",
+        out.text
+    );
+    // multiline: a match across lines.
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "forward.*\\n.*return", "multiline": true, "output_mode": "content"}),
+        )
+        .await;
+    assert!(out.text.contains("model_new.py:3:"), "{}", out.text);
+    assert!(out.text.contains("model_new.py:4:"), "{}", out.text);
+    let out = f.call("Grep", json!({"pattern": "no such text"})).await;
+    assert_eq!(out.text, "No matches found");
+}
+
+#[tokio::test]
+async fn grep_refuses_bad_patterns_and_never_leaves_the_workspace() {
+    let mut f = fixture();
+    tree(&f);
+    let out = f.call("Grep", json!({"pattern": "("})).await;
+    assert!(
+        out.is_error && out.text.contains("bad regular expression"),
+        "{}",
+        out.text
+    );
+    let out = f
+        .call("Grep", json!({"pattern": "x", "type": "cobol"}))
+        .await;
+    assert!(
+        out.is_error && out.text.contains("unknown type"),
+        "{}",
+        out.text
+    );
+    let out = f
+        .call("Grep", json!({"pattern": "secret", "path": "../other-ws"}))
+        .await;
+    assert!(out.is_error && out.text.contains("outside"), "{}", out.text);
+    // A link to a file or a directory outside is never followed.
+    symlink(&f.secret, f.root.join("seeds.json")).unwrap();
+    symlink(&f.other_workspace, f.root.join("other")).unwrap();
+    let out = f.call("Grep", json!({"pattern": "seeds|secret"})).await;
+    assert_eq!(out.text, "No matches found", "{}", out.text);
+    let out = f
+        .call("Grep", json!({"pattern": "seeds", "path": "seeds.json"}))
+        .await;
+    assert!(!out.text.contains("1, 2, 3"), "{}", out.text);
+    let out = f
+        .call("Grep", json!({"pattern": "secret", "path": "other"}))
+        .await;
+    assert!(out.is_error, "{}", out.text);
+}
