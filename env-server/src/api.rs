@@ -44,6 +44,8 @@ pub struct AppState {
     pub max_in_flight: usize,
     /// What the janitor prunes, and how often.
     pub retention: Retention,
+    /// Limits of the MCP front (`/mcp`).
+    pub mcp: crate::mcp::McpLimits,
 }
 
 /// An error answer: status plus `{error: {code, message}}`.
@@ -194,8 +196,13 @@ type ApiResult<T> = Result<Json<T>, ApiError>;
 /// bounded in size and in time, before a handler sees it.
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.max_body_bytes;
+    let mcp = crate::mcp::McpFront::new(state.clone());
     Router::new()
         .route("/v1/health", get(health))
+        .route(
+            "/mcp",
+            axum::routing::any(crate::mcp::handle).with_state(mcp),
+        )
         .route("/v1/episodes", post(reset))
         .route("/v1/episodes/{id}", get(episode_state).delete(close))
         .route("/v1/episodes/{id}/step", post(step))

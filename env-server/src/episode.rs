@@ -752,9 +752,15 @@ impl EpisodeManager {
         if open >= self.cfg().max_episodes {
             return Err(EpisodeError::AtCapacity(open));
         }
-        let task = match &req.task {
-            Some(id) => self.tasks.get(id)?.clone(),
-            None => self
+        let task = match (&req.task_source, &req.task) {
+            (Some(_), Some(_)) => {
+                return Err(EpisodeError::BadRequest(
+                    "give task or task_source, not both".into(),
+                ))
+            }
+            (Some(source), None) => Task::inline(source)?,
+            (None, Some(id)) => self.tasks.get(id)?.clone(),
+            (None, None) => self
                 .tasks
                 .sample(
                     req.split.as_deref().unwrap_or("all"),

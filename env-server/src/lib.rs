@@ -4,6 +4,7 @@
 //!
 //! - [`api`]: routes, errors, auth, metrics, OpenAPI ([`api::router`] builds the app).
 //! - [`http`]: serving the app over TCP with connection, header, idle and write limits.
+//! - [`mcp`]: the MCP front (`/mcp`): one MCP session per episode, the same tools and log.
 //! - [`episode`]: the episode manager (workspaces, limits, idle expiry, recovery).
 //! - [`retention`]: what stays on disk (trajectory logs, the build cache, crash leftovers).
 //! - [`evaluation`]: the evaluation queue, device leases, the harness runs.
@@ -15,6 +16,7 @@ pub mod api;
 pub mod episode;
 pub mod evaluation;
 pub mod http;
+pub mod mcp;
 pub mod retention;
 pub mod reward;
 pub mod runtime;
@@ -317,6 +319,10 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         in_flight: Arc::new(tokio::sync::Semaphore::new(cfg.http.max_requests_in_flight)),
         max_in_flight: cfg.http.max_requests_in_flight,
         retention,
+        mcp: mcp::McpLimits {
+            max_sessions: cfg.max_episodes,
+            session_idle: cfg.idle_timeout,
+        },
     }))
 }
 

@@ -1,0 +1,1 @@
+//! Drives cuda-agent episodes with an OpenAI-compatible chat-completions model.

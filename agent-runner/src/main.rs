@@ -1,0 +1,3 @@
+//! `agent-runner`: episodes driven by an OpenAI-compatible model.
+
+fn main() {}
