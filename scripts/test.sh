@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="$(scripts/python-env.sh)"
 export CUDA_AGENT_PYTHON="$venv/bin/python"
+# Servers the tests start build no precompiled headers unless a test asks (`--pch`).
+export CUDA_AGENT_PCH=none
 echo "python: $CUDA_AGENT_PYTHON ($("$CUDA_AGENT_PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
 cargo test --workspace --locked "$@"
 # The Python client against the real server binary cargo just built, the judge's rules, and the

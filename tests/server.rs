@@ -61,6 +61,9 @@ impl Server {
             .arg("--python")
             .arg(python())
             .args(["--device", "cpu"])
+            // Precompiled headers cost a core-minute and 0.7 GB a variant: only the tests that
+            // check them ask for them (`--pch`).
+            .env("CUDA_AGENT_PCH", "none")
             .args(extra)
             .stdout(Stdio::null())
             .stderr(log)

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agent_tools::sandbox::{Outcome, ProcessView};
@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 use tokio::io::AsyncReadExt;
 use tokio::sync::Semaphore;
 
+use crate::build::{BuildQueue, QueueLoad};
 use crate::reward::milestone;
 use crate::runtime::{Device, PythonInfo};
 
@@ -53,8 +54,10 @@ pub struct EvaluatorConfig {
     pub device: Device,
     /// Number of device leases (GPUs; 1 for the CPU).
     pub devices: usize,
-    /// Builds at once.
+    /// Builds at once (granted round robin over requesters).
     pub max_builds: usize,
+    /// Compile jobs inside one build (`MAX_JOBS` of torch's extension builder).
+    pub build_jobs: usize,
     /// Most evaluations waiting before new ones are refused.
     pub max_queue: usize,
     /// Time limit of each harness phase.
@@ -86,7 +89,7 @@ pub struct Evaluator {
     sandbox: Sandbox,
     python: PythonInfo,
     harness_dir: PathBuf,
-    builds: Semaphore,
+    builds: Arc<BuildQueue>,
     slots: Vec<DeviceSlot>,
     next_slot: AtomicUsize,
     waiting: AtomicUsize,
@@ -116,7 +119,7 @@ impl Evaluator {
             })
             .collect();
         Self {
-            builds: Semaphore::new(cfg.max_builds.max(1)),
+            builds: BuildQueue::new(cfg.max_builds),
             cfg,
             sandbox,
             python,
@@ -132,6 +135,11 @@ impl Evaluator {
     /// The device leases.
     pub fn slots(&self) -> &[DeviceSlot] {
         &self.slots
+    }
+
+    /// Builds running and waiting.
+    pub fn build_load(&self) -> QueueLoad {
+        self.builds.load()
     }
 
     /// Evaluations waiting or running.
@@ -176,6 +184,18 @@ impl Evaluator {
         files: &BTreeMap<String, String>,
         tolerance: Option<f64>,
     ) -> Result<EvaluationResult, EvalError> {
+        self.evaluate_for("api", task, files, tolerance).await
+    }
+
+    /// [`Evaluator::evaluate`] on behalf of `requester` (an episode id, an API caller): build
+    /// slots go round robin over requesters, so one cannot starve the others.
+    pub async fn evaluate_for(
+        &self,
+        requester: &str,
+        task: &Task,
+        files: &BTreeMap<String, String>,
+        tolerance: Option<f64>,
+    ) -> Result<EvaluationResult, EvalError> {
         if let kernelbench::TaskKind::Recall { file, value } = &task.kind {
             check_size(files)?;
             self.finished.fetch_add(1, Ordering::Relaxed);
@@ -189,7 +209,9 @@ impl Evaluator {
         }
         let id = uuid::Uuid::new_v4().simple().to_string();
         let dir = self.cfg.data_dir.join("evals").join(&id);
-        let result = self.evaluate_in(&dir, task, files, tolerance).await;
+        let result = self
+            .evaluate_in(&dir, requester, task, files, tolerance)
+            .await;
         let gone = dir.clone();
         let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(gone)).await;
         self.finished.fetch_add(1, Ordering::Relaxed);
@@ -199,6 +221,7 @@ impl Evaluator {
     async fn evaluate_in(
         &self,
         dir: &Path,
+        requester: &str,
         task: &Task,
         files: &BTreeMap<String, String>,
         tolerance: Option<f64>,
@@ -231,20 +254,35 @@ impl Evaluator {
         // lock file would otherwise be left stale by a build killed at its time limit).
         let digest = self.build_digest(files);
         let ext = self.cfg.data_dir.join("build-cache").join(&digest);
-        let cache_hit = ext.is_dir();
+        let built_mark = self.cfg.data_dir.join("build-ok").join(&digest);
         let worker_jail = self.worker_jail(&layout, &ext, worker_owner);
-        let build = {
+        let mut phases = Phases {
+            setup_s: started.elapsed().as_secs_f64(),
+            ..Phases::default()
+        };
+        let (build, cache_hit) = {
             let digest_lock = self.build_lock(&digest);
             let _same_sources = digest_lock.lock().await;
-            let _permit = self
-                .builds
-                .acquire()
-                .await
-                .map_err(|e| EvalError::Harness(e.to_string()))?;
             prepare_build_dir(&ext, worker_owner).map_err(|e| io_err(&ext, e))?;
             // Least recently used entries are pruned first (retention.rs).
             let _ = crate::retention::touch(&ext);
-            self.build(&worker_jail, &layout).await?
+            match read_built_mark(&built_mark, &ext) {
+                // These exact sources built before: the worker loads what is there (and
+                // torch rebuilds it there, under the lease, if it was changed since).
+                Some(report) => (report, true),
+                None => {
+                    let t = Instant::now();
+                    let _permit = self.builds.acquire(requester).await;
+                    phases.build_queue_s = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    let report = self.build(&worker_jail, &layout).await?;
+                    phases.build_s = t.elapsed().as_secs_f64();
+                    if report.built {
+                        write_built_mark(&built_mark, &report);
+                    }
+                    (report, false)
+                }
+            }
         };
         let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "build_cache_hit": cache_hit, "build": build});
         let fail = |reason: String, details: Value| EvaluationResult {
@@ -260,6 +298,7 @@ impl Evaluator {
                 .reason
                 .clone()
                 .unwrap_or_else(|| "compile: the build failed".into());
+            details["phases"] = json!(phases);
             return Ok(fail(reason, details));
         }
 
@@ -269,8 +308,10 @@ impl Evaluator {
             .map(|_| (random_u64() % 1_000_000_007).to_string())
             .collect();
         let seeds = seeds.join(",");
+        let lease_asked = Instant::now();
         let (verdict, worker_log) = self
             .with_lease(|slot| {
+                phases.lease_wait_s = lease_asked.elapsed().as_secs_f64();
                 self.judge_run(
                     &layout,
                     &worker_jail,
@@ -282,8 +323,10 @@ impl Evaluator {
                 )
             })
             .await?;
+        phases.judge_s = lease_asked.elapsed().as_secs_f64() - phases.lease_wait_s;
         drop(leases);
         details["elapsed_s"] = json!(started.elapsed().as_secs_f64());
+        details["phases"] = json!(phases);
         details["confined"] = json!(self.sandbox.is_confined());
         if !worker_log.is_empty() {
             details["worker_log"] = json!(worker_log);
@@ -361,8 +404,13 @@ impl Evaluator {
             self.cfg.device.as_str().into(),
         ];
         let mut jail = jail.clone();
+        jail.env.push((
+            "MAX_JOBS".into(),
+            self.cfg.build_jobs.max(1).to_string().into(),
+        ));
         if self.cfg.device == Device::Cuda {
-            // nvcc needs no GPU; none is visible to a build.
+            // nvcc needs no GPU; none is visible to a build (TORCH_CUDA_ARCH_LIST, from the
+            // server's probe, says what to compile for).
             jail.env.push(("CUDA_VISIBLE_DEVICES".into(), "".into()));
         }
         let (out, err, outcome) = self.run_sandboxed(&jail, &argv, &d.candidate).await?;
@@ -644,6 +692,48 @@ impl Evaluator {
             .fetch_add(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
         drop(permit);
         out
+    }
+}
+
+/// Where one evaluation's time went (seconds), in its details.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+struct Phases {
+    /// Directories, uids, files.
+    setup_s: f64,
+    /// Waiting for a build slot (0 on a cache hit).
+    build_queue_s: f64,
+    /// The build (0 on a cache hit).
+    build_s: f64,
+    /// Waiting for the device.
+    lease_wait_s: f64,
+    /// Checking and timing on the device.
+    judge_s: f64,
+}
+
+/// The report of an earlier successful build of the same sources, if its cache entry is
+/// still there. The mark is the server's own file, in a directory no sandbox can write.
+fn read_built_mark(mark: &Path, ext: &Path) -> Option<BuildReport> {
+    let text = std::fs::read(mark).ok()?;
+    if !ext.is_dir() {
+        let _ = std::fs::remove_file(mark);
+        return None;
+    }
+    serde_json::from_slice::<BuildReport>(&text)
+        .ok()
+        .filter(|r| r.built)
+}
+
+fn write_built_mark(mark: &Path, report: &BuildReport) {
+    let write = || -> std::io::Result<()> {
+        if let Some(dir) = mark.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = mark.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(report).unwrap_or_default())?;
+        std::fs::rename(&tmp, mark)
+    };
+    if let Err(e) = write() {
+        tracing::warn!(path = %mark.display(), error = %e, "recording a finished build");
     }
 }
 

@@ -8,11 +8,14 @@
 //! - [`episode`]: the episode manager (workspaces, limits, idle expiry, recovery).
 //! - [`retention`]: what stays on disk (trajectory logs, the build cache, crash leftovers).
 //! - [`evaluation`]: the evaluation queue, device leases, the harness runs.
+//! - [`build`]: the fair build queue, the build toolchain (CUDA architectures, precompiled
+//!   torch headers).
 //! - [`trajectory`]: the durable JSON Lines log.
 //! - [`reward`]: the milestone reward.
 //! - [`runtime`]: Python/torch/device discovery and the pristine harness.
 
 pub mod api;
+pub mod build;
 pub mod episode;
 pub mod evaluation;
 pub mod http;
@@ -51,6 +54,9 @@ pub struct ServerConfig {
     pub max_episodes: usize,
     /// Builds at once.
     pub max_builds: usize,
+    /// Flag sets (`extra_cflags` as candidates pass them) to precompile torch/extension.h
+    /// for; None: the device's defaults ([`build::default_pch_variants`]); empty: none.
+    pub pch_variants: Option<Vec<String>>,
     /// Most evaluations waiting.
     pub max_eval_queue: usize,
     /// Default turn limit.
@@ -101,9 +107,8 @@ impl Default for ServerConfig {
             python: PathBuf::from("python3"),
             allow_unconfined: false,
             max_episodes: 4096,
-            max_builds: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(2),
+            max_builds: build::default_max_builds(),
+            pch_variants: None,
             max_eval_queue: 1024,
             max_turns: 200,
             time_budget: Duration::from_secs(300),
@@ -181,7 +186,25 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     raise_open_file_limit();
     let python = runtime::PythonInfo::probe(&cfg.python)?;
     let device = runtime::Device::choose(&cfg.device, &python)?;
-    let mut sandbox_cfg = SandboxConfig::with_toolchains(python.toolchain_dirs());
+    let mut toolchain = build::Toolchain::for_device(device, &python);
+    let tool_path = std::env::join_paths(python.path_dirs()).unwrap_or_default();
+    let variants = cfg
+        .pch_variants
+        .clone()
+        .unwrap_or_else(|| build::default_pch_variants(device));
+    let mut toolchain_dirs = python.toolchain_dirs();
+    if !variants.is_empty() {
+        let env = toolchain.env();
+        match build::Pch::layout(&data_dir.join("pch"), &python, device, &tool_path, &env) {
+            Ok(pch) => {
+                toolchain.pch_dir = Some(pch.dir.clone());
+                toolchain_dirs.push(pch.dir.clone());
+                build::spawn_pch_builds(pch, variants.clone(), tool_path.clone());
+            }
+            Err(e) => tracing::warn!(error = %e, "building without precompiled headers"),
+        }
+    }
+    let mut sandbox_cfg = SandboxConfig::with_toolchains(toolchain_dirs);
     sandbox_cfg.limits = cfg.limits.clone();
     sandbox_cfg.allow_unconfined = cfg.allow_unconfined;
     let sandbox = Sandbox::new(sandbox_cfg)?;
@@ -211,7 +234,8 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             "full".into()
         }
     });
-    let extra_env = vec![("CUDA_AGENT_TASK_SIZE".to_string(), task_size.clone())];
+    let mut extra_env = vec![("CUDA_AGENT_TASK_SIZE".to_string(), task_size.clone())];
+    extra_env.extend(toolchain.env());
     let gpus = if device == runtime::Device::Cuda {
         python.gpus
     } else {
@@ -223,6 +247,11 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             device,
             devices: gpus.max(1),
             max_builds: cfg.max_builds,
+            build_jobs: (std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+                / cfg.max_builds.max(1))
+            .clamp(1, 4),
             max_queue: cfg.max_eval_queue,
             phase_timeout: cfg.eval_timeout,
             extra_env: extra_env.clone(),
@@ -289,6 +318,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "task_size": task_size,
         "tasks": tasks.len(),
         "capacity": {"max_commands": cfg.max_commands, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1)},
+        "build": {"cuda_arch_list": toolchain.cuda_arch_list, "precompiled_headers": toolchain.pch_dir.as_ref().map(|_| variants.clone())},
         "http": {
             "max_connections": cfg.http.max_connections,
             "max_requests_in_flight": cfg.http.max_requests_in_flight,

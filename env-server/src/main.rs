@@ -63,9 +63,14 @@ struct Args {
     /// Time limit of each evaluation phase (build; check and time), seconds.
     #[arg(long, default_value_t = 300)]
     eval_timeout_s: u64,
-    /// Builds at once (default: the number of cores).
+    /// Builds at once (default: one per core, at most one per 2 GiB of available memory).
     #[arg(long)]
     max_builds: Option<usize>,
+    /// Compiler flag sets to precompile torch/extension.h for, `;` separated, as candidates
+    /// pass them in `extra_cflags` (such as `-O3;-O3 -march=native`); `none` for no
+    /// precompiled headers (default: the flags candidates use most on the device).
+    #[arg(long, env = "CUDA_AGENT_PCH", allow_hyphen_values = true)]
+    pch: Option<String>,
     /// Task input sizes: `small` (CPU-sized) or `full` (default: small on CPU, full on CUDA).
     #[arg(long, value_parser = ["small", "full"])]
     task_size: Option<String>,
@@ -263,6 +268,13 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
     if let Some(n) = args.max_builds {
         cfg.max_builds = n;
     }
+    cfg.pch_variants = args.pch.as_deref().map(|v| {
+        if v.trim() == "none" {
+            Vec::new()
+        } else {
+            v.split(';').map(|f| f.trim().to_string()).collect()
+        }
+    });
     let state = tokio::task::spawn_blocking(move || build_state(cfg))
         .await?
         .context("starting the server")?;

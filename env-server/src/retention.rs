@@ -178,6 +178,10 @@ pub fn prune_build_cache(dir: &Path, policy: &BuildCacheRetention) -> Removed {
             Ok(()) => {
                 total -= bytes;
                 removed.add(bytes);
+                // The server's record that these sources built (evaluation.rs) goes too.
+                if let (Some(parent), Some(name)) = (dir.parent(), path.file_name()) {
+                    let _ = std::fs::remove_file(parent.join("build-ok").join(name));
+                }
             }
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "removing a build cache entry")

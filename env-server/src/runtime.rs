@@ -23,6 +23,10 @@ pub const HARNESS_FILES: &[(&str, &str)] = &[
         include_str!("../../skills/cuda_agent_worker.py"),
     ),
     ("evaluate.py", include_str!("../../skills/evaluate.py")),
+    (
+        "kernels_ext.py",
+        include_str!("../../skills/kernels_ext.py"),
+    ),
 ];
 
 /// The files laid read-only into every workspace (evaluate.py is the server's alone).
@@ -33,6 +37,7 @@ pub const WORKSPACE_FILES: &[&str] = &[
     "cuda_agent_harness.py",
     "cuda_agent_judge.py",
     "cuda_agent_worker.py",
+    "kernels_ext.py",
 ];
 
 /// Errors found at start.
@@ -73,12 +78,36 @@ pub struct PythonInfo {
     pub gpus: usize,
     /// Their names.
     pub gpu_names: Vec<String>,
+    /// Their compute capabilities (`9.0`), clamped to what this torch was built for, as
+    /// `TORCH_CUDA_ARCH_LIST` spells them.
+    #[serde(default)]
+    pub gpu_archs: Vec<String>,
 }
+
+/// What the probe prints: where Python lives and what torch sees. The capability is clamped
+/// to the newest architecture this torch was built for, as torch's extension builder does.
+const PROBE: &str = r#"import json, os, sys
+import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+built = [int(a.split('_')[1].rstrip('a')) for a in (torch.cuda.get_arch_list() if n else []) if a.startswith('sm_')]
+archs = []
+for i in range(n):
+    cap = torch.cuda.get_device_capability(i)
+    if built:
+        cap = min(cap, max((b // 10, b % 10) for b in built))
+    a = '%d.%d' % cap
+    if a not in archs:
+        archs.append(a)
+print(json.dumps({'executable': sys.executable, 'real_executable': os.path.realpath(sys.executable),
+    'prefix': sys.prefix, 'base_prefix': sys.base_prefix, 'torch': torch.__version__,
+    'torch_cuda': torch.version.cuda, 'gpus': n,
+    'gpu_names': [torch.cuda.get_device_name(i) for i in range(n)], 'gpu_archs': sorted(archs)}))
+"#;
 
 impl PythonInfo {
     /// Runs `python` once to learn where it lives and what torch sees.
     pub fn probe(python: &Path) -> Result<Self, RuntimeError> {
-        let script = "import json,os,sys\nimport torch\nn=torch.cuda.device_count() if torch.cuda.is_available() else 0\nprint(json.dumps({'executable':sys.executable,'real_executable':os.path.realpath(sys.executable),'prefix':sys.prefix,'base_prefix':sys.base_prefix,'torch':torch.__version__,'torch_cuda':torch.version.cuda,'gpus':n,'gpu_names':[torch.cuda.get_device_name(i) for i in range(n)]}))";
+        let script = PROBE;
         let err = |message: String| RuntimeError::Python {
             python: python.display().to_string(),
             message,

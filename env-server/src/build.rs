@@ -1,0 +1,612 @@
+//! Building candidates: fast and fair.
+//!
+//! - [`BuildQueue`]: builds at once are bounded (cores and memory); waiting builds are served
+//!   round robin by requester (an episode, or the API caller), so one agent submitting many
+//!   evaluations cannot starve the others.
+//! - [`Toolchain`]: the environment every build gets: the exact CUDA architectures of this
+//!   machine's GPUs (a build sees no GPU, and torch would otherwise fail or compile for every
+//!   architecture) and a directory of precompiled torch headers.
+//! - [`Pch`]: `torch/extension.h` precompiled once per torch, compiler and flag set, so a
+//!   one-kernel C++ build does not parse the torch headers again (gcc picks the first valid
+//!   precompiled variant in `extension.h.gch/`; an invalid one is skipped, never wrong).
+//!
+//! The precompiled headers are made by the server from the installed torch headers only,
+//! into a server-owned directory that every sandbox reads and none writes.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use serde::Deserialize;
+use tokio::sync::oneshot;
+
+use crate::runtime::{Device, PythonInfo};
+
+/// Memory one build may take (g++ or nvcc over the torch headers), for the default bound.
+pub const BUILD_MEMORY_BYTES: u64 = 2 << 30;
+
+/// Builds at once by default: one per core, as many as memory allows at
+/// [`BUILD_MEMORY_BYTES`] each, at least one.
+pub fn default_max_builds() -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2);
+    let by_memory = available_memory_bytes()
+        .map(|b| (b / BUILD_MEMORY_BYTES) as usize)
+        .unwrap_or(cores);
+    cores.min(by_memory).max(1)
+}
+
+/// `MemAvailable` of /proc/meminfo.
+fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// A bounded set of build slots granted round robin over requesters.
+#[derive(Debug)]
+pub struct BuildQueue {
+    capacity: usize,
+    state: Mutex<QueueState>,
+}
+
+#[derive(Debug, Default)]
+struct QueueState {
+    running: usize,
+    /// Waiters per requester, oldest first.
+    waiting: HashMap<String, VecDeque<oneshot::Sender<()>>>,
+    /// Requesters with waiters, in the order they are next served.
+    turn: VecDeque<String>,
+}
+
+/// A build slot; released when dropped.
+#[derive(Debug)]
+pub struct BuildPermit {
+    queue: Arc<BuildQueue>,
+}
+
+impl Drop for BuildPermit {
+    fn drop(&mut self) {
+        self.queue.release();
+    }
+}
+
+/// Snapshot of the queue, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueLoad {
+    /// Builds running.
+    pub running: usize,
+    /// Builds waiting.
+    pub waiting: usize,
+    /// Builds at once.
+    pub capacity: usize,
+}
+
+impl BuildQueue {
+    /// A queue of `capacity` slots (at least one).
+    pub fn new(capacity: usize) -> Arc<Self> {
+        Arc::new(Self {
+            capacity: capacity.max(1),
+            state: Mutex::new(QueueState::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Running and waiting builds.
+    pub fn load(&self) -> QueueLoad {
+        let s = self.lock();
+        QueueLoad {
+            running: s.running,
+            waiting: s.waiting.values().map(VecDeque::len).sum(),
+            capacity: self.capacity,
+        }
+    }
+
+    /// Waits for a slot for `requester`. Slots go round robin over the requesters that are
+    /// waiting, oldest request first within one requester. Cancel-safe: a waiter dropped
+    /// before or after being granted gives its slot on.
+    pub async fn acquire(self: &Arc<Self>, requester: &str) -> BuildPermit {
+        let rx = {
+            let mut s = self.lock();
+            if s.running < self.capacity && s.turn.is_empty() {
+                s.running += 1;
+                return BuildPermit {
+                    queue: self.clone(),
+                };
+            }
+            let (tx, rx) = oneshot::channel();
+            let q = s.waiting.entry(requester.to_string()).or_default();
+            q.push_back(tx);
+            if q.len() == 1 {
+                s.turn.push_back(requester.to_string());
+            }
+            rx
+        };
+        let mut waiter = Waiter {
+            queue: self.clone(),
+            rx: Some(rx),
+        };
+        let ok = match waiter.rx.as_mut() {
+            Some(rx) => rx.await.is_ok(),
+            None => false,
+        };
+        waiter.rx = None;
+        if !ok {
+            // The queue dropped the sender without granting: cannot happen while `self` lives;
+            // take a slot the plain way rather than fail the build.
+            self.lock().running += 1;
+        }
+        BuildPermit {
+            queue: self.clone(),
+        }
+    }
+
+    /// A slot is free: hand it to the next requester in turn whose waiter is still there.
+    fn release(&self) {
+        let mut s = self.lock();
+        s.running = s.running.saturating_sub(1);
+        while s.running < self.capacity {
+            let Some(who) = s.turn.pop_front() else {
+                break;
+            };
+            let Some(q) = s.waiting.get_mut(&who) else {
+                continue;
+            };
+            let mut granted = false;
+            while let Some(tx) = q.pop_front() {
+                if tx.send(()).is_ok() {
+                    granted = true;
+                    break;
+                }
+            }
+            let more = !q.is_empty();
+            if more {
+                s.turn.push_back(who);
+            } else {
+                s.waiting.remove(&who);
+            }
+            if granted {
+                s.running += 1;
+            }
+        }
+    }
+}
+
+/// A waiting acquire; if dropped after its slot was granted, the slot is given on.
+struct Waiter {
+    queue: Arc<BuildQueue>,
+    rx: Option<oneshot::Receiver<()>>,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        if let Some(mut rx) = self.rx.take() {
+            rx.close();
+            if rx.try_recv().is_ok() {
+                self.queue.release();
+            }
+        }
+    }
+}
+
+/// Errors preparing precompiled headers (the server then builds without them).
+#[derive(Debug, thiserror::Error)]
+pub enum PchError {
+    /// The probe of torch's build flags failed.
+    #[error("probing torch's extension flags with {python}: {message}")]
+    Probe {
+        /// The interpreter.
+        python: String,
+        /// What failed.
+        message: String,
+    },
+    /// The compiler failed on the header.
+    #[error("precompiling torch/extension.h with `{flags}`: {message}")]
+    Compile {
+        /// The variant's flags.
+        flags: String,
+        /// The compiler's complaint (its last lines).
+        message: String,
+    },
+    /// The compiler made a header that it then refused to use.
+    #[error("the precompiled header for `{0}` is not used by the compiler; removed")]
+    NotUsed(String),
+    /// A file operation.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What torch's extension builder passes the C++ compiler, as the probe reports it.
+#[derive(Debug, Clone, Deserialize)]
+struct ExtensionFlags {
+    header: PathBuf,
+    cxx: String,
+    compiler: String,
+    cflags: Vec<String>,
+}
+
+/// Prints torch's C++ flags for an extension (those of `load_inline`, without the extension's
+/// name, which the header does not use) and the compiler it would call.
+const FLAGS_PROBE: &str = r#"import json, os, shutil, subprocess, sys, sysconfig
+from torch.utils import cpp_extension as ce
+cuda = sys.argv[1] == 'cuda'
+inc = ce.include_paths('cuda' if cuda else 'cpu')
+py = sysconfig.get_path('include', scheme='posix_prefix')
+if py:
+    inc.append(py)
+cxx = shutil.which(os.environ.get('CXX', 'c++')) or 'c++'
+ver = subprocess.run([cxx, '--version'], capture_output=True, text=True).stdout.splitlines()
+header = os.path.join(inc[0], 'torch', 'extension.h')
+flags = ['-DTORCH_API_INCLUDE_EXTENSION_H']
+for d in inc:
+    flags += ['-isystem', d]
+flags += ['-fPIC', '-std=c++17']
+print(json.dumps({'header': header, 'cxx': cxx, 'compiler': ver[0] if ver else '', 'cflags': flags}))
+"#;
+
+/// The flag sets precompiled by default: what candidates pass most (`extra_cflags`).
+pub fn default_pch_variants(device: Device) -> Vec<String> {
+    match device {
+        Device::Cpu => vec![
+            "-O3".into(),
+            "-O3 -march=native".into(),
+            "-O3 -fopenmp".into(),
+            "-O3 -march=native -fopenmp".into(),
+            String::new(),
+        ],
+        Device::Cuda => vec!["-O3".into(), String::new()],
+    }
+}
+
+/// A directory of precompiled torch headers to put on `CPATH`: `torch/extension.h` (a link to
+/// torch's own) and `torch/extension.h.gch/<variant>.gch`.
+#[derive(Debug, Clone)]
+pub struct Pch {
+    /// The include directory.
+    pub dir: PathBuf,
+    flags: ExtensionFlags,
+}
+
+impl Pch {
+    /// Finds torch's flags and lays out the include directory under `root` (keyed by torch,
+    /// compiler and device; other keys' directories are removed). Builds nothing yet.
+    pub fn layout(
+        root: &Path,
+        python: &PythonInfo,
+        device: Device,
+        path: &std::ffi::OsStr,
+        env: &[(String, String)],
+    ) -> Result<Self, PchError> {
+        let probe_err = |message: String| PchError::Probe {
+            python: python.executable.display().to_string(),
+            message,
+        };
+        let out = Command::new(&python.executable)
+            .args(["-c", FLAGS_PROBE, device.as_str()])
+            .env("PATH", path)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .map_err(|e| probe_err(e.to_string()))?;
+        if !out.status.success() {
+            return Err(probe_err(last_lines(&out.stderr, 3)));
+        }
+        let flags: ExtensionFlags = serde_json::from_slice(
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .last()
+                .unwrap_or("")
+                .as_bytes(),
+        )
+        .map_err(|e| probe_err(format!("bad probe output: {e}")))?;
+        let key = {
+            use sha2::{Digest, Sha256};
+            let mut h = Sha256::new();
+            for part in [
+                python.torch.as_str(),
+                flags.compiler.as_str(),
+                device.as_str(),
+                &flags.cflags.join(" "),
+            ] {
+                h.update(part.as_bytes());
+                h.update([0]);
+            }
+            hex::encode(h.finalize())[..16].to_string()
+        };
+        let io = |path: &Path, source| PchError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Ok(entries) = std::fs::read_dir(root) {
+            for e in entries.flatten() {
+                if e.file_name() != key.as_str() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let dir = root.join(&key);
+        let torch_dir = dir.join("torch");
+        let gch = torch_dir.join("extension.h.gch");
+        std::fs::create_dir_all(&gch).map_err(|e| io(&gch, e))?;
+        let link = torch_dir.join("extension.h");
+        if std::fs::read_link(&link).ok().as_deref() != Some(flags.header.as_path()) {
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&flags.header, &link).map_err(|e| io(&link, e))?;
+        }
+        // Unfinished variants of an interrupted run.
+        if let Ok(entries) = std::fs::read_dir(&torch_dir) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().ends_with(".tmp") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        for p in [root, dir.as_path(), torch_dir.as_path(), gch.as_path()] {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| io(p, e))?;
+        }
+        Ok(Self { dir, flags })
+    }
+
+    fn variant_path(&self, flags: &str) -> PathBuf {
+        let name = if flags.trim().is_empty() {
+            "default".to_string()
+        } else {
+            flags
+                .split_whitespace()
+                .map(|f| {
+                    f.trim_start_matches('-')
+                        .replace(|c: char| !c.is_ascii_alphanumeric(), "_")
+                })
+                .collect::<Vec<_>>()
+                .join("-")
+        };
+        self.dir
+            .join("torch/extension.h.gch")
+            .join(format!("{name}.gch"))
+    }
+
+    /// Whether the variant for `flags` is built.
+    pub fn has(&self, flags: &str) -> bool {
+        self.variant_path(flags).is_file()
+    }
+
+    /// Precompiles the header for `flags` (nothing if already there), then checks that the
+    /// compiler uses it for an extension built with those flags; one it would not use is
+    /// removed and reported.
+    pub fn build(&self, flags: &str, path: &std::ffi::OsStr) -> Result<(), PchError> {
+        let out = self.variant_path(flags);
+        if out.is_file() {
+            return Ok(());
+        }
+        let io = |path: &Path, source| PchError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        // Written beside the directory gcc reads, then renamed in: never seen half made.
+        let tmp = self.dir.join(format!("torch/{}.tmp", std::process::id()));
+        let extra: Vec<&str> = flags.split_whitespace().collect();
+        let run = Command::new(&self.flags.cxx)
+            .args(["-x", "c++-header"])
+            .arg(&self.flags.header)
+            .arg("-o")
+            .arg(&tmp)
+            .args(&self.flags.cflags)
+            .args(&extra)
+            .env("PATH", path)
+            .output()
+            .map_err(|e| io(Path::new(&self.flags.cxx), e))?;
+        if !run.status.success() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(PchError::Compile {
+                flags: flags.into(),
+                message: last_lines(&run.stderr, 5),
+            });
+        }
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444))
+                .map_err(|e| io(&tmp, e))?;
+        }
+        std::fs::rename(&tmp, &out).map_err(|e| io(&out, e))?;
+        if !self.used_for(flags, path)? {
+            let _ = std::fs::remove_file(&out);
+            return Err(PchError::NotUsed(flags.into()));
+        }
+        Ok(())
+    }
+
+    /// Whether the compiler, given this directory on `CPATH`, loads a precompiled header for
+    /// a translation unit shaped like `load_inline`'s (`-H` marks a used one with `!`).
+    pub fn used_for(&self, flags: &str, path: &std::ffi::OsStr) -> Result<bool, PchError> {
+        let src = self.dir.join(format!("probe-{}.cpp", std::process::id()));
+        std::fs::write(
+            &src,
+            "#include <torch/extension.h>\nint cuda_agent_pch_probe;\n",
+        )
+        .map_err(|e| PchError::Io {
+            path: src.clone(),
+            source: e,
+        })?;
+        let run = Command::new(&self.flags.cxx)
+            .args(["-fsyntax-only", "-H", "-DTORCH_EXTENSION_NAME=probe"])
+            .args(&self.flags.cflags)
+            .args(flags.split_whitespace())
+            .arg(&src)
+            .env("PATH", path)
+            .env("CPATH", &self.dir)
+            .output()
+            .map_err(|e| PchError::Io {
+                path: PathBuf::from(&self.flags.cxx),
+                source: e,
+            })?;
+        let _ = std::fs::remove_file(&src);
+        let err = String::from_utf8_lossy(&run.stderr);
+        Ok(err
+            .lines()
+            .any(|l| l.starts_with("! ") && l.contains("extension.h.gch")))
+    }
+}
+
+fn last_lines(bytes: &[u8], n: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The environment builds get, on top of the standard one: the CUDA architectures to compile
+/// for and the precompiled headers.
+#[derive(Debug, Clone, Default)]
+pub struct Toolchain {
+    /// `TORCH_CUDA_ARCH_LIST` for this machine's GPUs (None on the CPU).
+    pub cuda_arch_list: Option<String>,
+    /// The precompiled headers' include directory, when enabled.
+    pub pch_dir: Option<PathBuf>,
+}
+
+impl Toolchain {
+    /// The architecture list: the server's own `TORCH_CUDA_ARCH_LIST` if set, else exactly the
+    /// architectures of the GPUs torch sees (no PTX: the kernels run on this machine only).
+    pub fn for_device(device: Device, python: &PythonInfo) -> Self {
+        let cuda_arch_list = match device {
+            Device::Cpu => None,
+            Device::Cuda => std::env::var("TORCH_CUDA_ARCH_LIST")
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+                .or_else(|| (!python.gpu_archs.is_empty()).then(|| python.gpu_archs.join(";"))),
+        };
+        Self {
+            cuda_arch_list,
+            pch_dir: None,
+        }
+    }
+
+    /// Variables for every tool and build process.
+    pub fn env(&self) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        if let Some(a) = &self.cuda_arch_list {
+            env.push(("TORCH_CUDA_ARCH_LIST".into(), a.clone()));
+        }
+        if let Some(d) = &self.pch_dir {
+            env.push(("CPATH".into(), d.display().to_string()));
+        }
+        env
+    }
+}
+
+/// Builds the precompiled header variants one after another on a background thread (each
+/// takes a core for half a minute); builds before they are ready just parse the headers.
+pub fn spawn_pch_builds(pch: Pch, variants: Vec<String>, path: std::ffi::OsString) {
+    std::thread::Builder::new()
+        .name("pch".into())
+        .spawn(move || {
+            for flags in variants {
+                if pch.has(&flags) {
+                    continue;
+                }
+                let t0 = std::time::Instant::now();
+                match pch.build(&flags, &path) {
+                    Ok(()) => tracing::info!(
+                        flags = %flags,
+                        seconds = t0.elapsed().as_secs_f64(),
+                        "precompiled torch/extension.h"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "precompiled header not made"),
+                }
+            }
+        })
+        .map(drop)
+        .unwrap_or_else(|e| tracing::warn!(error = %e, "no thread for precompiled headers"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Grants in the order they happen, for one capacity-1 queue with waiters from two
+    /// requesters: `a` queues three before `b` queues one; `b` must not wait for all of `a`'s.
+    #[tokio::test]
+    async fn round_robin_over_requesters() {
+        let q = BuildQueue::new(1);
+        let first = q.acquire("a").await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for (i, who) in ["a", "a", "a", "b"].into_iter().enumerate() {
+            let (q, order) = (q.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                let p = q.acquire(who).await;
+                order.lock().unwrap().push(format!("{who}{i}"));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                drop(p);
+            }));
+            // Queue in a known order.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(q.load().waiting, 4);
+        drop(first);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), ["a0", "b3", "a1", "a2"]);
+        assert_eq!(
+            q.load(),
+            QueueLoad {
+                running: 0,
+                waiting: 0,
+                capacity: 1
+            }
+        );
+    }
+
+    /// A waiter cancelled while queued, and one cancelled right after being granted, leak
+    /// no slot.
+    #[tokio::test]
+    async fn cancelled_waiters_give_their_slot_on() {
+        let q = BuildQueue::new(1);
+        let held = q.acquire("a").await;
+        let gone = {
+            let q = q.clone();
+            tokio::spawn(async move {
+                let _p = q.acquire("b").await;
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let cancelled = tokio::time::timeout(Duration::from_millis(10), q.acquire("c")).await;
+        assert!(cancelled.is_err(), "c cannot have a slot yet");
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // b holds the slot; ending b frees it.
+        assert_eq!(q.load().running, 1);
+        gone.abort();
+        let _ = gone.await;
+        let again = tokio::time::timeout(Duration::from_secs(5), q.acquire("d")).await;
+        assert!(again.is_ok(), "the slot came back");
+        assert_eq!(q.load().running, 1);
+    }
+
+    /// More capacity than requests: nobody waits.
+    #[tokio::test]
+    async fn free_slots_are_taken_at_once() {
+        let q = BuildQueue::new(3);
+        let a = q.acquire("x").await;
+        let b = q.acquire("x").await;
+        let c = q.acquire("y").await;
+        assert_eq!(q.load().running, 3);
+        drop((a, b, c));
+        assert_eq!(q.load().running, 0);
+    }
+}

@@ -1,0 +1,80 @@
+//! The build toolchain against the real compiler and torch: precompiled torch headers are
+//! made, checked with the compiler, used by a real candidate's build; an unchanged solution is
+//! not built twice.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use common::{call, state_from, test_config};
+use env_server::build::Pch;
+use env_server::runtime::{Device, PythonInfo};
+use env_server::ServerConfig;
+use serde_json::json;
+
+const ADD_CANDIDATE: &str = include_str!("../../tests/cpu_add_candidate.py");
+
+fn variant(data_dir: &Path) -> Option<PathBuf> {
+    let root = data_dir.join("pch");
+    std::fs::read_dir(root).ok()?.flatten().find_map(|e| {
+        let p = e.path().join("torch/extension.h.gch/O3.gch");
+        p.is_file().then_some(p)
+    })
+}
+
+#[tokio::test]
+async fn precompiled_headers_are_checked_and_builds_use_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(ServerConfig {
+        pch_variants: Some(vec!["-O3".into()]),
+        ..test_config(dir.path())
+    });
+    assert_eq!(s.info["build"]["precompiled_headers"], json!(["-O3"]));
+
+    // The server precompiles in the background; a core-minute on a small machine.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let made = loop {
+        if let Some(p) = variant(dir.path()) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "no precompiled header made");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    };
+    // Read-only for everyone, and in the directory sandboxes read and none writes.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&made).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o444, "{made:?}");
+
+    // The compiler uses it for `-O3` (and `-O2`: same macros) and rightly not for a build
+    // without optimisation, whose predefined macros differ: that one parses the headers.
+    let python = PythonInfo::probe(&common::python()).unwrap();
+    let path = std::env::join_paths(python.path_dirs()).unwrap();
+    let pch = Pch::layout(&dir.path().join("pch"), &python, Device::Cpu, &path, &[]).unwrap();
+    assert!(pch.has("-O3"));
+    assert!(pch.used_for("-O3", &path).unwrap());
+    assert!(pch.used_for("-O2", &path).unwrap());
+    assert!(!pch.used_for("", &path).unwrap());
+
+    // A real C++ candidate builds with the headers on its CPATH and is judged correct.
+    let solution = json!({"task": "L1/2_Add", "solution": ADD_CANDIDATE});
+    let (st, first) = call(&s, "POST", "/v1/evaluate", Some(solution.clone())).await;
+    assert_eq!(st, StatusCode::OK, "{first}");
+    assert_eq!(first["correct"], true, "{first}");
+    assert_eq!(first["details"]["build_cache_hit"], false);
+    let phases = &first["details"]["phases"];
+    assert!(phases["build_s"].as_f64().unwrap() > 0.0, "{phases}");
+    println!(
+        "first build with the precompiled header: {} s",
+        phases["build_s"]
+    );
+
+    // The same sources again: no build at all, the judged result as before.
+    let (st, second) = call(&s, "POST", "/v1/evaluate", Some(solution)).await;
+    assert_eq!(st, StatusCode::OK, "{second}");
+    assert_eq!(second["correct"], true, "{second}");
+    assert_eq!(second["details"]["build_cache_hit"], true);
+    assert_eq!(second["details"]["phases"]["build_s"], 0.0);
+    assert_eq!(second["details"]["phases"]["build_queue_s"], 0.0);
+}
