@@ -174,3 +174,122 @@ fn shape(v: Value) -> Result<ParsedToolCall, ToolCallParseError> {
     };
     Ok(ParsedToolCall { name, arguments })
 }
+
+/// One turn of a whole conversation, for [`ChatTemplate::render`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatTurn {
+    /// Instructions; the tool schemas are rendered after the first one.
+    System(String),
+    /// A user message.
+    User(String),
+    /// An earlier assistant turn: its text, then its tool calls.
+    Assistant {
+        /// Text before the calls (may be empty).
+        content: String,
+        /// Calls, rendered in the canonical `<tool_call>` form.
+        calls: Vec<ParsedToolCall>,
+    },
+    /// A tool's result.
+    Tool(String),
+}
+
+impl ChatTemplate {
+    /// A whole conversation, ending with the opening of the next assistant turn when
+    /// `generation_prompt` is set. Rendered exactly as a rollout builds its context: a
+    /// system turn and a user turn give [`ChatTemplate::prompt`]'s text; an assistant turn is
+    /// its content and canonical calls closed by the end-of-turn marker; a tool turn is
+    /// [`ChatTemplate::observation`]'s result turn. A conversation with tools but no system
+    /// message gets an empty system turn to hold the tool schemas.
+    pub fn render(self, turns: &[ChatTurn], tools: &[Value], generation_prompt: bool) -> String {
+        let mut s = String::new();
+        if self == Self::Llama3 {
+            s.push_str("<|begin_of_text|>");
+        }
+        let has_system = matches!(turns.first(), Some(ChatTurn::System(_)));
+        if !has_system && !tools.is_empty() {
+            s.push_str(&self.system_turn("", tools));
+        }
+        for (i, turn) in turns.iter().enumerate() {
+            match turn {
+                // Only a leading system turn carries the tools; a later one is plain text.
+                ChatTurn::System(text) => {
+                    s.push_str(&self.system_turn(text, if i == 0 { tools } else { &[] }))
+                }
+                ChatTurn::User(text) => s.push_str(&self.turn("user", text)),
+                ChatTurn::Assistant { content, calls } => {
+                    let mut body = content.clone();
+                    for call in calls {
+                        if !body.is_empty() {
+                            body.push('\n');
+                        }
+                        body.push_str(&call_block(&call.name, &call.arguments));
+                    }
+                    s.push_str(&self.turn("assistant", &body));
+                }
+                ChatTurn::Tool(result) => match self {
+                    Self::Chatml => s.push_str(&self.turn(
+                        "user",
+                        &format!("<tool_response>\n{result}\n</tool_response>"),
+                    )),
+                    Self::Llama3 => s.push_str(&self.turn("ipython", result)),
+                },
+            }
+        }
+        if generation_prompt {
+            s.push_str(&self.header("assistant"));
+        }
+        s
+    }
+
+    fn header(self, role: &str) -> String {
+        match self {
+            Self::Chatml => format!("<|im_start|>{role}\n"),
+            Self::Llama3 => format!("<|start_header_id|>{role}<|end_header_id|>\n\n"),
+        }
+    }
+
+    fn turn(self, role: &str, body: &str) -> String {
+        let close = match self {
+            Self::Chatml => "<|im_end|>\n",
+            Self::Llama3 => "<|eot_id|>",
+        };
+        format!("{}{body}{close}", self.header(role))
+    }
+
+    /// The system turn as [`ChatTemplate::prompt`] writes it.
+    fn system_turn(self, system: &str, tools: &[Value]) -> String {
+        let full = self.prompt(system, tools, "");
+        let full = full.strip_prefix("<|begin_of_text|>").unwrap_or(&full);
+        let user = self.header("user");
+        let end = full.rfind(&user).unwrap_or(full.len());
+        full[..end].to_string()
+    }
+}
+
+/// The canonical text of one tool call, as rollouts render logged calls and as
+/// [`parse_tool_call`] reads it back.
+pub fn call_block(name: &str, arguments: &Value) -> String {
+    let call = serde_json::json!({"name": name, "arguments": arguments});
+    format!("<tool_call>\n{call}\n</tool_call>")
+}
+
+/// Splits an assistant turn into its text and its `<tool_call>` blocks. `None` when the
+/// turn has no such block or any block does not parse: then the whole turn is plain text.
+/// The bare-JSON form that [`parse_tool_call`] also accepts is not read as a call here, so
+/// that a model writing JSON as an answer is not taken to call a tool.
+pub fn split_tool_calls(text: &str) -> Option<(String, Vec<ParsedToolCall>)> {
+    let first = text.find("<tool_call>")?;
+    let content = text[..first].trim_end().to_string();
+    let mut calls = Vec::new();
+    let mut rest = &text[first..];
+    while let Some(start) = rest.find("<tool_call>") {
+        // Only whitespace may sit between calls.
+        if !rest[..start].trim().is_empty() {
+            return None;
+        }
+        let end = rest.find("</tool_call>")?;
+        calls.push(parse_tool_call(&rest[start..end + "</tool_call>".len()]).ok()?);
+        rest = &rest[end + "</tool_call>".len()..];
+    }
+    rest.trim().is_empty().then_some((content, calls))
+}

@@ -6,8 +6,10 @@
 //! <out>/<stage>/final/          the weights at the end of the stage (what the next stage loads)
 //! ```
 //!
-//! A step directory is written under a temporary name and renamed when complete, so a crash
-//! mid-save never leaves a half checkpoint that `--resume` would pick up.
+//! A step directory is written under a temporary name, fsynced, and renamed when complete;
+//! `latest` is replaced atomically the same way (temporary file, fsync, rename, fsync of the
+//! directory). A crash mid-save leaves the previous checkpoint as `latest`, and a `latest`
+//! that is empty or names no complete checkpoint is an error, never a silent fresh start.
 
 use std::path::{Path, PathBuf};
 
@@ -64,7 +66,7 @@ impl CheckpointFiles {
     pub fn read_state(&self) -> Result<StageState, TrainError> {
         let p = self.state();
         let text = std::fs::read_to_string(&p).map_err(|e| TrainError::Io(p.clone(), e))?;
-        serde_json::from_str(&text).map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))
+        serde_json::from_str(&text).map_err(|e| TrainError::Json(p, e))
     }
 }
 
@@ -82,8 +84,9 @@ fn step_of(dir: &Path) -> Option<usize> {
         .ok()
 }
 
-/// Writes a checkpoint through `write` into a temporary directory, then renames it into place
-/// and points `latest` at it.
+/// Writes a checkpoint through `write` into a temporary directory, makes every file in it
+/// durable, renames it into place and then points `latest` at it, each step fsynced: after a
+/// crash at any point, `latest` names a complete checkpoint (the new one or the one before).
 pub fn save(
     stage_dir: &Path,
     state: &StageState,
@@ -91,54 +94,163 @@ pub fn save(
 ) -> Result<PathBuf, TrainError> {
     let final_dir = step_dir(stage_dir, state.step);
     let tmp = stage_dir.join(format!(".tmp-step-{:06}", state.step));
-    let io = |p: &Path, e| TrainError::Io(p.to_path_buf(), e);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     let files = CheckpointFiles::new(&tmp);
     write(&files)?;
-    let text = serde_json::to_string_pretty(state).map_err(|e| TrainError::Data(e.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(state).map_err(|e| TrainError::Json(files.state(), e))?;
     std::fs::write(files.state(), text).map_err(|e| io(&files.state(), e))?;
+    // The files' data and the directory's entries reach the disk before the rename makes the
+    // directory visible under its final name.
+    sync_tree(&tmp)?;
     if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(|e| io(&final_dir, e))?;
+        // Re-saving a step: the old copy is moved aside, not deleted first, so that a crash
+        // in between leaves one of the two in place.
+        let old = stage_dir.join(format!(".old-step-{:06}", state.step));
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+        }
+        std::fs::rename(&final_dir, &old).map_err(|e| io(&final_dir, e))?;
+        std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
+        sync_dir(stage_dir)?;
+        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+    } else {
+        std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
     }
-    std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
-    let latest = stage_dir.join("latest");
+    sync_dir(stage_dir)?;
     let name = final_dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    std::fs::write(&latest, name).map_err(|e| io(&latest, e))?;
+    write_atomic(&stage_dir.join(LATEST), name.as_bytes())?;
     Ok(final_dir)
 }
 
+/// Name of the pointer file in a stage directory.
+pub const LATEST: &str = "latest";
+
+fn io(p: &Path, e: std::io::Error) -> TrainError {
+    TrainError::Io(p.to_path_buf(), e)
+}
+
+/// Replaces `path` with `bytes` atomically and durably: a temporary file beside it is written
+/// and fsynced, renamed over `path`, and the directory fsynced. Readers see the old content
+/// or the new, never a part; after a crash the same holds.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
+    f.write_all(bytes).map_err(|e| io(&tmp, e))?;
+    f.sync_all().map_err(|e| io(&tmp, e))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| io(path, e))?;
+    sync_dir(dir)
+}
+
+/// fsyncs a directory, so that the entries created or renamed in it are durable.
+pub fn sync_dir(dir: &Path) -> Result<(), TrainError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, e))
+}
+
+/// fsyncs every file under `dir`, then every directory, `dir` last.
+fn sync_tree(dir: &Path) -> Result<(), TrainError> {
+    for entry in std::fs::read_dir(dir).map_err(|e| io(dir, e))? {
+        let path = entry.map_err(|e| io(dir, e))?.path();
+        if path.is_dir() {
+            sync_tree(&path)?;
+        } else {
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| io(&path, e))?;
+        }
+    }
+    sync_dir(dir)
+}
+
 /// Removes all but the newest `keep` step checkpoints of a stage (`keep == 0` keeps all).
-/// Returns how many were removed. Disk use stays bounded on long runs; `latest` always names
-/// one that is kept.
+/// Returns how many were removed. Disk use stays bounded on long runs; the one `latest`
+/// names is never removed.
 pub fn prune(stage_dir: &Path, keep: usize) -> Result<usize, TrainError> {
     if keep == 0 {
         return Ok(0);
     }
-    let entries =
-        std::fs::read_dir(stage_dir).map_err(|e| TrainError::Io(stage_dir.to_path_buf(), e))?;
+    let current = latest(stage_dir)?.map(|f| f.dir);
+    let entries = std::fs::read_dir(stage_dir).map_err(|e| io(stage_dir, e))?;
     let mut steps: Vec<(usize, PathBuf)> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter_map(|p| Some((step_of(&p)?, p)))
         .collect();
     steps.sort();
     let excess = steps.len().saturating_sub(keep);
+    let mut removed = 0;
     for (_, p) in &steps[..excess] {
-        std::fs::remove_dir_all(p).map_err(|e| TrainError::Io(p.clone(), e))?;
+        if current.as_deref() == Some(p.as_path()) {
+            continue;
+        }
+        std::fs::remove_dir_all(p).map_err(|e| io(p, e))?;
+        removed += 1;
     }
-    Ok(excess)
+    Ok(removed)
 }
 
-/// The newest complete checkpoint of a stage, if any.
-pub fn latest(stage_dir: &Path) -> Option<CheckpointFiles> {
-    let name = std::fs::read_to_string(stage_dir.join("latest")).ok()?;
-    let dir = stage_dir.join(name.trim());
-    dir.join("state.json")
-        .exists()
-        .then(|| CheckpointFiles::new(dir))
+/// The newest complete checkpoint of a stage: `None` when the stage has no `latest` pointer
+/// yet (a fresh start), an error when the pointer is empty, unreadable, or names a directory
+/// that is not a complete checkpoint (a resume must not silently start over).
+pub fn latest(stage_dir: &Path) -> Result<Option<CheckpointFiles>, TrainError> {
+    let pointer = stage_dir.join(LATEST);
+    if !pointer.exists() {
+        return Ok(None);
+    }
+    read_pointer(&pointer).map(|dir| Some(CheckpointFiles::new(dir)))
+}
+
+/// The checkpoint directory a `latest` pointer file names, checked to be complete.
+pub fn read_pointer(pointer: &Path) -> Result<PathBuf, TrainError> {
+    let text = std::fs::read_to_string(pointer).map_err(|e| io(pointer, e))?;
+    let name = text.trim();
+    let corrupt = |why: &str| TrainError::Checkpoint {
+        path: pointer.to_path_buf(),
+        reason: why.to_string(),
+    };
+    if name.is_empty() {
+        return Err(corrupt("the pointer is empty"));
+    }
+    if step_of(Path::new(name)).is_none() || name.contains('/') {
+        return Err(corrupt(&format!("{name:?} is not a step-N directory name")));
+    }
+    let dir = pointer.parent().unwrap_or(Path::new(".")).join(name);
+    if !CheckpointFiles::new(&dir).state().exists() {
+        return Err(corrupt(&format!(
+            "it names {}, which holds no state.json",
+            dir.display()
+        )));
+    }
+    Ok(dir)
+}
+
+/// A checkpoint path as a user gives it: a `latest` pointer file, a stage directory holding
+/// one, or a checkpoint directory itself.
+pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
+    if path.is_file() {
+        return read_pointer(path);
+    }
+    let files = CheckpointFiles::new(path);
+    let is_checkpoint = files.policy().exists() || path.join("config.json").exists();
+    if !is_checkpoint && path.join(LATEST).is_file() {
+        return read_pointer(&path.join(LATEST));
+    }
+    if !path.exists() {
+        return Err(io(path, std::io::Error::from(std::io::ErrorKind::NotFound)));
+    }
+    Ok(path.to_path_buf())
 }

@@ -43,4 +43,15 @@ pub enum TrainError {
     /// Training data (trajectories) is missing or malformed.
     #[error("data: {0}")]
     Data(String),
+    /// A JSON file could not be written or parsed.
+    #[error("{0}: {1}")]
+    Json(PathBuf, #[source] serde_json::Error),
+    /// A checkpoint pointer or directory is not a complete checkpoint.
+    #[error("checkpoint {}: {reason}", path.display())]
+    Checkpoint {
+        /// The pointer or directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 }

@@ -71,6 +71,31 @@ pub fn generate<B: Backend>(
     seed: u64,
     device: &B::Device,
 ) -> Vec<Generation> {
+    generate_observed(
+        lm,
+        arch,
+        prompts,
+        params,
+        tokenizer,
+        seed,
+        device,
+        &mut |_, _| {},
+    )
+}
+
+/// [`generate`], calling `on_token(prompt index, token)` as each token is sampled (a server
+/// streams them).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_observed<B: Backend>(
+    lm: &CausalLm<B>,
+    arch: &Architecture<B>,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    tokenizer: Option<&TextTokenizer>,
+    seed: u64,
+    device: &B::Device,
+    on_token: &mut dyn FnMut(usize, u32),
+) -> Vec<Generation> {
     let n = prompts.len();
     let mut out: Vec<Generation> = (0..n)
         .map(|_| Generation {
@@ -134,6 +159,7 @@ pub fn generate<B: Backend>(
         for (r, (&seq, &(tok, logprob))) in live.iter().zip(&picks).enumerate() {
             let g = &mut out[seq];
             g.tokens.push(tok as u32);
+            on_token(seq, tok as u32);
             g.logprobs.push(logprob);
             let mut done = None;
             if params.stop_token_ids.contains(&(tok as u32)) {

@@ -21,6 +21,7 @@ pub mod render;
 pub mod rollout;
 pub mod sample;
 pub mod seeds;
+pub mod serve;
 pub mod stage;
 pub mod tokenizer;
 

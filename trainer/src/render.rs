@@ -93,9 +93,9 @@ impl Renderer {
     /// The canonical text of one assistant turn calling `name` with `arguments`, ending the
     /// turn (what a policy trained on it should produce).
     pub fn call_text(&self, name: &str, arguments: &Value) -> String {
-        let call = serde_json::json!({"name": name, "arguments": arguments});
         format!(
-            "<tool_call>\n{call}\n</tool_call>{}",
+            "{}{}",
+            crate::chat::call_block(name, arguments),
             self.template.end_of_turn()
         )
     }

@@ -346,6 +346,74 @@ fn pruning_keeps_the_newest_step_checkpoints_and_latest() {
         .collect();
     left.sort();
     assert_eq!(left, ["final", "latest", "step-000008", "step-000010"]);
-    assert!(latest(dir.path()).unwrap().dir.ends_with("step-000010"));
+    assert!(latest(dir.path())
+        .unwrap()
+        .unwrap()
+        .dir
+        .ends_with("step-000010"));
     assert_eq!(prune(dir.path(), 0).unwrap(), 0, "0 keeps everything");
+}
+
+#[test]
+fn assistant_turns_split_into_text_and_calls_or_stay_text() {
+    use trainer::chat::{split_tool_calls, ParsedToolCall};
+    let call = |name: &str, arguments: serde_json::Value| ParsedToolCall {
+        name: name.into(),
+        arguments,
+    };
+    let text = "Writing it.\n<tool_call>\n{\"name\": \"Write\", \"arguments\": {\"file_path\": \"a\", \"content\": \"b\"}}\n</tool_call>\n<tool_call>\n{\"arguments\":{},\"name\":\"Submit\"}\n</tool_call>";
+    assert_eq!(
+        split_tool_calls(text),
+        Some((
+            "Writing it.".to_string(),
+            vec![
+                call("Write", json!({"file_path": "a", "content": "b"})),
+                call("Submit", json!({}))
+            ]
+        ))
+    );
+    // Malformed, unclosed, trailing text, or bare JSON: plain text.
+    for text in [
+        "<tool_call>\n{\"name\": \"Write\", \"arguments\": {\"file_path\": }\n</tool_call>",
+        "<tool_call>\n{\"name\": \"Submit\", \"arguments\": {}}",
+        "<tool_call>{\"name\": \"Submit\"}</tool_call> and then more",
+        "{\"name\": \"Submit\", \"arguments\": {}}",
+        "no call at all",
+    ] {
+        assert_eq!(split_tool_calls(text), None, "{text}");
+    }
+}
+
+#[test]
+fn whole_conversations_render_as_rollouts_build_them() {
+    use trainer::chat::{call_block, ChatTurn, ParsedToolCall};
+    let tools = [json!({"type": "function", "function": {"name": "Submit"}})];
+    let call = ParsedToolCall {
+        name: "Submit".into(),
+        arguments: json!({}),
+    };
+    for t in [ChatTemplate::Chatml, ChatTemplate::Llama3] {
+        let turns = [
+            ChatTurn::System("sys".into()),
+            ChatTurn::User("task".into()),
+            ChatTurn::Assistant {
+                content: String::new(),
+                calls: vec![call.clone()],
+            },
+            ChatTurn::Tool("done".into()),
+        ];
+        let rollout = format!(
+            "{}{}{}{}",
+            t.prompt("sys", &tools, "task"),
+            call_block("Submit", &json!({})),
+            t.end_of_turn(),
+            t.observation("done", true)
+        );
+        assert_eq!(t.render(&turns, &tools, true), rollout, "{t:?}");
+        // Without a system message the tools still get a system turn to live in.
+        assert_eq!(
+            t.render(&turns[1..2], &tools, true),
+            t.prompt("", &tools, "task")
+        );
+    }
 }

@@ -93,7 +93,7 @@ impl<B: AutodiffBackend> Learner<B> {
         let mut critic_opt = Trainable::new(cfg.optim.weight_decay, cfg.optim.grad_clip);
         let mut step = 0;
         if opts.resume {
-            match checkpoint::latest(&stage_dir) {
+            match checkpoint::latest(&stage_dir)? {
                 Some(files) => {
                     let state = files.read_state()?;
                     if state.stage != stage {

@@ -36,6 +36,8 @@ pub enum Command {
     Plot(PlotArgs),
     /// Measure training and generation throughput of a model shape (random weights).
     BenchModel(BenchArgs),
+    /// Serve a policy behind an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models).
+    Serve(ServeArgs),
 }
 
 /// Where tensors live.
@@ -195,4 +197,58 @@ pub fn load_config(c: &Common) -> Result<TrainConfig> {
         cfg.run.seed = s;
     }
     Ok(cfg)
+}
+
+/// `serve`'s flags. The model is `--tiny-random`, `--model DIR`, or `--checkpoint PATH`
+/// (on top of `--model DIR` or `--tiny-random` when it is a stage checkpoint).
+#[derive(Args, Clone)]
+pub struct ServeArgs {
+    /// Serve a tiny model with seeded random weights and the built-in 512-token vocabulary.
+    #[arg(long)]
+    pub tiny_random: bool,
+    /// Seed of random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// A Hugging Face directory (config.json, tokenizer.json, *.safetensors): the served
+    /// model, or the shape and tokenizer under a stage checkpoint.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// A checkpoint: a Hugging Face directory (a stage's final/hf), or this trainer's stage
+    /// checkpoint (step-N/ or final/ with policy.mpk, a stage directory, or its `latest`).
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Chat template (detected from tokenizer_config.json when unset).
+    #[arg(long, value_enum)]
+    pub template: Option<trainer::chat::ChatTemplate>,
+    /// Name listed by /v1/models and accepted in requests' `model` (default: the path, or
+    /// `tiny-random`).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0 picks a free one; the first line of stdout names it).
+    #[arg(long, default_value_t = 8100)]
+    pub port: u16,
+    /// Positions served, prompt plus completion (default: the model's maximum).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Completion tokens when a request names no limit.
+    #[arg(long, default_value_t = 512)]
+    pub default_max_tokens: usize,
+    /// Choices per request at most (`n`).
+    #[arg(long, default_value_t = 8)]
+    pub max_n: usize,
+    /// Requests waiting for the generation thread at most; more are answered 429.
+    #[arg(long, default_value_t = 32)]
+    pub max_queue: usize,
+    /// Request body size limit in bytes.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Compute device.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Float precision on CUDA.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub precision: Precision,
 }

@@ -4,6 +4,7 @@
 mod bench;
 mod cli;
 mod device;
+mod serve;
 mod stages;
 
 use anyhow::Result;
@@ -30,6 +31,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::BenchModel(b) => device::run_on(b.device, b.precision, bench::Bench(b)),
+        Command::Serve(s) => device::run_on(s.device, s.precision, serve::Serve(s)),
         Command::Warmup(s) | Command::Ppo(s) => device::run_on(
             s.common.device,
             s.common.precision,

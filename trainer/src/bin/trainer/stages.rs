@@ -133,7 +133,9 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             }
             println!("{text}");
         }
-        Command::Plot(_) | Command::BenchModel(_) => unreachable!("not a stage"),
+        Command::Plot(_) | Command::BenchModel(_) | Command::Serve(_) => {
+            unreachable!("not a stage")
+        }
     }
     Ok(())
 }
