@@ -17,9 +17,13 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Self {
+        Self::start_with(&[&["--tiny-random", "--seed", "3"], extra].concat())
+    }
+
+    fn start_with(args: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_trainer"))
-            .args(["serve", "--tiny-random", "--seed", "3", "--port", "0"])
-            .args(extra)
+            .args(["serve", "--port", "0"])
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -384,4 +388,78 @@ async fn bad_requests_are_openai_errors() {
         .post(&json!({"messages": user, "max_tokens": 2}))
         .await;
     assert_eq!(status, 200);
+}
+
+#[tokio::test]
+async fn a_stage_checkpoint_is_served_with_its_weights() {
+    use burn::backend::NdArray;
+    use burn::tensor::backend::Backend;
+    use trainer::checkpoint::{save, StageState};
+    use trainer::generate::{generate, SamplingParams};
+    use trainer::model::{Architecture, CausalLm, ModelConfig};
+    type B = NdArray<f32>;
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-tokenizer.json"),
+        model.join("tokenizer.json"),
+    )
+    .unwrap();
+    let config = json!({"model_type": "qwen2", "vocab_size": 512, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": true,
+        "eos_token_id": 2});
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    // Trained weights stand-in: random ones of another seed than the server would draw.
+    let device = Default::default();
+    B::seed(&device, 99);
+    let cfg = ModelConfig::from_json(&config.to_string()).unwrap();
+    let lm = CausalLm::<B>::random(&cfg, &device);
+    let stage = dir.path().join("ppo");
+    std::fs::create_dir_all(&stage).unwrap();
+    let state = StageState {
+        stage: "ppo".into(),
+        step: 3,
+        total_steps: 3,
+        seed: 0,
+    };
+    let step_dir = save(&stage, &state, |f| Ok(lm.save_record(&f.policy())?)).unwrap();
+
+    let latest = stage.join("latest");
+    let server = Server::start_with(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--checkpoint",
+        latest.to_str().unwrap(),
+    ]);
+    let (status, r) = server
+        .post(
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                      "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["model"], step_dir.display().to_string());
+    // The same greedy decoding in this process, on the checkpoint's weights.
+    let tok = tiny_tokenizer();
+    let text = ChatTemplate::Chatml.render(&[ChatTurn::User("hi".into())], &[], true);
+    let arch = Architecture::<B>::new(cfg.clone(), 256, &device);
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_new_tokens: 6,
+        stop_token_ids: vec![2],
+        ..Default::default()
+    };
+    let g = generate(
+        &lm,
+        &arch,
+        &[tok.encode(&text).unwrap()],
+        &params,
+        None,
+        0,
+        &device,
+    );
+    let tokens: Vec<u32> = g[0].tokens.iter().copied().filter(|&t| t != 2).collect();
+    assert_eq!(r["choices"][0]["message"]["content"], tok.decode(&tokens));
 }
