@@ -92,24 +92,40 @@ pub fn save(
     state: &StageState,
     write: impl FnOnce(&CheckpointFiles) -> Result<(), TrainError>,
 ) -> Result<PathBuf, TrainError> {
-    let final_dir = step_dir(stage_dir, state.step);
-    let tmp = stage_dir.join(format!(".tmp-step-{:06}", state.step));
+    let name = format!("step-{:06}", state.step);
+    let dir = publish(stage_dir, &name, |files| {
+        write(files)?;
+        let text =
+            serde_json::to_string_pretty(state).map_err(|e| TrainError::Json(files.state(), e))?;
+        std::fs::write(files.state(), text).map_err(|e| io(&files.state(), e))
+    })?;
+    write_atomic(&stage_dir.join(LATEST), name.as_bytes())?;
+    Ok(dir)
+}
+
+/// Writes directory `stage_dir/name` through `write` durably: into a temporary directory,
+/// every file and the directory fsynced, then renamed into place (an older copy moved aside
+/// first and removed after) and `stage_dir` fsynced. Readers and a crash see the old
+/// directory or the complete new one.
+pub fn publish(
+    stage_dir: &Path,
+    name: &str,
+    write: impl FnOnce(&CheckpointFiles) -> Result<(), TrainError>,
+) -> Result<PathBuf, TrainError> {
+    let final_dir = stage_dir.join(name);
+    let tmp = stage_dir.join(format!(".tmp-{name}"));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    let files = CheckpointFiles::new(&tmp);
-    write(&files)?;
-    let text =
-        serde_json::to_string_pretty(state).map_err(|e| TrainError::Json(files.state(), e))?;
-    std::fs::write(files.state(), text).map_err(|e| io(&files.state(), e))?;
+    write(&CheckpointFiles::new(&tmp))?;
     // The files' data and the directory's entries reach the disk before the rename makes the
     // directory visible under its final name.
     sync_tree(&tmp)?;
     if final_dir.exists() {
-        // Re-saving a step: the old copy is moved aside, not deleted first, so that a crash
-        // in between leaves one of the two in place.
-        let old = stage_dir.join(format!(".old-step-{:06}", state.step));
+        // Replacing: the old copy is moved aside, not deleted first, so that a crash in
+        // between leaves one of the two in place.
+        let old = stage_dir.join(format!(".old-{name}"));
         if old.exists() {
             std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
         }
@@ -121,11 +137,6 @@ pub fn save(
         std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
     }
     sync_dir(stage_dir)?;
-    let name = final_dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    write_atomic(&stage_dir.join(LATEST), name.as_bytes())?;
     Ok(final_dir)
 }
 

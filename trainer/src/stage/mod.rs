@@ -230,23 +230,23 @@ impl<B: AutodiffBackend> Learner<B> {
     /// Writes `<stage>/final/` (policy and critic records, plus the policy as a Hugging Face
     /// checkpoint with its tokenizer under `final/hf/`).
     pub fn save_final(&self) -> Result<PathBuf, TrainError> {
-        let dir = self.stage_dir.join("final");
-        std::fs::create_dir_all(&dir).map_err(|e| TrainError::Io(dir.clone(), e))?;
-        let files = CheckpointFiles::new(&dir);
-        self.policy().save_record(&files.policy())?;
-        self.critic().save_record(&files.critic())?;
-        let hf = dir.join("hf");
-        self.policy().save_pretrained(&self.model_config, &hf)?;
-        if let Some(src) = &self.cfg.model.path {
-            for name in ["tokenizer.json", "tokenizer_config.json"] {
-                let from = src.join(name);
-                if from.exists() {
-                    std::fs::copy(&from, hf.join(name))
-                        .map_err(|e| TrainError::Io(from.clone(), e))?;
+        // Written like a step checkpoint: a crash leaves the old `final/` or the new one whole.
+        checkpoint::publish(&self.stage_dir, "final", |files| {
+            self.policy().save_record(&files.policy())?;
+            self.critic().save_record(&files.critic())?;
+            let hf = files.dir.join("hf");
+            self.policy().save_pretrained(&self.model_config, &hf)?;
+            if let Some(src) = &self.cfg.model.path {
+                for name in ["tokenizer.json", "tokenizer_config.json"] {
+                    let from = src.join(name);
+                    if from.exists() {
+                        std::fs::copy(&from, hf.join(name))
+                            .map_err(|e| TrainError::Io(from.clone(), e))?;
+                    }
                 }
             }
-        }
-        Ok(dir)
+            Ok(())
+        })
     }
 
     /// Whether step `self.step` is due a checkpoint.
