@@ -1,12 +1,11 @@
 //! Batched sampling with a KV cache: temperature, top-k, top-p, stop tokens and strings, a
 //! token limit, and each sampled token's log-probability.
 
-use burn::tensor::{backend::Backend, Bool, FloatDType, Int, Tensor, TensorData};
-use rand::{Rng, SeedableRng};
-
 use crate::model::vocab::log_softmax_last;
 use crate::model::{Architecture, CausalLm, KvCache};
+use crate::seeds::ReplayRng;
 use crate::tokenizer::TextTokenizer;
+use burn::tensor::{backend::Backend, Bool, FloatDType, Int, Tensor, TensorData};
 
 /// How to sample.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -107,7 +106,7 @@ pub fn generate_observed<B: Backend>(
     if n == 0 || params.max_new_tokens == 0 {
         return out;
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut rng = ReplayRng::new(seed);
     let max_len = prompts.iter().map(Vec::len).max().unwrap_or(0).max(1);
     let mut ids = Vec::with_capacity(n * max_len);
     let mut valid = Vec::with_capacity(n * max_len);
@@ -141,7 +140,7 @@ pub fn generate_observed<B: Backend>(
             if params.temperature <= 0.0 {
                 greedy_on_device(lp)
             } else {
-                let us: Vec<f64> = (0..rows).map(|_| rng.random::<f64>()).collect();
+                let us: Vec<f64> = (0..rows).map(|_| rng.unit_f64()).collect();
                 draw_on_device(lp, &us)
             }
         } else {
@@ -322,7 +321,7 @@ fn invert_cdf(weights: impl Iterator<Item = f64>, target: f64) -> (usize, f64) {
 
 /// Chooses a token from one row of log-probabilities under top-k / top-p (greedy decoding and
 /// whole-distribution sampling choose on the device).
-fn pick(row: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
+fn pick(row: &[f32], params: &SamplingParams, rng: &mut ReplayRng) -> usize {
     let mut idx: Vec<usize> = (0..row.len()).collect();
     let k = if params.top_k == 0 {
         row.len()
@@ -344,7 +343,7 @@ fn pick(row: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
         }
     }
     let total: f64 = kept.iter().map(|&i| f64::from(row[i].exp())).sum();
-    let u = rng.random::<f64>() * total;
+    let u = rng.unit_f64() * total;
     let mut acc = 0.0;
     for &i in &kept {
         acc += f64::from(row[i].exp());

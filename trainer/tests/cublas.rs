@@ -21,9 +21,10 @@ fn install() {
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    let mut rng = trainer::seeds::ReplayRng::new(seed);
+    (0..n)
+        .map(|_| rng.unit_f64() as f32 * 2.0 - 1.0)
+        .collect()
 }
 
 /// A tensor with the same values on both backends.

@@ -22,13 +22,14 @@ mod cuda {
         vocab: usize,
         device: &B::Device,
     ) -> (Tensor<B, 2>, Tensor<B, 1, Int>, Tensor<B, 2>) {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut rng = trainer::seeds::ReplayRng::new(11);
         let logits: Vec<f32> = (0..rows * vocab)
-            .map(|i| 3.0 * (rng.random::<f32>() - 0.5) + if i % 97 == 0 { 12.0 } else { 0.0 })
+            .map(|i| 3.0 * ((rng.unit_f64() as f32) - 0.5) + if i % 97 == 0 { 12.0 } else { 0.0 })
             .collect();
         let targets: Vec<i32> = (0..rows).map(|r| ((r * 7919 + 3) % vocab) as i32).collect();
-        let weights: Vec<f32> = (0..rows * 2).map(|_| rng.random::<f32>() - 0.5).collect();
+        let weights: Vec<f32> = (0..rows * 2)
+            .map(|_| (rng.unit_f64() as f32) - 0.5)
+            .collect();
         (
             Tensor::from_data(TensorData::new(logits, [rows, vocab]), device),
             Tensor::from_data(TensorData::new(targets, [rows]), device),
@@ -105,15 +106,16 @@ mod cuda {
 
     /// Relative differences of RMSNorm's output and of the input's and scale's gradients.
     fn compare_norm<B: AutodiffBackend>(shape: [usize; 3], device: &B::Device) -> [f32; 3] {
-        use rand::{Rng, SeedableRng};
         use trainer::model::transformer::RmsNorm;
         let [b, t, d] = shape;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut rng = trainer::seeds::ReplayRng::new(5);
         let x: Vec<f32> = (0..b * t * d)
-            .map(|_| 4.0 * (rng.random::<f32>() - 0.5))
+            .map(|_| 4.0 * ((rng.unit_f64() as f32) - 0.5))
             .collect();
-        let w: Vec<f32> = (0..d).map(|_| 0.5 + rng.random::<f32>()).collect();
-        let g: Vec<f32> = (0..b * t * d).map(|_| rng.random::<f32>() - 0.5).collect();
+        let w: Vec<f32> = (0..d).map(|_| 0.5 + (rng.unit_f64() as f32)).collect();
+        let g: Vec<f32> = (0..b * t * d)
+            .map(|_| (rng.unit_f64() as f32) - 0.5)
+            .collect();
         let run = |fused: bool| {
             let x = Tensor::<B, 3>::from_data(TensorData::new(x.clone(), [b, t, d]), device)
                 .require_grad();
@@ -184,15 +186,14 @@ mod cuda {
         hd: usize,
         device: &B::Device,
     ) -> [f32; 2] {
-        use rand::{Rng, SeedableRng};
         use trainer::model::rope::RopeTables;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut rng = trainer::seeds::ReplayRng::new(3);
         let width = heads + 1; // one more head beside them, as the value heads are
         let x: Vec<f32> = (0..b * t * width * hd)
-            .map(|_| rng.random::<f32>() - 0.5)
+            .map(|_| (rng.unit_f64() as f32) - 0.5)
             .collect();
         let g: Vec<f32> = (0..b * t * heads * hd)
-            .map(|_| rng.random::<f32>() - 0.5)
+            .map(|_| (rng.unit_f64() as f32) - 0.5)
             .collect();
         let cfg = trainer::model::ModelConfig::from_json(&format!(
             r#"{{"model_type":"qwen2","vocab_size":40,"hidden_size":{},"intermediate_size":24,"num_hidden_layers":1,
@@ -267,7 +268,6 @@ mod cuda {
         n: usize,
         device: &B::Device,
     ) -> [f32; 3] {
-        use rand::{Rng, SeedableRng};
         use trainer::model::transformer::{Dense, Mlp};
         let [b, t, d] = shape;
         B::seed(device, 9);
@@ -275,9 +275,9 @@ mod cuda {
             gate_up_proj: Dense::<B>::random(d, 2 * n, false, 0.3, device),
             down_proj: Dense::<B>::random(n, d, false, 0.3, device),
         };
-        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        let mut rng = trainer::seeds::ReplayRng::new(13);
         let x: Vec<f32> = (0..b * t * d)
-            .map(|_| 2.0 * (rng.random::<f32>() - 0.5))
+            .map(|_| 2.0 * ((rng.unit_f64() as f32) - 0.5))
             .collect();
         let run = |fused: bool| {
             let x = Tensor::<B, 3>::from_data(TensorData::new(x.clone(), [b, t, d]), device)
