@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Evaluation throughput through the server: N distinct candidates submitted together.
+
+Starts a release env-server (its own data directory), submits N candidates to
+`POST /v1/evaluate` with C in flight, and prints evaluations per hour, where each evaluation's
+time went (build queue, build, device wait, check and time), the machine's core-seconds per
+evaluation and the device-seconds per evaluation. Candidates are variants of the bundled
+examples: each gets its own comment, so every one is a fresh build (no cache hits); then one
+unchanged resubmission and one one-line change show a cache hit and a rebuild.
+
+    scripts/bench_eval_throughput.py --device cpu --n 8 --concurrency 2
+    scripts/bench_eval_throughput.py --device cuda --n 32 --concurrency 32
+    scripts/bench_eval_throughput.py --device cpu --pch none        # without precompiled headers
+
+Only the standard library: it runs wherever the server runs.
+"""
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def candidates(device):
+    """(task id, model_new.py source) pairs to vary."""
+    if device == "cpu":
+        with open(os.path.join(ROOT, "tests", "cpu_add_candidate.py")) as f:
+            return [("L1/2_Add", f.read())]
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "skills", "examples", "cuda", "*.py"))):
+        name = os.path.basename(path)[:-3]  # L1_1_ReLU
+        level, rest = name.split("_", 1)
+        with open(path) as f:
+            out.append((f"{level}/{rest}", f.read()))
+    return out
+
+
+def variant(source, i, nonce):
+    """The same program with a distinct inline source (so its extension is built afresh)."""
+    tag = f"// variant {nonce}-{i}\n"
+    for quote in ('r"""', "r'''"):
+        if quote in source:
+            return source.replace(quote, quote + tag, 1)
+    return source + f"\n# variant {nonce}-{i}\n"
+
+
+def cpu_seconds():
+    """Core-seconds the whole machine has spent busy (user, nice, system), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    ticks = os.sysconf("SC_CLK_TCK")
+    user, nice, system = (int(x) for x in fields[:3])
+    return (user + nice + system) / ticks
+
+
+def post(url, body, timeout):
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def start_server(args, data):
+    binary = args.server_bin or os.path.join(ROOT, "target", "release", "env-server")
+    cmd = [binary, "--bind", f"127.0.0.1:{args.port}", "--data-dir", data, "--python",
+           args.python, "--device", args.device]
+    if args.skip_compile:
+        cmd.append("--skip-compile")
+    if args.max_builds:
+        cmd += ["--max-builds", str(args.max_builds)]
+    if args.pch is not None:
+        cmd += ["--pch", args.pch]
+    log = open(os.path.join(os.path.dirname(data), "server.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{args.port}"
+    for _ in range(600):
+        try:
+            info = get(url + "/v1/info")
+            return proc, url, info
+        except Exception:
+            if proc.poll() is not None:
+                sys.exit(f"env-server exited; see {log.name}")
+            time.sleep(0.2)
+    sys.exit("env-server did not answer")
+
+
+def wait_pch(data, info, limit_s):
+    """Waits until every precompiled header variant the server announced exists."""
+    wanted = (info.get("build") or {}).get("precompiled_headers") or []
+    if not wanted:
+        return 0.0
+    t0 = time.time()
+    while time.time() - t0 < limit_s:
+        made = glob.glob(os.path.join(data, "pch", "*", "torch", "extension.h.gch", "*.gch"))
+        if len(made) >= len(wanted):
+            break
+        time.sleep(2)
+    return time.time() - t0
+
+
+def row(cols, widths):
+    return "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--n", type=int, default=32, help="distinct candidates")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--python", default=os.environ.get("CUDA_AGENT_PYTHON", sys.executable))
+    ap.add_argument("--server-bin", default=None)
+    ap.add_argument("--port", type=int, default=18282)
+    ap.add_argument("--max-builds", type=int, default=0)
+    ap.add_argument("--pch", default=None, help="the server's --pch (default: its own)")
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the data directory")
+    args = ap.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="cuda-agent-throughput.")
+    os.chmod(tmp, 0o711)
+    data = os.path.join(tmp, "data")
+    proc, url, info = start_server(args, data)
+    try:
+        pch_wait = wait_pch(data, info, 1800)
+        pool = candidates(args.device)
+        nonce = os.getpid()
+        jobs = [(pool[i % len(pool)][0], variant(pool[i % len(pool)][1], i, nonce))
+                for i in range(args.n)]
+        print(f"server: device={info['device']} torch={info['torch']} "
+              f"max_builds={info['capacity']['max_builds']} build={json.dumps(info.get('build'))}")
+        if pch_wait:
+            print(f"precompiled headers ready after {pch_wait:.0f} s (not counted below)")
+        print(f"{args.n} distinct candidates over {len(pool)} task(s), {args.concurrency} in flight")
+
+        def one(job):
+            task, src = job
+            t = time.time()
+            r = post(url + "/v1/evaluate", {"task": task, "solution": src}, timeout=3600)
+            return task, time.time() - t, r
+
+        cpu0, t0 = cpu_seconds(), time.time()
+        with ThreadPoolExecutor(args.concurrency) as ex:
+            results = list(ex.map(one, jobs))
+        wall, cores = time.time() - t0, cpu_seconds() - cpu0
+
+        phases = [r["details"].get("phases", {}) for _, _, r in results]
+        def col(key):
+            vals = [p.get(key, 0.0) for p in phases]
+            return statistics.mean(vals), max(vals)
+        correct = sum(1 for _, _, r in results if r.get("correct"))
+        lat = sorted(l for _, l, _ in results)
+        print()
+        widths = [28, 10, 10]
+        print(row(["", "mean", "max"], widths))
+        print(row(["latency per evaluation (s)", f"{statistics.mean(lat):.1f}", f"{lat[-1]:.1f}"], widths))
+        for key in ["setup_s", "build_queue_s", "build_s", "lease_wait_s", "judge_s"]:
+            m, x = col(key)
+            print(row([key, f"{m:.2f}", f"{x:.2f}"], widths))
+        device_s = sum(p.get("judge_s", 0.0) for p in phases)
+        print()
+        print(row(["evaluations", args.n], [28, 10]))
+        print(row(["correct", correct], [28, 10]))
+        print(row(["wall (s)", f"{wall:.1f}"], [28, 10]))
+        print(row(["evaluations per hour", f"{args.n / wall * 3600:.0f}"], [28, 10]))
+        print(row(["core-s per evaluation", f"{cores / args.n:.1f}"], [28, 10]))
+        print(row(["device-s per evaluation", f"{device_s / args.n:.1f}"], [28, 10]))
+
+        # The agent's loop: the same sources again (a cache hit), then a one-line change.
+        task, src = jobs[0]
+        _, hit_s, hit = one((task, src))
+        changed = variant(pool[0][1], "changed", nonce)
+        _, re_s, re = one((task, changed))
+        print()
+        print(row(["resubmitted unchanged: total (s)", f"{hit_s:.1f}"], [34, 8]))
+        print(row(["  of which build (s)", f"{hit['details'].get('phases', {}).get('build_s', 0):.2f}"], [34, 8]))
+        print(row(["one-line change: total (s)", f"{re_s:.1f}"], [34, 8]))
+        print(row(["  of which build (s)", f"{re['details'].get('phases', {}).get('build_s', 0):.2f}"], [34, 8]))
+        bad = [(t, r.get("reason")) for t, _, r in results if not r.get("correct")]
+        for t, reason in bad[:5]:
+            print(f"not correct: {t}: {(reason or '')[:300]}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
