@@ -480,6 +480,13 @@ def _classify(n: torch.Tensor, r: torch.Tensor) -> str:
         return "NaN where the reference has numbers (an output element never written?)"
     if n.is_floating_point() and torch.isinf(n).any() and not torch.isinf(r).any():
         return "Inf where the reference is finite (overflow?)"
+    if n.is_floating_point() and r.is_floating_point():
+        scale = float(r.abs().max()) if r.numel() else 0.0
+        big = n.abs() > max(1e6, 1e3 * scale)
+        if big.any():
+            return "garbage: values far outside the reference's range (uninitialised memory, or a wrong index?)"
+        if bool((n == 0).all()) and bool((r != 0).any()):
+            return "all zeros in this chunk where the reference is not (output never written?)"
     return "wrong values"
 
 

@@ -157,6 +157,10 @@ class WorkerLink:
     sent_at: float = 0.0
     replied_at: float = 0.0
     opened: list = field(default_factory=list)
+    # What the judge is doing (for messages only): build, check or time.
+    stage: str = ""
+    # The candidate worker's own account of the weights it took (advisory: shown, never believed).
+    weights: dict | None = None
 
     def __post_init__(self):
         try:
@@ -169,7 +173,7 @@ class WorkerLink:
         if self.popen is not None:
             rc = self.popen.poll()
             if rc is not None:
-                return f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
+                return f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc} ({signal_name(-rc)})"
             return None
         if not Path(f"/proc/{self.pid}").exists():
             return "the process is gone"
@@ -178,8 +182,13 @@ class WorkerLink:
     def tail(self) -> str:
         if self.log is None or not self.log.exists():
             return ""
-        data = self.log.read_bytes()[-2000:].decode(errors="replace").strip()
-        return f"\n--- worker output (last lines) ---\n{data}" if data else ""
+        data = self.log.read_bytes()[-3000:].decode(errors="replace")
+        data = "\n".join(ln for ln in data.splitlines() if not ln.startswith("Extension modules:")).strip()
+        return f"\n--- worker output (last lines: a crash's Python traceback is here) ---\n{data}" if data else ""
+
+    def where(self, op: str) -> str:
+        """The stage a request belongs to, for messages: build, check or time."""
+        return f"{self.stage} ({op})" if self.stage else op
 
     def request(self, msg: dict, timeout: float) -> dict:
         """One request and its reply; every way a worker can misbehave becomes a RuleBreak."""
@@ -202,7 +211,7 @@ class WorkerLink:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise h.RuleBreak("time_limit", f"the {self.name} worker did not answer {msg['op']} within {timeout:.0f} s")
+                raise h.RuleBreak("time_limit", f"the {self.name} worker did not answer {msg['op']} within {timeout:.0f} s, during {self.where(msg['op'])}")
             watch = [self.channel.rfd] + ([self.pidfd] if self.pidfd is not None else [])
             ready = select.select(watch, [], [], min(left, 0.5))[0]
             if self.channel.rfd in ready:
@@ -211,12 +220,17 @@ class WorkerLink:
                 # A reply may still be in the pipe: read it before calling the worker dead.
                 if select.select([self.channel.rfd], [], [], 0)[0]:
                     break
-                raise h.RuleBreak("worker_died", f"the {self.name} worker died during {msg['op']} ({self.died() or 'exited'}){self.tail()}")
+                raise h.RuleBreak("worker_died", f"the {self.name} worker died during {self.where(msg['op'])}: {self.died() or 'exited'}{self.tail()}")
         try:
             reply = self.channel.recv(timeout=max(1.0, deadline - time.monotonic()))
             self.replied_at = time.perf_counter()
         except h.ChannelClosed as e:
-            raise h.RuleBreak("worker_died", f"the {self.name} worker closed its channel during {msg['op']} ({self.died() or 'exited'}){self.tail()}") from e
+            if self.popen is not None:
+                try:  # a worker that just crashed: let it be reaped, so its signal is known
+                    self.popen.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise h.RuleBreak("worker_died", f"the {self.name} worker closed its channel during {self.where(msg['op'])}: {self.died() or 'exited'}{self.tail()}") from e
         except TimeoutError as e:
             raise h.RuleBreak("protocol", f"the {self.name} worker sent half a message") from e
         except ValueError as e:
@@ -259,6 +273,35 @@ class WorkerLink:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def signal_name(n: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def weights_hint(link: "WorkerLink | None") -> str:
+    """A note for a wrong output when the candidate's worker said some weights were not the
+    reference's (its own report: shown as a hint, it decides nothing)."""
+    w = getattr(link, "weights", None)
+    if not isinstance(w, dict):
+        return ""
+    def names(key):
+        v = w.get(key)
+        return [str(x)[:80] for x in v[:8]] if isinstance(v, list) else []
+    ref_left, own = names("reference_not_loaded"), names("candidate_own")
+    if not ref_left and not own:
+        return ""
+    parts = []
+    if ref_left:
+        parts.append(f"the reference's {', '.join(ref_left)} matched no parameter of ModelNew by name and shape")
+    if own:
+        parts.append(f"ModelNew's {', '.join(own)} kept their own initialisation (not the reference's weights)")
+    return "\n[weights: " + "; ".join(parts) + ". Weights are shared by parameter name and shape: declare the reference's modules under the same names, or copy them in __init__.]"
 
 
 # Failures a worker may report about itself (anything else it says is a protocol break).
@@ -363,6 +406,7 @@ class Judge:
     def hello(self, setup_timeout: float) -> dict:
         """Waits for both workers to be ready (they start side by side); the candidate's
         answer carries its build report."""
+        self.set_stage("build and import of model_new.py")
         self.ref.request({"op": "hello"}, setup_timeout)
         return self.cand.request({"op": "hello"}, setup_timeout)
 
@@ -488,7 +532,9 @@ class Judge:
         """A new model pair under `seed` and a new input set from `make`; returns the
         reference's outputs on it (the candidate's run is the caller's)."""
         for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
-            link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
+            reply = link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
+            if link is self.cand:
+                link.weights = reply.get("weights") if isinstance(reply.get("weights"), dict) else None
         inputs = h.seeded_inputs(make, self.rng.getrandbits(62), self.device)
         self.give_inputs(inputs, key, cand_dir, ref_dir)
         del inputs
@@ -500,6 +546,7 @@ class Judge:
         errors = []
         for i, seed in enumerate(seeds):
             label = f"input set {i + 1} of {len(seeds)}"
+            self.set_stage("check")
             want = self.fresh_pair(seed, self.task.get_inputs, "main", cand_dir, ref_dir)
             try:
                 reply = self.cand.request({"op": "run", "model": "check", "trace": trace}, self.call_timeout)
@@ -512,7 +559,10 @@ class Judge:
                 if not t.get("extension_calls"):
                     raise h.RuleBreak("no_custom_kernel", f"{label}: no compiled extension function was called in the forward")
             got = self.outputs(self.cand, "check", reply)
-            errors.append(self.compare(want, got, label))
+            try:
+                errors.append(self.compare(want, got, label))
+            except h.RuleBreak as e:
+                raise h.RuleBreak(e.rule, f"{e}{weights_hint(self.cand) if e.rule == 'wrong_output' else ''}") from e
             self.release()
         return {"max_abs_error": max(e["max_abs_error"] for e in errors), "max_rel_error": max(e["max_rel_error"] for e in errors), "checks": len(seeds)}
 
@@ -520,16 +570,23 @@ class Judge:
         """The task's second input shape, where it defines one."""
         if not hasattr(self.task, "get_inputs_alt"):
             return False
+        self.set_stage("check of the second input shape")
         want = self.fresh_pair(seed, self.task.get_inputs_alt, "alt", cand_dir, ref_dir)
         try:
             got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
             self.compare(want, got, "second input shape")
         except h.RuleBreak as e:
             if e.rule in ("wrong_output", "runtime_error", "precision"):
-                raise h.RuleBreak("hard_coded_shape", f"wrong on the task's second input shape: {e}") from e
+                shapes = ", ".join(str(tuple(x.shape)) for x in h.seeded_inputs(self.task.get_inputs_alt, 0, "meta") if isinstance(x, torch.Tensor))
+                raise h.RuleBreak("hard_coded_shape", f"wrong on the task's second input shape (inputs {shapes}): {e}") from e
             raise
         self.release()
         return True
+
+    def set_stage(self, stage: str) -> None:
+        for link in (self.ref, self.cand):
+            if link is not None:
+                link.stage = stage
 
     def release(self) -> None:
         for link in (self.ref, self.cand):
@@ -562,6 +619,7 @@ class Judge:
             n_timed = rounds - warmup_rounds
             if timed and n_timed >= min_rounds and (n_timed >= max_rounds or time.perf_counter() - start > budget_s):
                 break
+            self.set_stage(f"time, round {rounds + 1}")
             inputs = h.seeded_inputs(self.task.get_inputs, self.rng.getrandbits(62), self.device)
             self.give_inputs(inputs, "main", cand_dir, ref_dir)
             del inputs

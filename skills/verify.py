@@ -5,8 +5,8 @@
 The same judge as the final evaluation: ModelNew runs in a separate worker process, the
 reference in another; same init arguments and weights, fresh random inputs for every trial
 (the final evaluation uses other seeds you never see), outputs compared within the tolerance,
-and the task's second input shape where it defines one. Prints a JSON result; exit code 0 when
-correct. Add --time for the timed phase too (what profile.py prints, with every timed call
+and the task's second input shape where it defines one. Prints a JSON result, then PASS or
+FAIL with the reason; exit code 0 when correct. Add --time for the timed phase too (what profile.py prints, with every timed call
 checked).
 """
 
@@ -37,8 +37,11 @@ def main() -> int:
     opts = judge.Options(device=args.device, atol=args.tolerance, rtol=args.tolerance, time=args.time,
                          seeds=[int.from_bytes(os.urandom(4), "little") for _ in range(max(1, args.trials))])
     result = judge.evaluate(here / "model.py", here, opts)
+    # The reason is printed once, as it is (compiler output and tracebacks stay readable),
+    # not a second time escaped inside the JSON.
+    reason = result.pop("reason", None)
     print(json.dumps(result, indent=2))
-    print("PASS" if result["correct"] else f"FAIL: {result.get('reason')}", file=sys.stderr)
+    print("PASS" if result["correct"] else f"FAIL: {reason}")
     return 0 if result["correct"] else 1
 
 

@@ -26,6 +26,80 @@ pub fn milestone(
     }
 }
 
+/// Characters of the candidate worker's output shown after a crash.
+const WORKER_LOG_CHARS: usize = 2_000;
+
+/// The final evaluation as the agent reads it: the reward and what it means, the verdict (the
+/// reason, as the judge wrote it, for a failure), the median times and speedups with their
+/// noise bands. After a crash or a hang, the tail of the candidate worker's own output follows
+/// (a Python traceback from faulthandler): the worker's words are shown as diagnostics only,
+/// never read for the verdict.
+pub fn describe(result: &env_api::EvaluationResult) -> String {
+    let mut out = format!("Evaluation: reward {}", result.reward);
+    if !result.correct {
+        out.push_str(
+            " (failed)
+",
+        );
+        out.push_str(result.reason.as_deref().unwrap_or("evaluation failed"));
+        let rule = result.details.get("rule").and_then(|r| r.as_str());
+        let crashed = matches!(rule, Some("worker_died" | "time_limit" | "runtime_error"));
+        if let Some(log) = result.details.get("worker_log").and_then(|l| l.as_str()) {
+            let log = log.trim();
+            if crashed && !log.is_empty() {
+                let start = log
+                    .char_indices()
+                    .rev()
+                    .nth(WORKER_LOG_CHARS)
+                    .map_or(0, |(i, _)| i);
+                out.push_str(&format!(
+                    "\n--- the candidate worker's output (last lines; a crash's Python traceback is here) ---\n{}",
+                    &log[start..]
+                ));
+            }
+        }
+        return out;
+    }
+    let what = match result.reward as i64 {
+        3 => "correct, and more than 5% faster than eager and than torch.compile",
+        2 => "correct, and more than 5% faster than eager (not than torch.compile)",
+        _ => "correct, not more than 5% faster than eager",
+    };
+    out.push_str(&format!(" ({what})"));
+    let t = &result.times_ms;
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4} ms"));
+    out.push_str(&format!(
+        "\nmedian times: candidate {}, eager {}, torch.compile {}",
+        ms(t.candidate),
+        ms(t.eager),
+        ms(t.compile)
+    ));
+    let band = |base: &str| {
+        result
+            .details
+            .pointer(&format!("/noise_band/{base}"))
+            .and_then(|b| b.as_array())
+            .and_then(|b| Some((b.first()?.as_f64()?, b.get(1)?.as_f64()?)))
+    };
+    let mut speedups = Vec::new();
+    for (name, key, v) in [
+        ("eager", "eager", result.speedup.eager),
+        ("torch.compile", "compile", result.speedup.compile),
+    ] {
+        if let Some(v) = v {
+            let mut s = format!("{v:.3}x over {name}");
+            if let Some((lo, hi)) = band(key) {
+                s.push_str(&format!(" (90% band {lo:.3}-{hi:.3})"));
+            }
+            speedups.push(s);
+        }
+    }
+    if !speedups.is_empty() {
+        out.push_str(&format!("\nspeedup: {}", speedups.join(", ")));
+    }
+    out
+}
+
 /// The verdict on a tiny-family task: the file must hold exactly `value` (whitespace around
 /// it ignored). Same reward shape as a kernel task: -1 on failure, 1 when correct (no speed
 /// milestones: there is nothing to time).
@@ -77,6 +151,45 @@ mod tests {
         assert_eq!(milestone(true, Some(0.94), Some(0.5), Some(1.0)), 1.0);
         assert_eq!(milestone(true, Some(0.5), Some(1.0), None), 2.0);
         assert_eq!(milestone(true, None, Some(1.0), Some(1.0)), 1.0);
+    }
+
+    #[test]
+    fn results_read_as_text() {
+        let ok = env_api::EvaluationResult {
+            reward: 2.0,
+            correct: true,
+            reason: None,
+            times_ms: env_api::Times {
+                eager: Some(2.0),
+                compile: Some(0.5),
+                candidate: Some(1.0),
+            },
+            speedup: env_api::Speedups {
+                eager: Some(2.0),
+                compile: Some(0.5),
+            },
+            details: serde_json::json!({"noise_band": {"eager": [1.9, 2.1]}}),
+        };
+        assert_eq!(
+            describe(&ok),
+            "Evaluation: reward 2 (correct, and more than 5% faster than eager (not than torch.compile))\n\
+             median times: candidate 1.0000 ms, eager 2.0000 ms, torch.compile 0.5000 ms\n\
+             speedup: 2.000x over eager (90% band 1.900-2.100), 0.500x over torch.compile"
+        );
+        let crashed = env_api::EvaluationResult {
+            reward: -1.0,
+            correct: false,
+            reason: Some("worker_died: the candidate worker died during check (run)".into()),
+            times_ms: Default::default(),
+            speedup: Default::default(),
+            details: serde_json::json!({"rule": "worker_died", "worker_log": "Fatal Python error: Segmentation fault\n  File \"model_new.py\", line 8 in forward"}),
+        };
+        let text = describe(&crashed);
+        assert!(
+            text.starts_with("Evaluation: reward -1 (failed)\nworker_died: "),
+            "{text}"
+        );
+        assert!(text.contains("line 8 in forward"), "{text}");
     }
 
     #[test]
