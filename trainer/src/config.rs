@@ -326,12 +326,12 @@ impl TrainConfig {
     pub fn from_file(path: &Path) -> Result<Self, TrainError> {
         let text =
             std::fs::read_to_string(path).map_err(|e| TrainError::Io(path.to_path_buf(), e))?;
-        Self::from_toml(&text).map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))
+        Self::from_toml(&text).map_err(|e| TrainError::InFile(path.to_path_buf(), Box::new(e)))
     }
 
     /// Parses TOML text.
     pub fn from_toml(text: &str) -> Result<Self, TrainError> {
-        toml::from_str(text).map_err(|e| TrainError::Config(e.to_string()))
+        toml::from_str(text).map_err(TrainError::Toml)
     }
 
     /// The system prompt used for every conversation.

@@ -170,8 +170,13 @@ pub fn sample_from_log(
         .iter()
         .find(|r| r.kind == "reset")
         .ok_or_else(|| TrainError::Data("log has no reset record".into()))?;
-    let resp: ResetResponse = serde_json::from_value(reset.body["response"].clone())
-        .map_err(|e| TrainError::Data(format!("reset record: {e}")))?;
+    let resp: ResetResponse =
+        serde_json::from_value(reset.body["response"].clone()).map_err(|e| {
+            TrainError::DataJson {
+                what: "reset record".into(),
+                source: e,
+            }
+        })?;
     let mut s = Sample::new(&resp.info.task.id, &resp.episode_id);
     s.push_context(&renderer.prompt(&resp.observation.text, &resp.info.tools)?);
     for r in records.iter().filter(|r| r.kind == "step") {
@@ -179,8 +184,13 @@ pub fn sample_from_log(
             .as_str()
             .ok_or_else(|| TrainError::Data("step record without a tool".into()))?;
         let arguments = r.body["action"]["arguments"].clone();
-        let step: StepResponse = serde_json::from_value(r.body["response"].clone())
-            .map_err(|e| TrainError::Data(format!("step record: {e}")))?;
+        let step: StepResponse =
+            serde_json::from_value(r.body["response"].clone()).map_err(|e| {
+                TrainError::DataJson {
+                    what: "step record".into(),
+                    source: e,
+                }
+            })?;
         let call = renderer.call_tokens(tool, &arguments)?;
         s.push_policy(&call, None);
         s.turns.push(TurnRecord {
@@ -230,7 +240,10 @@ pub fn samples_from_dir(
             .map(serde_json::from_str)
             .collect();
         match records
-            .map_err(|e| TrainError::Data(e.to_string()))
+            .map_err(|e| TrainError::DataJson {
+                what: f.display().to_string(),
+                source: e,
+            })
             .and_then(|r| sample_from_log(&r, renderer))
         {
             Ok(s) => out.push(s),

@@ -1,4 +1,6 @@
-//! Typed errors of the trainer crate.
+//! Typed errors of the trainer crate. Errors from libraries are kept as sources (the chain is
+//! printed by the binary); variants holding only a sentence are problems found by the trainer
+//! itself.
 
 use std::path::PathBuf;
 
@@ -8,21 +10,42 @@ pub enum ModelError {
     /// A file could not be read or written.
     #[error("{0}: {1}")]
     Io(PathBuf, #[source] std::io::Error),
-    /// `config.json` is malformed or describes an unsupported architecture.
+    /// An error about the contents of a file.
+    #[error("{0}: {1}")]
+    InFile(PathBuf, #[source] Box<ModelError>),
+    /// `config.json` describes an unsupported architecture or is inconsistent.
     #[error("model config: {0}")]
     Config(String),
+    /// A JSON document (`config.json`, a shard index, an export) does not parse or serialise.
+    #[error("JSON: {0}")]
+    Json(#[source] serde_json::Error),
     /// A weight is missing, has the wrong shape or an unsupported dtype.
     #[error("weights: {0}")]
     Weights(String),
-    /// The tokenizer could not be loaded or used.
+    /// A safetensors file or tensor could not be read or written.
+    #[error("safetensors {what}: {source}")]
+    Safetensors {
+        /// The file or tensor.
+        what: String,
+        /// What the safetensors crate said.
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// The tokenizer lacks something the trainer needs.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// A checkpoint could not be saved or restored.
-    #[error("checkpoint: {0}")]
-    Checkpoint(String),
-    /// The requested compute device is not available.
-    #[error("device: {0}")]
-    Device(String),
+    /// The tokenizers library failed (loading, encoding).
+    #[error("tokenizer {what}: {source}")]
+    TokenizerLib {
+        /// The file or operation.
+        what: String,
+        /// What the tokenizers crate said.
+        #[source]
+        source: tokenizers::Error,
+    },
+    /// A burn record (weights or optimiser state) could not be saved or restored.
+    #[error("record {0}: {1}")]
+    Record(PathBuf, #[source] burn::record::RecorderError),
 }
 
 /// Errors of the training stages and rollouts.
@@ -37,15 +60,33 @@ pub enum TrainError {
     /// A file could not be read or written.
     #[error("{0}: {1}")]
     Io(PathBuf, #[source] std::io::Error),
+    /// An error about the contents of a file.
+    #[error("{0}: {1}")]
+    InFile(PathBuf, #[source] Box<TrainError>),
     /// The training configuration is invalid.
     #[error("config: {0}")]
     Config(String),
+    /// The TOML configuration does not parse.
+    #[error("config: {0}")]
+    Toml(#[source] toml::de::Error),
     /// Training data (trajectories) is missing or malformed.
     #[error("data: {0}")]
     Data(String),
+    /// A record of training data does not parse.
+    #[error("data: {what}: {source}")]
+    DataJson {
+        /// Which record.
+        what: String,
+        /// What serde_json said.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A JSON file could not be written or parsed.
     #[error("{0}: {1}")]
     Json(PathBuf, #[source] serde_json::Error),
+    /// A chart could not be drawn or written.
+    #[error("plot: {0}")]
+    Plot(#[from] charts::ChartError),
     /// A checkpoint pointer or directory is not a complete checkpoint.
     #[error("checkpoint {}: {reason}", path.display())]
     Checkpoint {

@@ -57,7 +57,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Trainable<B, M> {
     pub fn save(&self, path: &Path) -> Result<(), ModelError> {
         NamedMpkFileRecorder::<FullPrecisionSettings>::new()
             .record(self.optim.to_record(), path.to_path_buf())
-            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+            .map_err(|e| ModelError::Record(path.to_path_buf(), e))
     }
 
     /// Restores a state written by `save` (the module's parameter ids must be the saved ones,
@@ -65,7 +65,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Trainable<B, M> {
     pub fn load(mut self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
         let rec = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
             .load(path.to_path_buf(), device)
-            .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))?;
+            .map_err(|e| ModelError::Record(path.to_path_buf(), e))?;
         self.optim = self.optim.load_record(rec);
         Ok(self)
     }

@@ -57,7 +57,5 @@ pub fn plot_metrics(metrics: &Path, out: &Path) -> Result<(), TrainError> {
             metrics.display()
         )));
     }
-    grid(&panels, 3)
-        .save_png(out)
-        .map_err(|e| TrainError::Data(e.to_string()))
+    Ok(grid(&panels, 3).save_png(out)?)
 }

@@ -26,8 +26,11 @@ impl TextTokenizer {
         } else {
             path.to_path_buf()
         };
-        let inner = tokenizers::Tokenizer::from_file(&file)
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", file.display())))?;
+        let inner =
+            tokenizers::Tokenizer::from_file(&file).map_err(|e| ModelError::TokenizerLib {
+                what: file.display().to_string(),
+                source: e,
+            })?;
         Ok(Self { inner })
     }
 
@@ -41,7 +44,10 @@ impl TextTokenizer {
         self.inner
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| ModelError::Tokenizer(e.to_string()))
+            .map_err(|e| ModelError::TokenizerLib {
+                what: "encoding".into(),
+                source: e,
+            })
     }
 
     /// Text of `ids`, special tokens included (tool-call markers are special in some vocabularies).

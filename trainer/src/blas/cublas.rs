@@ -30,13 +30,23 @@ pub enum CublasError {
     /// No cuBLAS library where the dynamic loader looks.
     #[error("libcublas was found neither by the dynamic loader nor in a CUDA toolkit under /usr/local or $CUDA_PATH (add its directory to LD_LIBRARY_PATH)")]
     NotFound,
-    /// Creating a handle failed.
-    #[error("cuBLAS handle for CUDA device {device}: {message}")]
+    /// A driver call made to create the handle failed.
+    #[error("CUDA driver, device {device}: {source}")]
+    Driver {
+        /// CUDA device index.
+        device: usize,
+        /// The driver's error.
+        #[source]
+        source: driver::DriverError,
+    },
+    /// cuBLAS could not create a handle.
+    #[error("cuBLAS handle for CUDA device {device}: {source}")]
     Handle {
         /// CUDA device index.
         device: usize,
-        /// cuBLAS's or the driver's message.
-        message: String,
+        /// cuBLAS's error.
+        #[source]
+        source: blas::CublasError,
     },
 }
 
@@ -115,15 +125,16 @@ fn warn_once(message: String) {
 }
 
 fn device_blas(device: usize) -> Result<DeviceBlas, CublasError> {
-    let fail = |message: String| CublasError::Handle { device, message };
+    let fail = |source| CublasError::Driver { device, source };
     // SAFETY: plain driver calls on a device index that cubecl already opened.
     unsafe {
         // cuInit is idempotent; cubecl may not have opened the device yet.
-        driver::init().map_err(|e| fail(e.to_string()))?;
-        let dev = driver::device::get(device as i32).map_err(|e| fail(e.to_string()))?;
-        let context = driver::primary_ctx::retain(dev).map_err(|e| fail(e.to_string()))?;
-        driver::ctx::set_current(context).map_err(|e| fail(e.to_string()))?;
-        let handle = blas::create_handle().map_err(|e| fail(format!("{e:?}")))?;
+        driver::init().map_err(fail)?;
+        let dev = driver::device::get(device as i32).map_err(fail)?;
+        let context = driver::primary_ctx::retain(dev).map_err(fail)?;
+        driver::ctx::set_current(context).map_err(fail)?;
+        let handle =
+            blas::create_handle().map_err(|source| CublasError::Handle { device, source })?;
         Ok(DeviceBlas { handle, context })
     }
 }
@@ -206,9 +217,10 @@ fn preload_from_toolkit() -> bool {
 /// tensor exists (the fusion engine reads the registration when a device starts).
 pub fn install() -> Result<(), CublasError> {
     // SAFETY: only probes the dynamic loader.
-    if !unsafe { sys::is_culib_present() }
-        && !(preload_from_toolkit() && unsafe { sys::is_culib_present() })
-    {
+    let present = || unsafe { sys::is_culib_present() };
+    // Where the loader does not find it, the toolkit's copy is loaded first, then probed again.
+    let found = present() || (preload_from_toolkit() && present());
+    if !found {
         return Err(CublasError::NotFound);
     }
     let first = device_blas(0)?;

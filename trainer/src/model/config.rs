@@ -95,16 +95,12 @@ impl ModelConfig {
             path.to_path_buf()
         };
         let text = std::fs::read_to_string(&file).map_err(|e| ModelError::Io(file.clone(), e))?;
-        Self::from_json(&text).map_err(|e| match e {
-            ModelError::Config(m) => ModelError::Config(format!("{}: {m}", file.display())),
-            other => other,
-        })
+        Self::from_json(&text).map_err(|e| ModelError::InFile(file, Box::new(e)))
     }
 
     /// Parses the text of a Hugging Face `config.json`.
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
-        let raw: RawConfig =
-            serde_json::from_str(text).map_err(|e| ModelError::Config(e.to_string()))?;
+        let raw: RawConfig = serde_json::from_str(text).map_err(ModelError::Json)?;
         let model_type = raw.model_type.unwrap_or_else(|| "llama".into());
         let qwen = match model_type.as_str() {
             "qwen2" => true,

@@ -161,8 +161,7 @@ impl<B: Backend> CausalLm<B> {
     pub fn save_pretrained(&self, cfg: &ModelConfig, dir: &Path) -> Result<(), ModelError> {
         std::fs::create_dir_all(dir).map_err(|e| ModelError::Io(dir.to_path_buf(), e))?;
         let cfg_path = dir.join("config.json");
-        let text = serde_json::to_string_pretty(&cfg.to_hf_json())
-            .map_err(|e| ModelError::Config(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(ModelError::Json)?;
         std::fs::write(&cfg_path, text).map_err(|e| ModelError::Io(cfg_path, e))?;
         let mut out = Vec::new();
         self.backbone.export("model", &mut out);
@@ -236,7 +235,7 @@ fn save_record<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), 
             path.to_path_buf(),
             &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
         )
-        .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+        .map_err(|e| ModelError::Record(path.to_path_buf(), e))
 }
 
 /// Loads a record written by `save_record` into a module of the same shape.
@@ -251,7 +250,7 @@ fn load_record<B: Backend, M: Module<B>>(
             &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
             device,
         )
-        .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))
+        .map_err(|e| ModelError::Record(path.to_path_buf(), e))
 }
 
 type Named = Vec<(String, Vec<usize>, Vec<f32>)>;

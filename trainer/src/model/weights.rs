@@ -27,7 +27,7 @@ impl WeightMap {
             let text =
                 std::fs::read_to_string(&index).map_err(|e| ModelError::Io(index.clone(), e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::Weights(format!("{}: {e}", index.display())))?;
+                .map_err(|e| ModelError::InFile(index.clone(), Box::new(ModelError::Json(e))))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -61,8 +61,10 @@ impl WeightMap {
         let mut tensors = HashMap::new();
         for file in &files {
             let bytes = std::fs::read(file).map_err(|e| ModelError::Io(file.clone(), e))?;
-            let st = SafeTensors::deserialize(&bytes)
-                .map_err(|e| ModelError::Weights(format!("{}: {e}", file.display())))?;
+            let st = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
+                what: file.display().to_string(),
+                source: e,
+            })?;
             for (name, view) in st.tensors() {
                 let data = to_f32(view.dtype(), view.data())
                     .map_err(|m| ModelError::Weights(format!("{}: {name}: {m}", file.display())))?;
@@ -299,9 +301,14 @@ pub fn write_safetensors(
         .map(|((n, s, _), b)| {
             safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
                 .map(|v| (n.clone(), v))
-                .map_err(|e| ModelError::Weights(format!("{n}: {e}")))
+                .map_err(|e| ModelError::Safetensors {
+                    what: n.clone(),
+                    source: e,
+                })
         })
         .collect::<Result<_, _>>()?;
-    safetensors::serialize_to_file(views, None, path)
-        .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))
+    safetensors::serialize_to_file(views, None, path).map_err(|e| ModelError::Safetensors {
+        what: path.display().to_string(),
+        source: e,
+    })
 }

@@ -80,7 +80,10 @@ pub fn load<B: Backend>(
         let tokenizer = TINY_TOKENIZER
             .parse::<tokenizers::Tokenizer>()
             .map(TextTokenizer::from_tokenizer)
-            .map_err(|e| ModelError::Tokenizer(format!("the built-in tiny tokenizer: {e}")))?;
+            .map_err(|e| ModelError::TokenizerLib {
+                what: "the built-in tiny tokenizer".into(),
+                source: e,
+            })?;
         B::seed(device, src.seed);
         let lm = CausalLm::random(&config, device);
         let template = src.template.unwrap_or(ChatTemplate::Chatml);
