@@ -22,9 +22,7 @@ fn install() {
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = trainer::seeds::ReplayRng::new(seed);
-    (0..n)
-        .map(|_| rng.unit_f64() as f32 * 2.0 - 1.0)
-        .collect()
+    (0..n).map(|_| rng.unit_f64() as f32 * 2.0 - 1.0).collect()
 }
 
 /// A tensor with the same values on both backends.
