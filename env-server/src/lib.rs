@@ -55,7 +55,8 @@ pub struct ServerConfig {
     /// Builds at once.
     pub max_builds: usize,
     /// Flag sets (`extra_cflags` as candidates pass them) to precompile torch/extension.h
-    /// for; None: the device's defaults ([`build::default_pch_variants`]); empty: none.
+    /// for; None: the device's defaults ([`build::default_pch_variants`], what the binary
+    /// uses); empty (the default here, for embedders and tests): none.
     pub pch_variants: Option<Vec<String>>,
     /// Most evaluations waiting.
     pub max_eval_queue: usize,
@@ -108,7 +109,7 @@ impl Default for ServerConfig {
             allow_unconfined: false,
             max_episodes: 4096,
             max_builds: build::default_max_builds(),
-            pch_variants: None,
+            pch_variants: Some(Vec::new()),
             max_eval_queue: 1024,
             max_turns: 200,
             time_budget: Duration::from_secs(300),

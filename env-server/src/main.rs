@@ -268,13 +268,11 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
     if let Some(n) = args.max_builds {
         cfg.max_builds = n;
     }
-    cfg.pch_variants = args.pch.as_deref().map(|v| {
-        if v.trim() == "none" {
-            Vec::new()
-        } else {
-            v.split(';').map(|f| f.trim().to_string()).collect()
-        }
-    });
+    cfg.pch_variants = match args.pch.as_deref().map(str::trim) {
+        None => None,
+        Some("none") => Some(Vec::new()),
+        Some(v) => Some(v.split(';').map(|f| f.trim().to_string()).collect()),
+    };
     let state = tokio::task::spawn_blocking(move || build_state(cfg))
         .await?
         .context("starting the server")?;

@@ -28,7 +28,6 @@ pub fn test_config(dir: &std::path::Path) -> ServerConfig {
         python: python(),
         skip_compile: true,
         max_body_bytes: 64 * 1024,
-        pch_variants: Some(Vec::new()),
         ..ServerConfig::default()
     }
 }
