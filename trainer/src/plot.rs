@@ -5,27 +5,62 @@
 use std::path::Path;
 
 use charts::{grid, LineChart, Series};
-use serde_json::Value;
 
 use crate::error::TrainError;
-use crate::metrics::read_metrics;
+use crate::metrics::{read_metrics, MetricsRecord};
 
-/// Metrics drawn, in panel order: (title, key).
-const PANELS: [(&str, &str); 14] = [
-    ("reward mean", "reward_mean"),
-    ("nll", "nll"),
-    ("policy loss", "policy_loss"),
-    ("value loss", "value_loss"),
-    ("entropy", "entropy"),
-    ("kl to rollout", "approx_kl"),
-    ("kl to reference", "ref_kl"),
-    ("clip fraction", "clip_fraction"),
-    ("explained variance", "explained_variance"),
-    ("turns per episode", "turns_per_episode"),
-    ("tokens per episode", "tokens_per_episode"),
-    ("valid call share", "valid_call_share"),
-    ("episodes per min", "episodes_per_min"),
-    ("grad norm", "grad_norm_actor"),
+/// A metric of a record, when the record has it.
+type Pick = fn(&MetricsRecord) -> Option<f64>;
+
+/// Metrics drawn, in panel order: (title, series name, the metric).
+const PANELS: [(&str, &str, Pick); 14] = [
+    ("reward mean", "reward_mean", |r| {
+        r.ppo().map(|p| p.batch.reward_mean)
+    }),
+    ("nll", "nll", |r| match r {
+        MetricsRecord::Rft(r) => r.nll,
+        _ => None,
+    }),
+    ("policy loss", "policy_loss", |r| {
+        r.ppo().and_then(|p| p.update.policy_loss)
+    }),
+    ("value loss", "value_loss", |r| match r {
+        MetricsRecord::Value(v) => v.value_loss,
+        _ => r.ppo().and_then(|p| p.update.value_loss),
+    }),
+    ("entropy", "entropy", |r| {
+        r.ppo().and_then(|p| p.update.entropy)
+    }),
+    ("kl to rollout", "approx_kl", |r| {
+        r.ppo().and_then(|p| p.update.approx_kl)
+    }),
+    ("kl to reference", "ref_kl", |r| {
+        r.ppo().and_then(|p| p.update.ref_kl)
+    }),
+    ("clip fraction", "clip_fraction", |r| {
+        r.ppo().and_then(|p| p.update.clip_fraction)
+    }),
+    ("explained variance", "explained_variance", |r| match r {
+        MetricsRecord::Value(v) => v.explained_variance,
+        _ => r.ppo().and_then(|p| p.update.explained_variance),
+    }),
+    ("turns per episode", "turns_per_episode", |r| {
+        r.ppo().map(|p| p.batch.turns_per_episode)
+    }),
+    ("tokens per episode", "tokens_per_episode", |r| {
+        r.ppo().map(|p| p.batch.tokens_per_episode)
+    }),
+    ("valid call share", "valid_call_share", |r| {
+        r.ppo().map(|p| p.batch.valid_call_share)
+    }),
+    ("episodes per min", "episodes_per_min", |r| {
+        r.ppo().map(|p| p.rates.episodes_per_min)
+    }),
+    ("grad norm", "grad_norm", |r| match r {
+        MetricsRecord::Rft(r) => r.grad_norm.map(f64::from),
+        MetricsRecord::Value(v) => v.grad_norm.map(f64::from),
+        _ => r.ppo().and_then(|p| p.update.grad_norm_actor),
+    }),
 ];
 
 /// Draws `metrics` (JSON Lines) to `out` (PNG); fails when no known metric is present.
@@ -33,17 +68,17 @@ pub fn plot_metrics(metrics: &Path, out: &Path) -> Result<(), TrainError> {
     let records = read_metrics(metrics)?;
     let panels: Vec<_> = PANELS
         .iter()
-        .filter_map(|(title, key)| {
+        .filter_map(|(title, name, pick)| {
             let points: Vec<(f64, f64)> = records
                 .iter()
-                .filter_map(|r| Some((r["step"].as_f64()?, r.get(*key).and_then(Value::as_f64)?)))
+                .filter_map(|r| Some((r.step() as f64, pick(r).filter(|v| v.is_finite())?)))
                 .collect();
             (!points.is_empty()).then(|| {
                 LineChart {
                     title: (*title).into(),
                     x_label: "step".into(),
                     series: vec![Series {
-                        name: (*key).into(),
+                        name: (*name).into(),
                         points,
                     }],
                 }

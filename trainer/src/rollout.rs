@@ -86,7 +86,7 @@ impl EnvPool {
 }
 
 /// Counts and times of one batch of episodes.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RolloutStats {
     /// Episodes started.
     pub episodes: usize,

@@ -8,11 +8,10 @@
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
-use serde_json::{json, Value};
 
 use super::{inference, permutation, scalar, seed_of, trainable, Learner, TokenBatch};
 use crate::error::TrainError;
-use crate::metrics::batch_summary;
+use crate::metrics::{batch_summary, MetricsRecord, PpoRecord, PpoUpdate, Throughput, TimeSplit};
 use crate::model::CausalLm;
 use crate::objective::{
     clipped_mask, clipped_surrogate, clipped_value_loss, explained_variance, gae, kl_k3,
@@ -89,34 +88,32 @@ pub fn run<B: AutodiffBackend>(
             }
         };
         let rollout_s = t0.elapsed().as_secs_f64();
-        let mut record = batch_summary(&samples);
+        let batch = batch_summary(&samples);
         let tu = Instant::now();
         let update = update(learner, samples, step, steps, reference.as_ref());
         let update_s = tu.elapsed().as_secs_f64();
         let total_s = t0.elapsed().as_secs_f64();
         learner.step += 1;
-        merge(&mut record, &update);
-        merge(
-            &mut record,
-            &rollout_record(&stats, rollout_s, update_s, total_s),
-        );
         let warnings = warnings(
-            &record,
+            &update,
             learner.cfg.ppo.entropy_warn,
             learner.cfg.ppo.kl_warn,
         );
         for w in &warnings {
             tracing::warn!(stage = %learner.stage, step = learner.step, "{w}");
         }
-        merge(
-            &mut record,
-            &json!({"stage": learner.stage, "step": learner.step, "warnings": warnings}),
-        );
-        learner.metrics.write(&record)?;
-        bar.set_message(format!(
-            "reward {:.3}",
-            record["reward_mean"].as_f64().unwrap_or(0.0)
-        ));
+        bar.set_message(format!("reward {:.3}", batch.reward_mean));
+        let record = PpoRecord {
+            step: learner.step,
+            batch,
+            update,
+            rates: throughput(&stats, rollout_s, update_s, total_s),
+            warnings,
+        };
+        learner.metrics.write(&match mode {
+            PpoMode::SingleTurn => MetricsRecord::Warmup(record),
+            PpoMode::MultiTurn => MetricsRecord::Ppo(record),
+        })?;
         bar.inc(1);
         if learner.checkpoint_due(steps) {
             learner.save_checkpoint(steps)?;
@@ -139,34 +136,32 @@ fn progress(steps: usize, done: usize, stage: &str) -> indicatif::ProgressBar {
     bar
 }
 
-fn rollout_record(stats: &RolloutStats, rollout_s: f64, update_s: f64, total_s: f64) -> Value {
+fn throughput(stats: &RolloutStats, rollout_s: f64, update_s: f64, total_s: f64) -> Throughput {
     let minutes = (total_s / 60.0).max(1e-9);
-    json!({
-        "episodes_per_min": stats.episodes as f64 / minutes,
-        "tokens_per_min": stats.total_tokens as f64 / minutes,
-        "policy_tokens_per_min": stats.policy_tokens as f64 / minutes,
-        "time_s": {"generate": stats.generate_s, "env": stats.env_s, "rollout": rollout_s, "update": update_s, "total": total_s},
-    })
-}
-
-fn merge(into: &mut Value, from: &Value) {
-    if let (Some(a), Some(b)) = (into.as_object_mut(), from.as_object()) {
-        for (k, v) in b {
-            a.insert(k.clone(), v.clone());
-        }
+    Throughput {
+        episodes_per_min: stats.episodes as f64 / minutes,
+        tokens_per_min: stats.total_tokens as f64 / minutes,
+        policy_tokens_per_min: stats.policy_tokens as f64 / minutes,
+        time_s: TimeSplit {
+            generate: stats.generate_s,
+            env: stats.env_s,
+            rollout: rollout_s,
+            update: update_s,
+            total: total_s,
+        },
     }
 }
 
 /// The run-away warnings the recipe watches for: entropy blowing up or the policy moving far
 /// from the one that sampled the batch.
-fn warnings(record: &Value, entropy_warn: f64, kl_warn: f64) -> Vec<String> {
+fn warnings(update: &PpoUpdate, entropy_warn: f64, kl_warn: f64) -> Vec<String> {
     let mut out = Vec::new();
-    if let Some(e) = record["entropy"].as_f64() {
+    if let Some(e) = update.entropy {
         if e > entropy_warn {
             out.push(format!("entropy {e:.3} per token is above {entropy_warn}: the policy may be collapsing into noise"));
         }
     }
-    if let Some(k) = record["approx_kl"].as_f64() {
+    if let Some(k) = update.approx_kl {
         if k > kl_warn {
             out.push(format!(
                 "KL {k:.4} to the rollout policy is above {kl_warn}: updates are too large"
@@ -183,10 +178,10 @@ fn update<B: AutodiffBackend>(
     step: usize,
     total: usize,
     reference: Option<&CausalLm<B::InnerBackend>>,
-) -> Value {
+) -> PpoUpdate {
     let samples = trainable(samples);
     if samples.is_empty() {
-        return json!({"trained_episodes": 0});
+        return PpoUpdate::default();
     }
     let cfg = learner.cfg.clone();
     let ppo = &cfg.ppo;
@@ -341,29 +336,22 @@ fn update<B: AutodiffBackend>(
         }
     }
     let n = n_mb.max(1) as f64;
-    let mean = |v: &[f64]| {
-        if v.is_empty() {
-            Value::Null
-        } else {
-            json!(v.iter().sum::<f64>() / v.len() as f64)
-        }
-    };
-    let mismatch = logprob_mismatch(&prepared);
-    json!({
-        "trained_episodes": prepared.len(),
-        "policy_loss": pg_sum / n,
-        "value_loss": vl_sum / n,
-        "entropy": ent_sum / n,
-        "approx_kl": kl_sum / n,
-        "ref_kl": if ppo.kl_coef > 0.0 { json!(ref_kl_sum / n) } else { Value::Null },
-        "clip_fraction": clip_sum / n,
-        "explained_variance": explained,
-        "grad_norm_actor": mean(&gn_a),
-        "grad_norm_critic": mean(&gn_c),
-        "lr_actor": lr_a,
-        "lr_critic": lr_c,
-        "sampling_logprob_mismatch": mismatch,
-    })
+    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+    PpoUpdate {
+        trained_episodes: prepared.len(),
+        policy_loss: Some(pg_sum / n),
+        value_loss: Some(vl_sum / n),
+        entropy: Some(ent_sum / n),
+        approx_kl: Some(kl_sum / n),
+        ref_kl: (ppo.kl_coef > 0.0).then_some(ref_kl_sum / n),
+        clip_fraction: Some(clip_sum / n),
+        explained_variance: explained,
+        grad_norm_actor: mean(&gn_a),
+        grad_norm_critic: mean(&gn_c),
+        lr_actor: Some(lr_a),
+        lr_critic: Some(lr_c),
+        sampling_logprob_mismatch: logprob_mismatch(&prepared),
+    }
 }
 
 /// Scores the batch with the pre-update models and computes GAE.

@@ -4,8 +4,8 @@
 //! Both step through `epochs` seeded shuffles of the samples in minibatches; the order
 //! depends only on the seed and the epoch, so a resumed run sees the same minibatches.
 
+use crate::metrics::{MetricsRecord, RftRecord, ValueRecord};
 use burn::tensor::backend::AutodiffBackend;
-use serde_json::json;
 
 use super::{inference, permutation, scalar, seed_of, Learner, TokenBatch};
 use crate::error::TrainError;
@@ -70,9 +70,13 @@ pub fn run_rft<B: AutodiffBackend>(
         let lr = cfg.optim.lr_at(peak, learner.step, total);
         let norm = learner.policy_step(lr);
         learner.step += 1;
-        learner.metrics.write(&json!({
-            "stage": "rft", "step": learner.step, "nll": nll_sum, "tokens": tokens,
-            "episodes": rows.len(), "lr": lr, "grad_norm": norm,
+        learner.metrics.write(&MetricsRecord::Rft(RftRecord {
+            step: learner.step,
+            nll: Some(nll_sum),
+            tokens: tokens as usize,
+            episodes: rows.len(),
+            lr,
+            grad_norm: norm,
         }))?;
         bar.set_message(format!("nll {nll_sum:.4}"));
         bar.inc(1);
@@ -161,9 +165,13 @@ pub fn run_value_pretrain<B: AutodiffBackend>(
         let lr = cfg.optim.lr_at(cfg.optim.critic_lr, learner.step, total);
         let norm = learner.critic_step(lr);
         learner.step += 1;
-        learner.metrics.write(&json!({
-            "stage": "value", "step": learner.step, "value_loss": loss_sum,
-            "explained_variance": explained_variance(&v_all, &r_all), "episodes": rows.len(), "lr": lr, "grad_norm": norm,
+        learner.metrics.write(&MetricsRecord::Value(ValueRecord {
+            step: learner.step,
+            value_loss: Some(loss_sum),
+            explained_variance: explained_variance(&v_all, &r_all),
+            episodes: rows.len(),
+            lr,
+            grad_norm: norm,
         }))?;
         bar.set_message(format!("value loss {loss_sum:.4}"));
         bar.inc(1);

@@ -7,9 +7,9 @@ use burn::tensor::backend::AutodiffBackend;
 
 use trainer::config::TrainConfig;
 use trainer::curation::{rft_filter, samples_from_dir};
-use trainer::metrics::batch_summary;
+use trainer::metrics::{batch_summary, EvalSummary};
 use trainer::rollout::{run_episodes, EnvPool, RolloutSettings};
-use trainer::sample::Sample;
+use trainer::sample::{Outcome, Sample, TurnRecord};
 use trainer::stage::ppo::{self, PpoMode};
 use trainer::stage::rft::{run_rft, run_value_pretrain};
 use trainer::stage::{seed_of, Learner, StageOptions};
@@ -112,8 +112,10 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
                 device,
             )?;
             let (samples, stats) = rollout(&learner, &rt, &pool, e.episodes, u64::MAX - 1);
-            let mut summary = batch_summary(&samples);
-            summary["rollout"] = serde_json::to_value(&stats)?;
+            let summary = EvalSummary {
+                batch: batch_summary(&samples),
+                rollout: stats,
+            };
             let text = serde_json::to_string_pretty(&summary)?;
             if let Some(p) = &e.json {
                 std::fs::write(p, &text)?;
@@ -122,11 +124,16 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
                 let tok = learner.renderer.tokenizer();
                 let mut out = String::new();
                 for s in &samples {
-                    let line = serde_json::json!({
-                        "task": s.task, "episode_id": s.episode_id, "outcome": s.outcome, "reward": s.reward,
-                        "reason": s.reason, "turns": s.turns, "text": tok.decode(&s.tokens),
-                    });
-                    out.push_str(&line.to_string());
+                    let line = EpisodeLine {
+                        task: &s.task,
+                        episode_id: &s.episode_id,
+                        outcome: s.outcome,
+                        reward: s.reward,
+                        reason: s.reason.as_deref(),
+                        turns: &s.turns,
+                        text: tok.decode(&s.tokens),
+                    };
+                    out.push_str(&serde_json::to_string(&line)?);
                     out.push('\n');
                 }
                 std::fs::write(p, out)?;
@@ -189,4 +196,16 @@ fn rollout<B: AutodiffBackend>(
         &format!("eval-{seed:x}"),
         seed,
     )
+}
+
+/// One line of `evaluate --episodes-out`: an episode and its decoded conversation.
+#[derive(serde::Serialize)]
+struct EpisodeLine<'a> {
+    task: &'a str,
+    episode_id: &'a str,
+    outcome: Option<Outcome>,
+    reward: f32,
+    reason: Option<&'a str>,
+    turns: &'a [TurnRecord],
+    text: String,
 }
