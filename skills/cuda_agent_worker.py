@@ -107,7 +107,8 @@ def install_extension_counter(counter: ExtensionCalls) -> None:
 
 
 def build_kernels_dir(candidate_dir: Path, device: torch.device, counter: ExtensionCalls):
-    """Compiles kernels/*.cpp and kernels/*.cu into one extension, importable as `kernels_ext`."""
+    """Compiles kernels/*.cpp and kernels/*.cu into one extension, importable as `kernels_ext`
+    (with -O3 and the flags of kernels/cflags.txt)."""
     kdir = candidate_dir / "kernels"
     sources = sorted(p for p in kdir.glob("*") if p.suffix in (".cpp", ".cc", ".cu")) if kdir.is_dir() else []
     if not sources:
@@ -117,7 +118,11 @@ def build_kernels_dir(candidate_dir: Path, device: torch.device, counter: Extens
         raise h.RuleBreak("compile", "kernels/ holds .cu files but the evaluation device is CPU")
     import torch.utils.cpp_extension as cpp
 
-    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
+    # kernels/cflags.txt: extra compiler flags (-fopenmp, -march=native, ...), one line; they
+    # change the build's name, so a changed flag set never reuses an old build.
+    flags_file = kdir / "cflags.txt"
+    extra = [f for f in flags_file.read_text(errors="replace").split() if f.startswith("-")][:32] if flags_file.is_file() else []
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources) + " ".join(extra).encode()).hexdigest()[:16]
     name = f"kernels_ext_{digest}"
     # Build from copies at a stable path inside the extension's build directory, so that a
     # cached build of the same sources is up to date for ninja wherever the candidate lives.
@@ -132,7 +137,8 @@ def build_kernels_dir(candidate_dir: Path, device: torch.device, counter: Extens
     module = cpp.load(
         name=name,
         sources=[str(src_dir / p.name) for p in sources],
-        extra_cflags=["-O3"],
+        extra_cflags=["-O3", *extra],
+        extra_ldflags=["-fopenmp"] if "-fopenmp" in extra else None,
         extra_cuda_cflags=["-O3"] if has_cuda else None,
         extra_include_paths=[str(src_dir)],
         with_cuda=has_cuda,
