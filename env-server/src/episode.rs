@@ -222,12 +222,70 @@ fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
         "Task {id}: write ModelNew in model_new.py, a faster drop-in replacement for Model in model.py, using your own {lang} kernels (device: {device}).\n\
          Read SKILL.md first: it describes the loop (profile, implement, verify, tune), the rules and the reward.\n\
          Check with `python verify.py`, time with `python profile.py --compare eager compile`, then call Submit.\n\
-         Limits: {turns} tool calls, {secs:.0} s of tool time.\n\n--- model.py ---\n{source}",
+         Budget: {turns} tool calls and {secs:.0} s of tool time (the time your commands and file tools run). \
+         Every observation ends with what is left. When either runs out, the running command is cut (it says so) \
+         and model_new.py is submitted as it is: the episode ends with its evaluation.\n\n--- model.py ---\n{source}\n\
+         [{turns} of {turns} tool calls left; {secs:.0} s of {secs:.0} s tool time left]",
         id = task.id,
         lang = if device == "cuda" { "CUDA" } else { "C++" },
         turns = limits.max_turns,
         secs = limits.time_budget_s,
         source = task.source
+    )
+}
+
+/// `text` with the server's paths made relative to the workspace: the episode's workspace
+/// (`.`), its temp dir (`$TMPDIR`), the harness (its files are in the workspace too), an
+/// evaluation's copy of the solution (the workspace's files) and the build cache (`build/`).
+fn relative_paths(text: &str, data_dir: &Path, episode_dir: &Path) -> String {
+    let (ws, tmp) = (episode_dir.join("workspace"), episode_dir.join("tmp"));
+    let mut out = text.to_string();
+    for (from, to) in [
+        (format!("{}/", ws.display()), String::new()),
+        (ws.display().to_string(), ".".to_string()),
+        (tmp.display().to_string(), "$TMPDIR".to_string()),
+        (
+            format!("{}/", data_dir.join("harness").display()),
+            String::new(),
+        ),
+    ] {
+        if out.contains(&from) {
+            out = out.replace(&from, &to);
+        }
+    }
+    // evals/<id>/{candidate,source}/ hold the solution's files; build-cache/<hash>/ its build.
+    for (dir, keep) in [("evals", false), ("build-cache", true)] {
+        let prefix = format!("{}/", data_dir.join(dir).display());
+        while let Some(at) = out.find(&prefix) {
+            let rest = &out[at + prefix.len()..];
+            let id_end = rest.find('/').unwrap_or(rest.len());
+            let after = &rest[id_end..];
+            let (skip, to) = if keep {
+                (id_end + 1, "build/")
+            } else if let Some(sub) = ["/candidate/", "/source/"]
+                .iter()
+                .find(|s| after.starts_with(**s))
+            {
+                (id_end + sub.len(), "")
+            } else {
+                (id_end + 1, "<evaluation>/")
+            };
+            let skip = skip.min(rest.len());
+            out.replace_range(at..at + prefix.len() + skip, to);
+        }
+    }
+    out
+}
+
+/// The line every observation ends with: turns and tool time left.
+fn budget_line(ep: &Episode, done: bool) -> String {
+    let turns_left = ep.limits.max_turns.saturating_sub(ep.turn);
+    let time_left = (ep.limits.time_budget_s - ep.tool_time.as_secs_f64()).max(0.0);
+    format!(
+        "[{}{turns_left} of {} tool calls left; {time_left:.0} s of {:.0} s tool time left]",
+        if done { "episode ended; " } else { "" },
+        ep.limits.max_turns,
+        ep.limits.time_budget_s
     )
 }
 
@@ -525,6 +583,8 @@ impl Setup {
             ));
         }
         env.push(("CUDA_AGENT_DEVICE".into(), self.device.as_str().into()));
+        // A segfault in the agent's own Python scripts prints a traceback, not just a signal.
+        env.push(("PYTHONFAULTHANDLER".into(), "1".into()));
         let mut jail = Jail::standard(ws.root(), &tmp, &self.path_dirs, &env, owner);
         jail.volume = Some(volume.clone());
         listing.sort();
@@ -888,7 +948,7 @@ impl EpisodeManager {
             self.counters.tool_errors.fetch_add(1, Ordering::Relaxed);
         }
         let mut observation = Observation {
-            text: out.text,
+            text: relative_paths(&out.text, &self.cfg().data_dir, &ep.dir),
             tool: Some(call.name().into()),
             is_error: out.is_error,
             data: out.data,
@@ -927,8 +987,20 @@ impl EpisodeManager {
                 ));
             } else if ep.turn >= ep.limits.max_turns {
                 truncation_reason = Some("max_turns".to_string());
+                if ep.task.is_kernel() {
+                    observation.text.push_str(&format!(
+                        "\n[all {} tool calls are used: the episode ends and model_new.py is submitted as it is]",
+                        ep.limits.max_turns
+                    ));
+                }
             } else if ep.tool_time.as_secs_f64() >= ep.limits.time_budget_s {
                 truncation_reason = Some("time_budget".to_string());
+                if ep.task.is_kernel() {
+                    observation.text.push_str(&format!(
+                        "\n[the tool-time budget of {:.0} s is spent: the episode ends and model_new.py is submitted as it is]",
+                        ep.limits.time_budget_s
+                    ));
+                }
             }
         }
         let truncated = truncation_reason.is_some();
@@ -969,6 +1041,15 @@ impl EpisodeManager {
                 },
             };
             reward = result.reward;
+            // Kernel tasks only: the tiny family's observations stay as its policies learnt them.
+            if ep.task.is_kernel() {
+                observation.text.push('\n');
+                observation.text.push_str(&relative_paths(
+                    &crate::reward::describe(&result),
+                    &self.cfg().data_dir,
+                    &ep.dir,
+                ));
+            }
             evaluation = Some(result.clone());
             ep.result = Some(result);
             ep.status = if terminated {
@@ -996,6 +1077,14 @@ impl EpisodeManager {
                 .unwrap_or_else(|e| e.into_inner())
                 .entry(format!("{reward}"))
                 .or_default() += 1;
+        }
+        if ep.task.is_kernel() {
+            if !observation.text.ends_with('\n') {
+                observation.text.push('\n');
+            }
+            observation
+                .text
+                .push_str(&budget_line(&ep, terminated || truncated));
         }
         let resp = StepResponse {
             observation,
@@ -1234,5 +1323,30 @@ impl EpisodeManager {
         let n = before - map.len();
         self.counters.evicted.fetch_add(n as u64, Ordering::Relaxed);
         n
+    }
+}
+
+#[cfg(test)]
+mod observation_tests {
+    use super::relative_paths;
+    use std::path::Path;
+
+    #[test]
+    fn server_paths_become_workspace_paths() {
+        let data = Path::new("/srv/data");
+        let ep = data.join("episodes/abc");
+        let text = "/srv/data/episodes/abc/workspace/model_new.py:3: error\n\
+                    cd /srv/data/episodes/abc/workspace; ls /srv/data/episodes/abc/tmp/x\n\
+                    File \"/srv/data/evals/0123abcd/candidate/model_new.py\", line 8\n\
+                    /srv/data/build-cache/feed42/kernels_ext_1/main.cpp\n\
+                    /srv/data/harness/cuda_agent_worker.py /srv/data/evals/0123abcd/judge/x";
+        assert_eq!(
+            relative_paths(text, data, &ep),
+            "model_new.py:3: error\n\
+             cd .; ls $TMPDIR/x\n\
+             File \"model_new.py\", line 8\n\
+             build/kernels_ext_1/main.cpp\n\
+             cuda_agent_worker.py <evaluation>/judge/x"
+        );
     }
 }
