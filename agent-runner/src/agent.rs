@@ -9,7 +9,7 @@ use env_client::{ClientError, EnvClient};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::openai::{ChatClient, ChatError, Sampling, Usage};
+use crate::openai::{ChatClient, ChatError, Sampling, ToolCall, Usage};
 
 /// Errors that end an episode without a result.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +45,9 @@ pub struct AgentLimits {
     pub context_tokens: Option<u64>,
     /// Completions this short are not worth asking for: the conversation is compacted instead.
     pub min_completion_tokens: u64,
+    /// Offer the model only these tools (None: every tool of the episode). A call to another
+    /// is refused by the runner, as the server refuses an unknown tool.
+    pub tools: Option<Vec<String>>,
 }
 
 impl Default for AgentLimits {
@@ -57,6 +60,7 @@ impl Default for AgentLimits {
             max_observation_chars: 16_000,
             context_tokens: None,
             min_completion_tokens: 256,
+            tools: None,
         }
     }
 }
@@ -169,6 +173,17 @@ fn observation_text(resp: &StepResponse, max: usize) -> String {
     t
 }
 
+/// What became of one tool call.
+#[derive(Debug)]
+pub enum Executed {
+    /// The server ran it.
+    Observed(Box<StepResponse>),
+    /// Refused (no turn taken): why, for the model.
+    Refused(String),
+    /// The episode had ended by the server's doing; its state.
+    EndedElsewhere(Box<env_api::EpisodeState>),
+}
+
 /// One episode of `task` with the model behind `chat`.
 #[derive(Debug, Clone)]
 pub struct Agent {
@@ -240,7 +255,14 @@ impl Agent {
         rec: &mut EpisodeRecord,
     ) -> Result<(), AgentError> {
         let id = reset.episode_id.as_str();
-        let tools = &reset.info.tools;
+        let tools: Vec<Value> = reset
+            .info
+            .tools
+            .iter()
+            .filter(|t| self.offered(t["function"]["name"].as_str().unwrap_or_default()))
+            .cloned()
+            .collect();
+        let tools = &tools;
         let max_obs = self.limits.max_observation_chars;
         let mut conv = Conversation::new(
             SYSTEM_PROMPT,
@@ -318,9 +340,8 @@ impl Agent {
             }
             idle_in_a_row = 0;
             for call in &completion.tool_calls {
-                let arguments = call.arguments.clone();
-                let text = match self.env.step(id, &call.name, arguments).await {
-                    Ok(resp) => {
+                let text = match self.execute(id, call).await? {
+                    Executed::Observed(resp) => {
                         rec.turns = resp.info.turn;
                         let text = observation_text(&resp, max_obs);
                         if resp.done {
@@ -332,19 +353,11 @@ impl Agent {
                         }
                         text
                     }
-                    // A call the server refuses (unknown tool, bad arguments): the model reads
-                    // why, as it would a tool error; no turn is taken.
-                    Err(ClientError::Api {
-                        status,
-                        code,
-                        message,
-                    }) if (400..500).contains(&status) && status != 404 && status != 409 => {
+                    Executed::Refused(text) => {
                         rec.refused_calls += 1;
-                        format!("error ({code}): {message}")
+                        text
                     }
-                    // Ended by the server meanwhile (idle timeout, a restart): its state says how.
-                    Err(ClientError::Api { status: 409, .. }) => {
-                        let state = self.env.state(id).await?;
+                    Executed::EndedElsewhere(state) => {
                         rec.turns = state.turn;
                         rec.reward = state.result.as_ref().map_or(-1.0, |r| r.reward);
                         rec.evaluation = state.result;
@@ -354,11 +367,44 @@ impl Agent {
                         );
                         return Ok(());
                     }
-                    Err(e) => return Err(e.into()),
                 };
                 conv.messages
                     .push(json!({"role": "tool", "tool_call_id": call.id, "content": text}));
             }
+        }
+    }
+
+    fn offered(&self, tool: &str) -> bool {
+        self.limits
+            .tools
+            .as_ref()
+            .is_none_or(|only| only.iter().any(|t| t == tool))
+    }
+
+    /// Runs one tool call of the model as a step of episode `id`. A call the server refuses
+    /// (unknown tool, arguments that are not JSON or do not fit the tool) comes back as the
+    /// text the model reads, as a tool error would; the server takes no turn for it.
+    pub async fn execute(&self, id: &str, call: &ToolCall) -> Result<Executed, AgentError> {
+        if !self.offered(&call.name) {
+            return Ok(Executed::Refused(format!(
+                "error (unknown_tool): {} is not one of your tools",
+                call.name
+            )));
+        }
+        match self.env.step(id, &call.name, call.arguments.clone()).await {
+            Ok(resp) => Ok(Executed::Observed(Box::new(resp))),
+            Err(ClientError::Api {
+                status,
+                code,
+                message,
+            }) if (400..500).contains(&status) && status != 404 && status != 409 => {
+                Ok(Executed::Refused(format!("error ({code}): {message}")))
+            }
+            // Ended by the server meanwhile (idle timeout, a restart): its state says how.
+            Err(ClientError::Api { status: 409, .. }) => Ok(Executed::EndedElsewhere(Box::new(
+                self.env.state(id).await?,
+            ))),
+            Err(e) => Err(e.into()),
         }
     }
 

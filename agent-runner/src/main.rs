@@ -58,6 +58,12 @@ struct Common {
     /// Nucleus sampling (default: the model server's).
     #[arg(long)]
     top_p: Option<f64>,
+    /// `auto` (the model decides), `required` (a tool call every reply) or `none`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "required", "none"])]
+    tool_choice: String,
+    /// Offer the model only these tools (comma separated; default: every tool of the episode).
+    #[arg(long, value_delimiter = ',')]
+    tools: Vec<String>,
     /// Most tokens per model reply.
     #[arg(long, default_value_t = 4096)]
     max_tokens: u64,
@@ -172,6 +178,7 @@ async fn agent(c: &Common) -> anyhow::Result<Agent> {
             temperature: c.temperature,
             top_p: c.top_p,
             max_tokens: c.max_tokens.max(1),
+            tool_choice: c.tool_choice.clone(),
         },
         limits: AgentLimits {
             max_turns: c.max_turns,
@@ -180,6 +187,7 @@ async fn agent(c: &Common) -> anyhow::Result<Agent> {
             max_model_calls: c.max_model_calls.max(1),
             max_observation_chars: c.max_observation_chars.max(256),
             context_tokens: c.context_tokens,
+            tools: (!c.tools.is_empty()).then(|| c.tools.clone()),
             ..AgentLimits::default()
         },
     })

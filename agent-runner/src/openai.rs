@@ -46,6 +46,8 @@ pub struct Sampling {
     pub top_p: Option<f64>,
     /// Most tokens per completion.
     pub max_tokens: u64,
+    /// `auto` (the model decides), `required` (a tool call every reply) or `none`.
+    pub tool_choice: String,
 }
 
 /// Backoff between retries: exponential from `base`, at most `max`, with jitter; a
@@ -188,7 +190,7 @@ pub fn request_body(
     });
     if !tools.is_empty() {
         body["tools"] = Value::Array(tools.to_vec());
-        body["tool_choice"] = json!("auto");
+        body["tool_choice"] = json!(sampling.tool_choice);
     }
     if let Some(t) = sampling.temperature {
         body["temperature"] = json!(t);
@@ -443,6 +445,7 @@ mod tests {
             temperature: Some(0.7),
             top_p: None,
             max_tokens: 512,
+            tool_choice: "auto".into(),
         };
         let b = request_body("m", &[json!({"role": "user", "content": "hi"})], &tools, &s);
         assert_eq!(b["model"], "m");
