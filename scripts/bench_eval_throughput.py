@@ -10,7 +10,8 @@ unchanged resubmission and one one-line change show a cache hit and a rebuild.
 
     scripts/bench_eval_throughput.py --device cpu --n 8 --concurrency 2
     scripts/bench_eval_throughput.py --device cuda --n 32 --concurrency 32
-    scripts/bench_eval_throughput.py --device cpu --pch none        # without precompiled headers
+    scripts/bench_eval_throughput.py --device cpu --pch=none        # without precompiled headers
+    scripts/bench_eval_throughput.py --device cpu --pch="-O3"       # one variant (the default: all)
 
 Only the standard library: it runs wherever the server runs.
 """
@@ -173,13 +174,19 @@ def main():
         for key in ["setup_s", "build_queue_s", "build_s", "lease_wait_s", "judge_s"]:
             m, x = col(key)
             print(row([key, f"{m:.2f}", f"{x:.2f}"], widths))
+        # Inside the device lease: the judge's own stages.
+        stages = [((r["details"].get("check") or {}).get("stage_s") or {}) for _, _, r in results]
+        for key in ["start", "check", "second_shape", "time"]:
+            vals = [s.get(key, 0.0) for s in stages]
+            if any(vals):
+                print(row([f"  judge {key}_s", f"{statistics.mean(vals):.2f}", f"{max(vals):.2f}"], widths))
         device_s = sum(p.get("judge_s", 0.0) for p in phases)
         print()
         print(row(["evaluations", args.n], [28, 10]))
         print(row(["correct", correct], [28, 10]))
         print(row(["wall (s)", f"{wall:.1f}"], [28, 10]))
         print(row(["evaluations per hour", f"{args.n / wall * 3600:.0f}"], [28, 10]))
-        print(row(["core-s per evaluation", f"{cores / args.n:.1f}"], [28, 10]))
+        print(row(["core-s per evaluation", f"{cores / args.n:.1f}"], [28, 10]))  # the whole machine
         print(row(["device-s per evaluation", f"{device_s / args.n:.1f}"], [28, 10]))
 
         # The agent's loop: the same sources again (a cache hit), then a one-line change.

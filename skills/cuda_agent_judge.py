@@ -757,6 +757,15 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         workdir = Path(own_tmp.name)
     judge = Judge(task_path, device, workdir, opts.atol, opts.rtol, opts.call_timeout)
     result: dict
+    # Where the judge's time goes (seconds per stage; the judge's own clock), for throughput work.
+    stage_s: dict = {}
+    mark = [time.perf_counter()]
+
+    def lap(stage: str) -> None:
+        now = time.perf_counter()
+        stage_s[stage] = round(stage_s.get(stage, 0.0) + now - mark[0], 3)
+        mark[0] = now
+
     try:
         if opts.static:
             static_check(candidate_dir)
@@ -770,15 +779,19 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         else:
             judge.cand, cand_in = attach()
         hello = judge.hello(opts.setup_timeout)
-        details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions")}
+        lap("start")
+        details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions"), "stage_s": stage_s}
         details.update(judge.check(opts.seeds, cand_in, ref_dir))
+        lap("check")
         details["second_shape"] = judge.check_alt(opts.seeds[0], cand_in, ref_dir)
+        lap("second_shape")
         result = {"correct": True, "details": details, "env": h.environment(device)}
         if opts.time:
             timing = None
             for attempt in range(2):
                 timing = judge.time_all(opts.seeds[0], cand_in, ref_dir, opts.compile, opts.budget_s, opts.min_rounds, opts.max_rounds, opts.warmup_rounds)
                 noisy = [n for n, s in timing["stats"].items() if s["cv"] > opts.max_cv]
+                lap("time")
                 if not noisy:
                     break
                 details["disturbed"] = noisy  # measured again: a disturbed baseline is never kept
