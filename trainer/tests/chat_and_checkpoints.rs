@@ -416,3 +416,27 @@ fn whole_conversations_render_as_rollouts_build_them() {
         );
     }
 }
+
+#[test]
+fn mapped_and_whole_file_loading_give_the_same_weights() {
+    use trainer::model::weights::{LoadMode, WeightMap};
+    let (_, lm) = tiny_policy();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(false);
+    lm.save_pretrained(&cfg, dir.path()).unwrap();
+    let device = Default::default();
+    let load = |mode| {
+        let mut w = WeightMap::open(dir.path(), mode).unwrap();
+        let backbone = w.backbone::<B>(&cfg, &device).unwrap();
+        let head = w.lm_head::<B>(&cfg, &device).unwrap();
+        assert!(w.names().is_empty(), "every tensor taken: {:?}", w.names());
+        CausalLm {
+            backbone,
+            lm_head: head,
+        }
+    };
+    let (arch, _) = tiny_policy();
+    let want = logits(&lm, &arch);
+    assert_eq!(logits(&load(LoadMode::Mapped), &arch), want);
+    assert_eq!(logits(&load(LoadMode::ReadWhole), &arch), want);
+}

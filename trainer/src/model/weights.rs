@@ -1,101 +1,225 @@
 //! Loading Hugging Face `*.safetensors` weights (single file or sharded with an index) into
-//! the burn modules, converting f32/f16/bf16 to the backend's float type.
+//! the burn modules, converting f32/f16/bf16/f64 to the backend's float type.
+//!
+//! The files are memory-mapped and each tensor is converted when the model takes it, its
+//! mapped pages released right after: loading holds the model plus about one tensor in
+//! f32, not a copy of the files and every tensor widened at once (docs/BENCHMARKS.md has the
+//! measured peaks).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use burn::module::Param;
 use burn::tensor::{backend::Backend, Tensor, TensorData};
+use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use super::config::ModelConfig;
 use super::transformer::{Attention, Backbone, Block, Dense, Mlp, RmsNorm};
 use crate::error::ModelError;
 
-/// Every tensor of a checkpoint, by name, as f32 with its shape.
+/// The tensors of a checkpoint, by name, converted to f32 as they are taken.
 pub struct WeightMap {
-    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    storage: Storage,
     source: PathBuf,
 }
 
+enum Storage {
+    /// The files mapped; each tensor converted when taken.
+    Mapped {
+        files: Vec<Mmap>,
+        index: HashMap<String, Entry>,
+    },
+    /// Every tensor read and converted up front: how the trainer loaded before mapping, kept
+    /// as the load benchmark's baseline.
+    Decoded(HashMap<String, (Vec<usize>, Vec<f32>)>),
+}
+
+/// Where one tensor lies in the mapped files.
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range in the file.
+    start: usize,
+    end: usize,
+}
+
+/// How [`WeightMap`] reads the files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadMode {
+    /// Memory-mapped, one tensor converted at a time (the default).
+    Mapped,
+    /// Each file read whole and every tensor converted up front (the benchmark's baseline).
+    ReadWhole,
+}
+
+/// The safetensors files of a checkpoint directory: `model.safetensors`, or every shard
+/// named by `model.safetensors.index.json`, or every `*.safetensors` file.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<PathBuf> = if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| ModelError::Io(index.clone(), e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::InFile(index.clone(), Box::new(ModelError::Json(e))))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ModelError::Weights(format!("{}: no weight_map", index.display())))?;
+        let mut shards: Vec<String> = map
+            .values()
+            .filter_map(|s| s.as_str().map(String::from))
+            .collect();
+        shards.sort();
+        shards.dedup();
+        shards.into_iter().map(|s| dir.join(s)).collect()
+    } else if dir.join("model.safetensors").exists() {
+        vec![dir.join("model.safetensors")]
+    } else {
+        let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| ModelError::Io(dir.to_path_buf(), e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        found.sort();
+        found
+    };
+    if files.is_empty() {
+        return Err(ModelError::Weights(format!(
+            "no *.safetensors in {}",
+            dir.display()
+        )));
+    }
+    Ok(files)
+}
+
 impl WeightMap {
-    /// Reads `model.safetensors`, or every shard named by `model.safetensors.index.json`, or
-    /// every `*.safetensors` file, from a checkpoint directory.
+    /// Maps the checkpoint's safetensors files in `dir` (see [`LoadMode`]).
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
-        let index = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if index.exists() {
-            let text =
-                std::fs::read_to_string(&index).map_err(|e| ModelError::Io(index.clone(), e))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::InFile(index.clone(), Box::new(ModelError::Json(e))))?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| {
-                    ModelError::Weights(format!("{}: no weight_map", index.display()))
-                })?;
-            let mut shards: Vec<String> = map
-                .values()
-                .filter_map(|s| s.as_str().map(String::from))
-                .collect();
-            shards.sort();
-            shards.dedup();
-            shards.into_iter().map(|s| dir.join(s)).collect()
-        } else if dir.join("model.safetensors").exists() {
-            vec![dir.join("model.safetensors")]
-        } else {
-            let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(|e| ModelError::Io(dir.to_path_buf(), e))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-                .collect();
-            found.sort();
-            found
+        Self::open(dir, LoadMode::Mapped)
+    }
+
+    /// Opens the checkpoint's safetensors files in `dir` the given way.
+    pub fn open(dir: &Path, mode: LoadMode) -> Result<Self, ModelError> {
+        let files = weight_files(dir)?;
+        let safetensors_error = |file: &Path, source| ModelError::Safetensors {
+            what: file.display().to_string(),
+            source,
         };
-        if files.is_empty() {
-            return Err(ModelError::Weights(format!(
-                "no *.safetensors in {}",
-                dir.display()
-            )));
-        }
-        let mut tensors = HashMap::new();
-        for file in &files {
-            let bytes = std::fs::read(file).map_err(|e| ModelError::Io(file.clone(), e))?;
-            let st = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
-                what: file.display().to_string(),
-                source: e,
-            })?;
-            for (name, view) in st.tensors() {
-                let data = to_f32(view.dtype(), view.data())
-                    .map_err(|m| ModelError::Weights(format!("{}: {name}: {m}", file.display())))?;
-                tensors.insert(name, (view.shape().to_vec(), data));
+        let storage = match mode {
+            LoadMode::Mapped => {
+                let mut maps = Vec::with_capacity(files.len());
+                let mut index = HashMap::new();
+                for (k, file) in files.iter().enumerate() {
+                    let f =
+                        std::fs::File::open(file).map_err(|e| ModelError::Io(file.clone(), e))?;
+                    // SAFETY: the map is only read, and a checkpoint is not modified while it
+                    // is loaded (the trainer writes new ones under temporary names).
+                    let map =
+                        unsafe { Mmap::map(&f) }.map_err(|e| ModelError::Io(file.clone(), e))?;
+                    let (header, meta) =
+                        SafeTensors::read_metadata(&map).map_err(|e| safetensors_error(file, e))?;
+                    let data = 8 + header;
+                    for (name, info) in meta.tensors() {
+                        let (start, end) = (data + info.data_offsets.0, data + info.data_offsets.1);
+                        if end > map.len() || start > end {
+                            return Err(ModelError::Weights(format!(
+                                "{}: {name} lies outside the file",
+                                file.display()
+                            )));
+                        }
+                        index.insert(
+                            name,
+                            Entry {
+                                file: k,
+                                dtype: info.dtype,
+                                shape: info.shape.clone(),
+                                start,
+                                end,
+                            },
+                        );
+                    }
+                    maps.push(map);
+                }
+                Storage::Mapped { files: maps, index }
             }
-        }
+            LoadMode::ReadWhole => {
+                let mut tensors = HashMap::new();
+                for file in &files {
+                    let bytes = std::fs::read(file).map_err(|e| ModelError::Io(file.clone(), e))?;
+                    let st =
+                        SafeTensors::deserialize(&bytes).map_err(|e| safetensors_error(file, e))?;
+                    for (name, view) in st.tensors() {
+                        let data = to_f32(view.dtype(), view.data()).map_err(|m| {
+                            ModelError::Weights(format!("{}: {name}: {m}", file.display()))
+                        })?;
+                        tensors.insert(name, (view.shape().to_vec(), data));
+                    }
+                }
+                Storage::Decoded(tensors)
+            }
+        };
         Ok(Self {
-            tensors,
+            storage,
             source: dir.to_path_buf(),
         })
     }
 
-    /// Names of all tensors.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.tensors.keys().map(String::as_str)
+    /// Names of all tensors not yet taken.
+    pub fn names(&self) -> Vec<&str> {
+        match &self.storage {
+            Storage::Mapped { index, .. } => index.keys().map(String::as_str).collect(),
+            Storage::Decoded(t) => t.keys().map(String::as_str).collect(),
+        }
     }
 
+    /// Removes tensor `name`, checked to have `shape`, as f32.
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<TensorData, ModelError> {
-        let (s, data) = self.tensors.remove(name).ok_or_else(|| {
-            ModelError::Weights(format!("{} lacks tensor {name}", self.source.display()))
-        })?;
-        if s != shape {
-            return Err(ModelError::Weights(format!(
-                "{name}: shape {s:?}, config expects {shape:?}"
-            )));
-        }
+        let missing =
+            || ModelError::Weights(format!("{} lacks tensor {name}", self.source.display()));
+        let (s, data) = match &mut self.storage {
+            Storage::Mapped { files, index } => {
+                let e = index.remove(name).ok_or_else(missing)?;
+                if e.shape != shape {
+                    return Err(ModelError::Weights(format!(
+                        "{name}: shape {:?}, config expects {shape:?}",
+                        e.shape
+                    )));
+                }
+                let map = &files[e.file];
+                let data = to_f32(e.dtype, &map[e.start..e.end])
+                    .map_err(|m| ModelError::Weights(format!("{name}: {m}")))?;
+                // The tensor is copied out: its pages leave this process's resident set (they
+                // stay in the page cache, and a later read would fault them back in).
+                // SAFETY: the map is a read-only file mapping, so dropping its pages loses
+                // nothing, and no reference into the range outlives this call.
+                let _ = unsafe {
+                    map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        e.start,
+                        e.end - e.start,
+                    )
+                };
+                (e.shape, data)
+            }
+            Storage::Decoded(t) => {
+                let (s, data) = t.remove(name).ok_or_else(missing)?;
+                if s != shape {
+                    return Err(ModelError::Weights(format!(
+                        "{name}: shape {s:?}, config expects {shape:?}"
+                    )));
+                }
+                (s, data)
+            }
+        };
         Ok(TensorData::new(data, s))
     }
 
     fn has(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        match &self.storage {
+            Storage::Mapped { index, .. } => index.contains_key(name),
+            Storage::Decoded(t) => t.contains_key(name),
+        }
     }
 
     fn dense<B: Backend>(
