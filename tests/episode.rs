@@ -135,7 +135,11 @@ async fn a_restart_mid_episode_loses_no_step() {
         .await
         .unwrap();
     assert!(again.info.replayed);
-    assert!(again.observation.text.starts_with("one\n[199 of 200"), "{}", again.observation.text);
+    assert!(
+        again.observation.text.starts_with("one\n[199 of 200"),
+        "{}",
+        again.observation.text
+    );
     let err = c
         .step(&id, "Glob", json!({"pattern": "*"}))
         .await
