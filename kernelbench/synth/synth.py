@@ -215,6 +215,11 @@ def get_inputs():
 
 def get_init_inputs():
     return []
+
+
+def get_inputs_alt():
+    """A second shape: the batch dimension odd (no multiple of 4, 8 or 16) and about half."""
+    return [torch.randn(SHAPE[0] // 2 | 1, *SHAPE[1:])]
 '''.replace("        super().__init__()\n        pass\n", "        super().__init__()\n")
     return family, pattern, [o.name for o in ops], source
 
@@ -263,6 +268,14 @@ def verdict(source, device, small, args):
             y1b = model(*xs[0])
     except Exception as e:  # noqa: BLE001
         return f"eager_error: {type(e).__name__}", None
+    try:  # the judge checks the second shape too: it must run and give another shape
+        torch.manual_seed(6)
+        with torch.no_grad():
+            alt = model(*[t.to(device) for t in ns["get_inputs_alt"]()])
+        if alt.shape == ys[0].shape or not torch.isfinite(alt).all():
+            return "alt_shape", None
+    except Exception as e:  # noqa: BLE001
+        return f"alt_shape_error: {type(e).__name__}", None
     y1, y2 = ys[0], ys[1]
     if not all(torch.isfinite(y).all() for y in ys):
         return "non_finite", None
