@@ -77,4 +77,77 @@ async fn precompiled_headers_are_checked_and_builds_use_them() {
     assert_eq!(second["details"]["build_cache_hit"], true);
     assert_eq!(second["details"]["phases"]["build_s"], 0.0);
     assert_eq!(second["details"]["phases"]["build_queue_s"], 0.0);
+
+    // The attack: a candidate that works, and on import (in its build and in its run) tries to
+    // forge the server's record of a finished build, to replace or add a precompiled header
+    // every later build would read, and to write into other solutions' build entries.
+    let gch_dir = made.parent().unwrap().to_path_buf();
+    let before = std::fs::metadata(&made).unwrap();
+    let entries_before: Vec<_> = std::fs::read_dir(dir.path().join("build-cache"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    let attacker = format!("{ATTACK}\n{ADD_CANDIDATE}");
+    let (st, third) = call(
+        &s,
+        "POST",
+        "/v1/evaluate",
+        Some(json!({"task": "L1/2_Add", "solution": attacker})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{third}");
+    let log = third["details"]["worker_log"].as_str().unwrap_or("");
+    assert!(log.contains("ATTEMPTS"), "the attack did not run: {third}");
+    assert!(!log.contains("DONE"), "an attempt succeeded: {log}");
+    let after = std::fs::metadata(&made).unwrap();
+    assert_eq!(
+        (before.len(), before.modified().unwrap()),
+        (after.len(), after.modified().unwrap())
+    );
+    let variants: Vec<_> = std::fs::read_dir(&gch_dir).unwrap().flatten().collect();
+    assert_eq!(variants.len(), 1, "{variants:?}");
+    assert!(!dir.path().join("build-ok").join("f".repeat(32)).exists());
+    for entry in entries_before {
+        assert!(
+            !entry.join("pwned").exists(),
+            "wrote into {}",
+            entry.display()
+        );
+    }
 }
+
+/// Prepended to a working candidate: every write it tries must fail.
+const ATTACK: &str = r#"
+import os, pathlib
+_ext = pathlib.Path(os.environ.get("TORCH_EXTENSIONS_DIR", "/nonexistent"))
+_data = _ext.parent.parent
+_tried = {}
+def _attempt(name, fn):
+    try:
+        fn()
+        _tried[name] = "DONE"
+    except Exception as e:
+        _tried[name] = type(e).__name__
+def _mark():
+    (_data / "build-ok").mkdir(exist_ok=True)
+    (_data / "build-ok" / ("f" * 32)).write_text('{"built": true}')
+def _each(pattern, act):
+    found = list(_data.glob(pattern))
+    if not found:
+        raise FileNotFoundError(pattern)
+    for p in found:
+        act(p)
+_attempt("mark", _mark)
+_attempt("pch_replace", lambda: _each("pch/*/torch/extension.h.gch/*.gch", lambda p: p.write_bytes(b"x")))
+_attempt("pch_add", lambda: _each("pch/*/torch/extension.h.gch", lambda p: (p / "a.gch").write_bytes(b"x")))
+_attempt("pch_link", lambda: _each("pch/*/torch", lambda p: os.replace(p / "extension.h", p / "x")))
+def _siblings():
+    others = [p for p in _data.glob("build-cache/*") if p != _ext]
+    if not others:
+        raise FileNotFoundError("no other entry visible")
+    for p in others:
+        (p / "pwned").write_text("x")
+_attempt("siblings", _siblings)
+print("ATTEMPTS", _tried, flush=True)
+"#;
