@@ -216,7 +216,7 @@ def describe_build_error(error: BaseException, candidate_dir: Path) -> str:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if _ERROR_LINE.search(line) and "torch/include" not in line and not line.lstrip().startswith(("[", "FAILED:", "ninja:", "subprocess.", "The above exception")):
+        if _ERROR_LINE.search(line) and "torch/include" not in line and not line.lstrip().startswith(("[", "FAILED:", "ninja:", "subprocess.", "The above exception", "Error building extension")):
             errors += 1
             shift = []
 

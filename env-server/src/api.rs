@@ -648,7 +648,21 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         Speedups,
         ErrorBody,
         ErrorDetail,
-        TaskList
+        TaskList,
+        // The tools' arguments (`info.tools` carries the same as OpenAI function schemas).
+        env_api::tools::BashArgs,
+        env_api::tools::GlobArgs,
+        env_api::tools::GrepArgs,
+        env_api::tools::GrepOutputMode,
+        env_api::tools::ReadArgs,
+        env_api::tools::WriteArgs,
+        env_api::tools::EditArgs,
+        env_api::tools::Edit,
+        env_api::tools::MultiEditArgs,
+        env_api::tools::TodoItem,
+        env_api::tools::TodoStatus,
+        env_api::tools::TodoWriteArgs,
+        env_api::tools::SubmitArgs
     ))
 )]
 pub struct ApiDoc;

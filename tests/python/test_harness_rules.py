@@ -206,3 +206,48 @@ def test_the_op_allowlist_is_configurable(tmp_path, ext_dir):
 def test_a_broken_candidate_is_a_compile_failure(tmp_path, ext_dir):
     r = evaluate(tmp_path, ext_dir, "    def forward(self, a, b)\n        return a\n")
     assert r["rule"] == "compile" and "SyntaxError" in r["reason"], r
+
+
+BUILD_ERROR = r'''
+import sys
+from pathlib import Path
+sys.path.append(sys.argv[1])
+import cuda_agent_worker as w
+
+cand, build = Path(sys.argv[2]), Path(sys.argv[3])
+src = "#include <cstdint>\nstatic int f(int x) {\n    return y + x;\n}\n"
+(cand / "model_new.py").write_text("import torch\nSRC = r\"\"\"\n" + src + "\"\"\"\n")
+(cand / "kernels").mkdir()
+(cand / "kernels" / "k.cpp").write_text("int g() { return 0 }\n")
+(build / "main.cpp").write_text("#include <torch/extension.h>\n" + src)
+(build / "src").mkdir()
+notes = "".join(f"/venv/lib/python3/site-packages/torch/include/c10/x.h:{i}:1: note: candidate {i}\n" for i in range(400))
+text = (
+    "Error building extension 'ext': [1/3] c++ -MMD -MF main.o.d -O3 -c " + str(build / "main.cpp") + "\n"
+    "FAILED: main.o\n"
+    + str(build / "main.cpp") + ":4:12: error: 'y' was not declared in this scope\n"
+    "    4 |     return y + x;\n"
+    "      |            ^\n"
+    + notes
+    + str(build / "src" / "k.cpp") + ":1:21: error: expected ';' before '}' token\n"
+    "ninja: build stopped: subcommand failed.\n"
+)
+print(w.describe_build_error(RuntimeError(text), cand))
+'''
+
+
+def test_a_build_error_is_located_in_the_candidates_files(tmp_path):
+    """The compiler's error lines once, their locations in model_new.py (a load_inline source
+    found by its text) and kernels/, gcc's snippet renumbered, torch's header notes and ninja's
+    command lines dropped."""
+    (tmp_path / "cand").mkdir()
+    (tmp_path / "build").mkdir()
+    out = subprocess.run([sys.executable, "-c", BUILD_ERROR, str(ROOT / "skills"), str(tmp_path / "cand"), str(tmp_path / "build")],
+                         capture_output=True, text=True, check=True).stdout
+    lines = out.strip().splitlines()
+    assert lines[0] == "RuntimeError: the build failed (2 error lines; locations are in model_new.py and kernels/)", out
+    assert lines[1] == "model_new.py:5:12: error: 'y' was not declared in this scope", out
+    assert lines[2] == "    5 |     return y + x;", out
+    assert lines[4] == "kernels/k.cpp:1:21: error: expected ';' before '}' token", out
+    assert "note:" not in out and "c++ -MMD" not in out and "ninja" not in out, out
+    assert len(out) < 1000, out
