@@ -16,7 +16,7 @@ impl Job for Bench<'_> {
 }
 
 /// Qwen2.5-0.5B's architecture (the shape the benchmark defaults to).
-const QWEN25_05B: &str = r#"{"model_type":"qwen2","vocab_size":151936,"hidden_size":896,"intermediate_size":4864,
+pub const QWEN25_05B: &str = r#"{"model_type":"qwen2","vocab_size":151936,"hidden_size":896,"intermediate_size":4864,
 "num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"max_position_embeddings":32768,
 "rope_theta":1000000.0,"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#;
 

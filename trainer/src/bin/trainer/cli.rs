@@ -36,6 +36,8 @@ pub enum Command {
     Plot(PlotArgs),
     /// Measure training and generation throughput of a model shape (random weights).
     BenchModel(BenchArgs),
+    /// Measure peak host memory of loading a checkpoint: memory-mapped against read whole.
+    BenchLoad(BenchLoadArgs),
     /// Serve a policy behind an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models).
     Serve(ServeArgs),
 }
@@ -251,4 +253,59 @@ pub struct ServeArgs {
     /// Float precision on CUDA.
     #[arg(long, value_enum, default_value = "f32")]
     pub precision: Precision,
+}
+
+/// `bench-load`'s flags.
+#[derive(Args, Clone)]
+pub struct BenchLoadArgs {
+    /// A config.json giving the shape (default: Qwen2.5-0.5B's).
+    #[arg(long)]
+    pub shape: Option<PathBuf>,
+    /// Element type of the checkpoint written for the measurement.
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: WeightDtype,
+    /// Where to write the checkpoint (default: a temporary directory, removed after).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Measure one way in this process (what the benchmark runs as its children).
+    #[arg(long, value_enum, hide = true)]
+    pub child: Option<LoadWay>,
+}
+
+/// Element type of the benchmark's checkpoint.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WeightDtype {
+    /// bfloat16, as Hugging Face ships most checkpoints.
+    Bf16,
+    /// 32-bit floats.
+    F32,
+}
+
+impl WeightDtype {
+    /// Its name in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::F32 => "f32",
+        }
+    }
+}
+
+/// A way of loading, measured by `bench-load`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadWay {
+    /// Every file read whole and every tensor widened to f32 up front.
+    ReadWhole,
+    /// Memory-mapped, one tensor converted at a time.
+    Mapped,
+}
+
+impl LoadWay {
+    /// Its name on the command line and in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ReadWhole => "read-whole",
+            Self::Mapped => "mapped",
+        }
+    }
 }

@@ -2,6 +2,7 @@
 //! model benchmark and an OpenAI-compatible model server.
 
 mod bench;
+mod bench_load;
 mod cli;
 mod device;
 mod serve;
@@ -31,6 +32,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::BenchModel(b) => device::run_on(b.device, b.precision, bench::Bench(b)),
+        Command::BenchLoad(b) => bench_load::run(b),
         Command::Serve(s) => device::run_on(s.device, s.precision, serve::Serve(s)),
         Command::Warmup(s) | Command::Ppo(s) => device::run_on(
             s.common.device,

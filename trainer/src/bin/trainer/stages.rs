@@ -140,7 +140,7 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             }
             println!("{text}");
         }
-        Command::Plot(_) | Command::BenchModel(_) | Command::Serve(_) => {
+        Command::Plot(_) | Command::BenchModel(_) | Command::BenchLoad(_) | Command::Serve(_) => {
             unreachable!("not a stage")
         }
     }
