@@ -204,7 +204,7 @@ pub(super) async fn run(
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
-        text.push_str(&format!("[exit code {code}]"));
+        text.push_str(&format!("[exit code {code}{}]", signal_note(code)));
     }
     if let Some(n) = note {
         text.push('\n');
@@ -232,9 +232,40 @@ pub(super) async fn run(
     })
 }
 
+/// What an exit code above 128 means (a process killed by a signal, as the shell reports it),
+/// with a pointer to the traceback a Python crash prints.
+fn signal_note(code: i32) -> String {
+    let name = match code - 128 {
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        15 => "SIGTERM",
+        _ => return String::new(),
+    };
+    let hint = match name {
+        "SIGKILL" => "; out of memory or a limit?",
+        "SIGTERM" => "",
+        _ => "; a Python process prints its traceback above (faulthandler)",
+    };
+    format!(": killed by {name}{hint}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::Capped;
+
+    #[test]
+    fn signals_are_named() {
+        assert_eq!(
+            super::signal_note(139),
+            ": killed by SIGSEGV; a Python process prints its traceback above (faulthandler)"
+        );
+        assert_eq!(super::signal_note(1), "");
+        assert_eq!(super::signal_note(130), "");
+    }
 
     #[test]
     fn short_output_is_kept_whole() {
