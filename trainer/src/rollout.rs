@@ -15,7 +15,7 @@ use tokio::sync::Semaphore;
 
 use crate::chat::parse_tool_call;
 use crate::config::{RolloutSection, ServerSection};
-use crate::error::TrainError;
+use crate::error::{ModelError, TrainError};
 use crate::generate::{Generation, SamplingParams};
 use crate::render::Renderer;
 use crate::sample::{Outcome, Sample, TurnRecord};
@@ -151,11 +151,35 @@ impl RolloutSettings {
     }
 }
 
+/// One conversation of a rollout.
 struct Live {
     sample: Sample,
     server: usize,
     done: bool,
     last_turn: Vec<u32>,
+}
+
+/// What a rollout round needs besides the conversations.
+struct Round<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    pool: &'a EnvPool,
+    renderer: &'a Renderer,
+    settings: &'a RolloutSettings,
+}
+
+/// What differs between the multi-turn rollout and the single-turn warm-up; the loop that
+/// opens, generates, answers and closes is [`rollout`].
+trait Turns {
+    /// The opening prompt of an episode.
+    fn prompt(&self, renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError>;
+
+    /// Whether episodes stay open on the server for steps (multi-turn), or are closed as
+    /// soon as their prompt is known (the warm-up only needs the task's text).
+    fn keeps_episodes(&self) -> bool;
+
+    /// Answers the turns just generated for `rows`: ends their episodes or appends what the
+    /// environment said. Returns the seconds spent waiting for the servers.
+    fn answer(&mut self, round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64;
 }
 
 /// Runs one multi-turn episode per reset request until every one ends. `tag` makes request
@@ -171,93 +195,228 @@ pub fn run_episodes(
     tag: &str,
     seed: u64,
 ) -> (Vec<Sample>, RolloutStats) {
+    let round = Round {
+        rt,
+        pool,
+        renderer,
+        settings,
+    };
+    rollout(&round, generator, resets, seed, &mut MultiTurn { tag })
+}
+
+/// The single-turn warm-up: each task's prompt (from a reset, so it is the same text the
+/// multi-turn agent sees, then closed), one generated answer, scored by `/v1/evaluate` with
+/// the answer's code block as `model_new.py` (the whole answer when it has no block).
+pub fn run_single_turn(
+    rt: &tokio::runtime::Runtime,
+    pool: &EnvPool,
+    renderer: &Renderer,
+    generator: &mut dyn Generator,
+    resets: &[ResetRequest],
+    settings: &RolloutSettings,
+    seed: u64,
+) -> (Vec<Sample>, RolloutStats) {
+    let round = Round {
+        rt,
+        pool,
+        renderer,
+        settings,
+    };
+    rollout(&round, generator, resets, seed, &mut SingleTurn)
+}
+
+/// The rollout loop: reset every episode, then round by round close the conversations out of
+/// room, generate the live ones' turns in batches, let `turns` answer them, and close those
+/// at the turn or context limit (with the failure reward), until none is live.
+fn rollout(
+    round: &Round<'_>,
+    generator: &mut dyn Generator,
+    resets: &[ResetRequest],
+    seed: u64,
+    turns: &mut dyn Turns,
+) -> (Vec<Sample>, RolloutStats) {
+    let Round {
+        rt, pool, settings, ..
+    } = *round;
     let mut stats = RolloutStats {
         episodes: resets.len(),
         ..Default::default()
     };
+    let mut live = open(round, resets, turns, &mut stats);
+    for n in 0u64.. {
+        let active: Vec<usize> = (0..live.len()).filter(|&i| !live[i].done).collect();
+        if active.is_empty() {
+            break;
+        }
+        // Close conversations that have no room left for another turn.
+        let (full, rows): (Vec<usize>, Vec<usize>) = active
+            .into_iter()
+            .partition(|&i| live[i].sample.tokens.len() + 8 >= settings.context);
+        let mut closing: Vec<(usize, Outcome)> = full
+            .into_iter()
+            .map(|i| (i, Outcome::ContextLimit))
+            .collect();
+        let tg = Instant::now();
+        generate_turns(generator, &mut live, &rows, settings, seed, n, &mut stats);
+        stats.generate_s += tg.elapsed().as_secs_f64();
+        stats.env_s += turns.answer(round, &mut live, &rows);
+        for &i in &rows {
+            let l = &live[i];
+            if !l.done && l.sample.turns.len() as u32 >= settings.max_turns {
+                closing.push((i, Outcome::TurnLimit));
+            } else if !l.done && l.sample.tokens.len() + 8 >= settings.context {
+                closing.push((i, Outcome::ContextLimit));
+            }
+        }
+        if !closing.is_empty() {
+            if turns.keeps_episodes() {
+                let te = Instant::now();
+                rt.block_on(close_all(pool, &live, &closing));
+                stats.env_s += te.elapsed().as_secs_f64();
+            }
+            for (i, outcome) in closing {
+                let l = &mut live[i];
+                l.sample.outcome = Some(outcome);
+                l.sample.reward = settings.failure_reward;
+                l.sample.reason = Some(format!("{outcome:?} reached by the trainer"));
+                l.done = true;
+            }
+        }
+    }
+    let samples: Vec<Sample> = live.into_iter().map(|l| l.sample).collect();
+    stats.failed = samples
+        .iter()
+        .filter(|s| s.outcome == Some(Outcome::Failed))
+        .count();
+    stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
+    (samples, stats)
+}
+
+/// Resets every episode and renders its prompt; an episode whose reset or prompt failed is
+/// born done (`Outcome::Failed`, left out of training).
+fn open(
+    round: &Round<'_>,
+    resets: &[ResetRequest],
+    turns: &dyn Turns,
+    stats: &mut RolloutStats,
+) -> Vec<Live> {
     let t0 = Instant::now();
-    let opened = rt.block_on(reset_all(pool, resets));
+    let opened = round.rt.block_on(reset_all(round.pool, resets));
+    if !turns.keeps_episodes() {
+        let closes: Vec<(usize, String)> = opened
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|(s, r)| (*s, r.episode_id.clone()))
+            .collect();
+        round.rt.block_on(async {
+            for (s, id) in closes {
+                let _ = round.pool.client(s).close(&id).await;
+            }
+        });
+    }
     stats.env_s += t0.elapsed().as_secs_f64();
-    let mut live: Vec<Live> = Vec::with_capacity(resets.len());
-    for (i, r) in opened.into_iter().enumerate() {
-        match r {
+    opened
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| match r {
             Ok((server, resp)) => {
-                let mut sample = Sample::new(&resp.info.task.id, &resp.episode_id);
-                match renderer.prompt(&resp.observation.text, &resp.info.tools) {
+                let episode = if turns.keeps_episodes() {
+                    resp.episode_id.as_str()
+                } else {
+                    ""
+                };
+                let mut sample = Sample::new(&resp.info.task.id, episode);
+                match turns.prompt(round.renderer, &resp) {
                     Ok(p) => sample.push_context(&p),
                     Err(e) => {
                         tracing::warn!(episode = %resp.episode_id, "prompt rendering failed: {e}");
                         sample.outcome = Some(Outcome::Failed);
+                        sample.reason = Some(e.to_string());
                     }
                 }
-                live.push(Live {
+                Live {
+                    done: sample.outcome.is_some(),
                     sample,
                     server,
-                    done: false,
                     last_turn: Vec::new(),
-                });
+                }
             }
             Err(e) => {
                 tracing::warn!(reset = i, "reset failed: {e}");
                 let mut sample = Sample::new(resets[i].task.as_deref().unwrap_or(""), "");
                 sample.outcome = Some(Outcome::Failed);
                 sample.reason = Some(e.to_string());
-                live.push(Live {
+                Live {
                     sample,
                     server: 0,
                     done: true,
                     last_turn: Vec::new(),
-                });
+                }
             }
+        })
+        .collect()
+}
+
+/// One turn for each of `rows`, generated in batches of `generation_batch`; each batch is
+/// limited by its longest member's room. Seeds derive from (seed, round, batch).
+fn generate_turns(
+    generator: &mut dyn Generator,
+    live: &mut [Live],
+    rows: &[usize],
+    settings: &RolloutSettings,
+    seed: u64,
+    round: u64,
+    stats: &mut RolloutStats,
+) {
+    for (c, chunk) in rows.chunks(settings.generation_batch).enumerate() {
+        let prompts: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|&i| live[i].sample.tokens.clone())
+            .collect();
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let mut params = settings.sampling.clone();
+        params.max_new_tokens = settings
+            .max_turn_tokens
+            .min(settings.context.saturating_sub(longest))
+            .max(1);
+        let gens = generator.generate(
+            &prompts,
+            &params,
+            crate::seeds::derive(seed, round, c as u64),
+        );
+        for (&i, g) in chunk.iter().zip(gens) {
+            stats.turns += 1;
+            stats.policy_tokens += g.tokens.len();
+            live[i].sample.push_policy(&g.tokens, Some(&g.logprobs));
+            live[i].last_turn = g.tokens;
         }
     }
-    for l in &mut live {
-        if l.sample.outcome.is_some() {
-            l.done = true;
-        }
+}
+
+/// Multi-turn episodes: each turn is parsed as a tool call and sent as one `/step`.
+struct MultiTurn<'a> {
+    tag: &'a str,
+}
+
+impl Turns for MultiTurn<'_> {
+    fn prompt(&self, renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError> {
+        renderer.prompt(&reset.observation.text, &reset.info.tools)
     }
-    let mut round = 0u64;
-    loop {
-        let active: Vec<usize> = (0..live.len()).filter(|&i| !live[i].done).collect();
-        if active.is_empty() {
-            break;
-        }
-        // Close conversations that have no room left for another turn.
-        let mut closing = Vec::new();
-        let mut gen_rows = Vec::new();
-        for &i in &active {
-            if live[i].sample.tokens.len() + 8 >= settings.context {
-                closing.push((i, Outcome::ContextLimit));
-            } else {
-                gen_rows.push(i);
-            }
-        }
-        // Generate in batches; each batch is limited by its longest member's room.
-        let tg = Instant::now();
-        for (c, chunk) in gen_rows.chunks(settings.generation_batch).enumerate() {
-            let prompts: Vec<Vec<u32>> = chunk
-                .iter()
-                .map(|&i| live[i].sample.tokens.clone())
-                .collect();
-            let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-            let mut params = settings.sampling.clone();
-            params.max_new_tokens = settings
-                .max_turn_tokens
-                .min(settings.context.saturating_sub(longest))
-                .max(1);
-            let gen_seed = crate::seeds::derive(seed, round, c as u64);
-            let gens = generator.generate(&prompts, &params, gen_seed);
-            for (&i, g) in chunk.iter().zip(gens) {
-                stats.turns += 1;
-                stats.policy_tokens += g.tokens.len();
-                live[i].sample.push_policy(&g.tokens, Some(&g.logprobs));
-                live[i].last_turn = g.tokens;
-            }
-        }
-        stats.generate_s += tg.elapsed().as_secs_f64();
+
+    fn keeps_episodes(&self) -> bool {
+        true
+    }
+
+    fn answer(&mut self, round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64 {
+        let Round {
+            rt,
+            pool,
+            renderer,
+            settings,
+        } = *round;
         // Parse every new turn; unparseable ones get a local error observation.
         let mut steps = Vec::new();
-        for &i in &gen_rows {
+        for &i in rows {
             let text = renderer.turn_text(&live[i].last_turn);
             match parse_tool_call(&text) {
                 Ok(call) => steps.push((i, call.name, call.arguments)),
@@ -274,8 +433,8 @@ pub fn run_episodes(
             }
         }
         let te = Instant::now();
-        let answers = rt.block_on(step_all(pool, &live, &steps, tag));
-        stats.env_s += te.elapsed().as_secs_f64();
+        let answers = rt.block_on(step_all(pool, live, &steps, self.tag));
+        let env_s = te.elapsed().as_secs_f64();
         for ((i, name, arguments), answer) in steps.into_iter().zip(answers) {
             let l = &mut live[i];
             match answer {
@@ -329,177 +488,67 @@ pub fn run_episodes(
                 }
             }
         }
-        for &i in &gen_rows {
-            let l = &live[i];
-            if !l.done && l.sample.turns.len() as u32 >= settings.max_turns {
-                closing.push((i, Outcome::TurnLimit));
-            } else if !l.done && l.sample.tokens.len() + 8 >= settings.context {
-                closing.push((i, Outcome::ContextLimit));
-            }
-        }
-        if !closing.is_empty() {
-            let te = Instant::now();
-            rt.block_on(close_all(pool, &live, &closing));
-            stats.env_s += te.elapsed().as_secs_f64();
-            for (i, outcome) in closing {
-                let l = &mut live[i];
-                l.sample.outcome = Some(outcome);
-                l.sample.reward = settings.failure_reward;
-                l.sample.reason = Some(format!("{outcome:?} reached by the trainer"));
-                l.done = true;
-            }
-        }
-        round += 1;
+        env_s
     }
-    let samples: Vec<Sample> = live.into_iter().map(|l| l.sample).collect();
-    stats.failed = samples
-        .iter()
-        .filter(|s| s.outcome == Some(Outcome::Failed))
-        .count();
-    stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
-    (samples, stats)
 }
 
-/// The single-turn warm-up: each task's prompt (from a reset, so it is the same text the
-/// multi-turn agent sees, then closed), one generated answer, scored by `/v1/evaluate` with
-/// the answer's code block as `model_new.py` (the whole answer when it has no block).
-pub fn run_single_turn(
-    rt: &tokio::runtime::Runtime,
-    pool: &EnvPool,
-    renderer: &Renderer,
-    generator: &mut dyn Generator,
-    resets: &[ResetRequest],
-    settings: &RolloutSettings,
-    seed: u64,
-) -> (Vec<Sample>, RolloutStats) {
-    let mut stats = RolloutStats {
-        episodes: resets.len(),
-        ..Default::default()
-    };
-    let t0 = Instant::now();
-    let opened = rt.block_on(reset_all(pool, resets));
-    let closes: Vec<(usize, String)> = opened
-        .iter()
-        .filter_map(|r| r.as_ref().ok())
-        .map(|(s, r)| (*s, r.episode_id.clone()))
-        .collect();
-    rt.block_on(async {
-        for (s, id) in closes {
-            let _ = pool.client(s).close(&id).await;
-        }
-    });
-    stats.env_s += t0.elapsed().as_secs_f64();
-    let mut samples: Vec<Sample> = Vec::with_capacity(resets.len());
-    let mut rows = Vec::new();
-    for (i, r) in opened.into_iter().enumerate() {
-        match r {
-            Ok((server, resp)) => {
-                let mut s = Sample::new(&resp.info.task.id, "");
-                let text = format!("{}\n\n{SINGLE_TURN_INSTRUCTION}", resp.observation.text);
-                match renderer.prompt(&text, &[]) {
-                    Ok(p) if p.len() + 8 < settings.context => {
-                        s.push_context(&p);
-                        rows.push((samples.len(), server));
-                    }
-                    Ok(p) => {
-                        s.outcome = Some(Outcome::ContextLimit);
-                        s.reward = settings.failure_reward;
-                        s.reason = Some(format!(
-                            "prompt of {} tokens does not fit the context",
-                            p.len()
-                        ));
-                    }
-                    Err(e) => {
-                        s.outcome = Some(Outcome::Failed);
-                        s.reason = Some(e.to_string());
-                    }
-                }
-                samples.push(s);
-            }
-            Err(e) => {
-                let mut s = Sample::new(resets[i].task.as_deref().unwrap_or(""), "");
-                s.outcome = Some(Outcome::Failed);
-                s.reason = Some(e.to_string());
-                samples.push(s);
-            }
-        }
+/// The warm-up: one answer per task, its code block scored by `/v1/evaluate`.
+struct SingleTurn;
+
+impl Turns for SingleTurn {
+    fn prompt(&self, renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError> {
+        let text = format!("{}\n\n{SINGLE_TURN_INSTRUCTION}", reset.observation.text);
+        renderer.prompt(&text, &[])
     }
-    let tg = Instant::now();
-    for (c, chunk) in rows.chunks(settings.generation_batch).enumerate() {
-        let prompts: Vec<Vec<u32>> = chunk
+
+    fn keeps_episodes(&self) -> bool {
+        false
+    }
+
+    fn answer(&mut self, round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64 {
+        let jobs: Vec<(usize, EvaluateRequest)> = rows
             .iter()
-            .map(|&(i, _)| samples[i].tokens.clone())
+            .map(|&i| {
+                let answer = round.renderer.turn_text(&live[i].last_turn);
+                let req = EvaluateRequest {
+                    task: TaskRef::Id(live[i].sample.task.clone()),
+                    solution: SolutionRef::Text(solution_of(&answer)),
+                    options: None,
+                };
+                (i, req)
+            })
             .collect();
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let mut params = settings.sampling.clone();
-        params.max_new_tokens = settings
-            .max_turn_tokens
-            .min(settings.context.saturating_sub(longest))
-            .max(1);
-        let gens = generator.generate(&prompts, &params, crate::seeds::derive(seed, 0, c as u64));
-        for (&(i, _), g) in chunk.iter().zip(gens) {
-            stats.turns += 1;
-            stats.policy_tokens += g.tokens.len();
-            samples[i].push_policy(&g.tokens, Some(&g.logprobs));
+        let te = Instant::now();
+        let results = round.rt.block_on(async {
+            let mut set = tokio::task::JoinSet::new();
+            for (k, (i, req)) in jobs.iter().enumerate() {
+                let client = round.pool.client(live[*i].server).clone();
+                let permits = round.pool.permits.clone();
+                let req = req.clone();
+                set.spawn(async move {
+                    let _permit = permits.acquire_owned().await;
+                    (k, client.evaluate(&req).await)
+                });
+            }
+            collect(set, jobs.len()).await
+        });
+        for ((i, _), r) in jobs.iter().zip(results) {
+            let s = &mut live[*i].sample;
+            match r {
+                Ok(res) => {
+                    s.reward = res.reward as f32;
+                    s.outcome = Some(Outcome::Finished);
+                    s.reason = res.reason;
+                }
+                Err(e) => {
+                    s.outcome = Some(Outcome::Failed);
+                    s.reason = Some(e.to_string());
+                }
+            }
+            live[*i].done = true;
         }
+        te.elapsed().as_secs_f64()
     }
-    stats.generate_s += tg.elapsed().as_secs_f64();
-    let jobs: Vec<(usize, usize, String, String)> = rows
-        .iter()
-        .map(|&(i, server)| {
-            let s = &samples[i];
-            let answer = renderer.turn_text(&s.tokens[s.tokens.len() - s.policy_tokens()..]);
-            (i, server, s.task.clone(), solution_of(&answer))
-        })
-        .collect();
-    let te = Instant::now();
-    let results = rt.block_on(async {
-        let mut set = tokio::task::JoinSet::new();
-        for (k, (_, server, task, solution)) in jobs.iter().enumerate() {
-            let client = pool.client(*server).clone();
-            let permits = pool.permits.clone();
-            let req = EvaluateRequest {
-                task: TaskRef::Id(task.clone()),
-                solution: SolutionRef::Text(solution.clone()),
-                options: None,
-            };
-            set.spawn(async move {
-                let _permit = permits.acquire_owned().await;
-                (k, client.evaluate(&req).await)
-            });
-        }
-        let mut out: Vec<Option<Result<env_api::EvaluationResult, ClientError>>> =
-            (0..jobs.len()).map(|_| None).collect();
-        while let Some(Ok((k, r))) = set.join_next().await {
-            out[k] = Some(r);
-        }
-        out
-    });
-    stats.env_s += te.elapsed().as_secs_f64();
-    for ((i, ..), r) in jobs.iter().zip(results) {
-        let s = &mut samples[*i];
-        match r {
-            Some(Ok(res)) => {
-                s.reward = res.reward as f32;
-                s.outcome = Some(Outcome::Finished);
-                s.reason = res.reason;
-            }
-            Some(Err(e)) => {
-                s.outcome = Some(Outcome::Failed);
-                s.reason = Some(e.to_string());
-            }
-            None => {
-                s.outcome = Some(Outcome::Failed);
-                s.reason = Some("evaluation task panicked".into());
-            }
-        }
-    }
-    stats.failed = samples
-        .iter()
-        .filter(|s| s.outcome == Some(Outcome::Failed))
-        .count();
-    stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
-    (samples, stats)
 }
 
 /// What the single-turn prompt adds to the task text.

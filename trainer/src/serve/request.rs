@@ -190,7 +190,7 @@ pub fn prepare(
             "context_length_exceeded",
             Some("messages"),
             format!(
-                "this model's maximum context length is {} tokens; the messages take {}",
+                "This model's maximum context length is {} tokens; the messages take {}",
                 limits.context,
                 prompt.len()
             ),
@@ -210,7 +210,7 @@ pub fn prepare(
                 "context_length_exceeded",
                 Some("max_tokens"),
                 format!(
-                    "this model's maximum context length is {} tokens; you requested {} ({} in the messages, {m} in the completion)",
+                    "This model's maximum context length is {} tokens; you requested {} ({} in the messages, {m} in the completion)",
                     limits.context,
                     prompt.len() as u64 + m,
                     prompt.len()
