@@ -66,8 +66,12 @@ class CudaAgentEnv:
         return self._call("GET", "/metrics")
 
     def reset(self, task: str | None = None, split: str | None = None, seed: int | None = None,
-              max_turns: int | None = None, time_budget_s: float | None = None) -> "Episode":
-        body: dict[str, Any] = {k: v for k, v in {"task": task, "split": split, "seed": seed}.items() if v is not None}
+              max_turns: int | None = None, time_budget_s: float | None = None,
+              task_source: str | None = None) -> "Episode":
+        """Starts an episode: a task by id, one sampled from `split` with `seed`, or your own
+        (`task_source`: a Python file defining Model, get_inputs and get_init_inputs)."""
+        body: dict[str, Any] = {k: v for k, v in {"task": task, "split": split, "seed": seed,
+                                                  "task_source": task_source}.items() if v is not None}
         opts = {k: v for k, v in {"max_turns": max_turns, "time_budget_s": time_budget_s}.items() if v is not None}
         if opts:
             body["options"] = opts
