@@ -463,3 +463,48 @@ async fn a_stage_checkpoint_is_served_with_its_weights() {
     let tokens: Vec<u32> = g[0].tokens.iter().copied().filter(|&t| t != 2).collect();
     assert_eq!(r["choices"][0]["message"]["content"], tok.decode(&tokens));
 }
+
+#[tokio::test]
+async fn a_busy_generation_thread_refuses_beyond_its_queue_and_the_server_still_answers() {
+    // No room for waiting requests: while one generates, another chat request is a 429.
+    let server = Server::start(&["--max-queue", "0"]);
+    let http = reqwest::Client::new();
+    let mut long = http
+        .post(format!("{}/v1/chat/completions", server.url))
+        .json(
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 150,
+                      "seed": 2, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    // Read until the first sampled text: the generation thread is busy from here on.
+    let mut seen = String::new();
+    while !seen.contains("\"delta\":{\"content\":\"") {
+        let chunk = long.chunk().await.unwrap().expect("a chunk before the end");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let models = http
+        .get(format!("{}/v1/models", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    assert_error(
+        server
+            .post(&json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+            .await,
+        429,
+        "server_busy",
+    );
+    while let Some(chunk) = long.chunk().await.unwrap() {
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(seen.trim_end().ends_with("data: [DONE]"), "{seen}");
+    // Idle again: served.
+    let (status, r) = server
+        .post(&json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .await;
+    assert_eq!(status, 200, "{r}");
+}
