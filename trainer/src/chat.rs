@@ -102,7 +102,7 @@ pub struct ParsedToolCall {
 }
 
 /// Why an assistant turn holds no usable tool call; the message is shown to the agent.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ToolCallParseError {
     /// Neither a `<tool_call>` block nor a JSON object was found.
     #[error("no tool call found: answer with <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>")]
@@ -110,13 +110,22 @@ pub enum ToolCallParseError {
     /// A `<tool_call>` block was opened but never closed.
     #[error("<tool_call> is not closed by </tool_call>")]
     Unclosed,
-    /// The call is not valid JSON.
+    /// The call is not valid JSON (shared, so that the error stays cloneable).
     #[error("tool call is not valid JSON: {0}")]
-    Json(String),
+    Json(#[source] std::sync::Arc<serde_json::Error>),
     /// The JSON lacks `name` or its arguments are not an object.
     #[error("tool call must be {{\"name\": string, \"arguments\": object}}: {0}")]
     Shape(String),
 }
+
+/// Errors are equal when they say the same: the JSON error's source has no equality of its own.
+impl PartialEq for ToolCallParseError {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_string() == other.to_string()
+    }
+}
+
+impl Eq for ToolCallParseError {}
 
 /// Extracts the first tool call from `text`: a `<tool_call>{json}</tool_call>` block, or else
 /// a bare JSON object with `name` and `arguments` (or Llama's `parameters`).
@@ -127,7 +136,7 @@ pub fn parse_tool_call(text: &str) -> Result<ParsedToolCall, ToolCallParseError>
             .find("</tool_call>")
             .ok_or(ToolCallParseError::Unclosed)?;
         let json: Value = serde_json::from_str(body[..end].trim())
-            .map_err(|e| ToolCallParseError::Json(e.to_string()))?;
+            .map_err(|e| ToolCallParseError::Json(e.into()))?;
         return shape(json);
     }
     // Bare JSON: try each '{' as the start of an object until one parses.
@@ -142,7 +151,7 @@ pub fn parse_tool_call(text: &str) -> Result<ParsedToolCall, ToolCallParseError>
     if text.contains('{') {
         let i = text.find('{').unwrap_or(0);
         if let Err(e) = serde_json::from_str::<Value>(text[i..].trim()) {
-            return Err(ToolCallParseError::Json(e.to_string()));
+            return Err(ToolCallParseError::Json(e.into()));
         }
     }
     Err(ToolCallParseError::Missing)
