@@ -182,3 +182,24 @@ async fn mcp_sessions_are_episodes() {
     .unwrap();
     assert!(log.contains("\"closed\""), "{log}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_needs_the_servers_bearer_token() {
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        &dir.path().join("data"),
+        &["--skip-compile", "--api-key", "mcp-key"],
+    );
+    let url = format!("{}/mcp?task=L1/1_ReLU", server.url);
+    let refused = ().serve(StreamableHttpClientTransport::from_uri(url.clone())).await;
+    assert!(refused.is_err(), "a session without the token was opened");
+    let config = StreamableHttpClientTransportConfig::with_uri(url).auth_header("mcp-key");
+    let client =
+        ().serve(StreamableHttpClientTransport::from_config(config))
+            .await
+            .expect("a session with the token");
+    let r = call(&client, "Glob", json!({"pattern": "model.py"})).await;
+    assert!(text(&r).contains("model.py"), "{r:?}");
+    client.cancel().await.unwrap();
+}
