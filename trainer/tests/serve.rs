@@ -441,6 +441,13 @@ async fn a_stage_checkpoint_is_served_with_its_weights() {
         .await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["model"], step_dir.display().to_string());
+    let card: Value = reqwest::get(format!("{}/v1/models/{}", server.url, step_dir.display()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(card["id"], step_dir.display().to_string());
     // The same greedy decoding in this process, on the checkpoint's weights.
     let tok = tiny_tokenizer();
     let text = ChatTemplate::Chatml.render(&[ChatTurn::User("hi".into())], &[], true);

@@ -88,7 +88,8 @@ pub fn router(settings: ServeSettings, renderer: Renderer, engine: Engine) -> Ro
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(list_models))
-        .route("/v1/models/{id}", get(get_model))
+        // Names may be paths (`runs/x/ppo/step-000010`): the id takes the rest of the path.
+        .route("/v1/models/{*id}", get(get_model))
         .route("/health", get(|| async { "ok" }))
         .fallback(|| async {
             ApiError {
