@@ -1,10 +1,69 @@
 //! Compiling, loading and launching the kernels of one CUDA C source.
 
-use std::ffi::{c_void, CString};
-use std::sync::Mutex;
+use std::ffi::{c_void, CString, NulError};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as driver, sys as cuda};
 use cudarc::nvrtc::result as nvrtc;
+
+/// Why a source's kernels could not be compiled, loaded or launched.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum KernelError {
+    /// A driver call failed.
+    #[error("{call}: {source}")]
+    Driver {
+        /// The call.
+        call: String,
+        /// The driver's error.
+        #[source]
+        source: driver::DriverError,
+    },
+    /// NVRTC failed outside compilation (creating the program, reading its PTX).
+    #[error("NVRTC, {name}: {source}")]
+    Nvrtc {
+        /// The source.
+        name: &'static str,
+        /// NVRTC's error.
+        #[source]
+        source: nvrtc::NvrtcError,
+    },
+    /// The source does not compile.
+    #[error("NVRTC could not compile {name}: {source}\n{log}")]
+    Compile {
+        /// The source.
+        name: &'static str,
+        /// The compiler's log.
+        log: String,
+        /// NVRTC's error.
+        #[source]
+        source: nvrtc::NvrtcError,
+    },
+    /// A source or its name holds a NUL byte.
+    #[error("{name}: {source}")]
+    Nul {
+        /// The source.
+        name: &'static str,
+        /// Where.
+        #[source]
+        source: NulError,
+    },
+    /// A launch named a kernel the source does not define.
+    #[error("{name} has no kernel number {kernel}")]
+    NoKernel {
+        /// The source.
+        name: &'static str,
+        /// The number asked for.
+        kernel: usize,
+    },
+    /// Loading failed earlier; the first error is kept for every later launch.
+    #[error(transparent)]
+    Cached(Arc<KernelError>),
+}
+
+fn driver_error(call: impl Into<String>) -> impl FnOnce(driver::DriverError) -> KernelError {
+    let call = call.into();
+    move |source| KernelError::Driver { call, source }
+}
 
 /// A CUDA C source and the kernels it defines.
 pub(crate) struct Source {
@@ -23,31 +82,39 @@ struct Loaded(Vec<cuda::CUfunction>);
 unsafe impl Send for Loaded {}
 
 /// Per (source name, device): the loaded functions, or why loading failed.
-type LoadedTable = Vec<((&'static str, i32), Result<Loaded, String>)>;
+type LoadedTable = Vec<((&'static str, i32), Result<Loaded, Arc<KernelError>>)>;
 
 static LOADED: Mutex<LoadedTable> = Mutex::new(Vec::new());
 
 /// The device's compute capability as NVRTC spells it (`90` for an H200).
-fn architecture(device: i32) -> Result<String, String> {
+fn architecture(device: i32) -> Result<String, KernelError> {
     use cuda::CUdevice_attribute::{
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
     };
     // SAFETY: attribute queries on a device the context belongs to.
     unsafe {
-        let dev = driver::device::get(device).map_err(|e| format!("cuDeviceGet: {e}"))?;
+        let dev = driver::device::get(device).map_err(driver_error("cuDeviceGet"))?;
         let major = driver::device::get_attribute(dev, MAJOR)
-            .map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
+            .map_err(driver_error("cuDeviceGetAttribute"))?;
         let minor = driver::device::get_attribute(dev, MINOR)
-            .map_err(|e| format!("cuDeviceGetAttribute: {e}"))?;
+            .map_err(driver_error("cuDeviceGetAttribute"))?;
         Ok(format!("{major}{minor}"))
     }
 }
 
-fn compile(source: &Source, device: i32) -> Result<Vec<u8>, String> {
-    let code = CString::new(source.code).map_err(|e| e.to_string())?;
-    let name = CString::new(source.name).map_err(|e| e.to_string())?;
-    let program = nvrtc::create_program(&code, Some(&name)).map_err(|e| format!("NVRTC: {e:?}"))?;
+fn compile(source: &Source, device: i32) -> Result<Vec<u8>, KernelError> {
+    let nul = |source_error| KernelError::Nul {
+        name: source.name,
+        source: source_error,
+    };
+    let nvrtc_error = |e| KernelError::Nvrtc {
+        name: source.name,
+        source: e,
+    };
+    let code = CString::new(source.code).map_err(nul)?;
+    let name = CString::new(source.name).map_err(nul)?;
+    let program = nvrtc::create_program(&code, Some(&name)).map_err(nvrtc_error)?;
     // PTX for the device's own architecture (each NVRTC release drops old ones: CUDA 13's
     // starts at 7.5), which the driver then compiles.
     let arch = format!("--gpu-architecture=compute_{}", architecture(device)?);
@@ -58,15 +125,16 @@ fn compile(source: &Source, device: i32) -> Result<Vec<u8>, String> {
         let result = match compiled {
             Ok(()) => nvrtc::get_ptx(program)
                 .map(|ptx| ptx.iter().map(|c| *c as u8).collect::<Vec<u8>>())
-                .map_err(|e| format!("NVRTC: {e:?}")),
+                .map_err(nvrtc_error),
             Err(e) => {
                 let log = nvrtc::get_program_log(program)
                     .map(|l| l.iter().map(|c| *c as u8 as char).collect::<String>())
                     .unwrap_or_default();
-                Err(format!(
-                    "NVRTC could not compile {}: {e:?}\n{log}",
-                    source.name
-                ))
+                Err(KernelError::Compile {
+                    name: source.name,
+                    log,
+                    source: e,
+                })
             }
         };
         let _ = nvrtc::destroy_program(program);
@@ -80,7 +148,7 @@ type PtxTable = Vec<((&'static str, String), Vec<u8>)>;
 
 static PTX: Mutex<PtxTable> = Mutex::new(Vec::new());
 
-fn ptx(source: &Source, device: i32) -> Result<Vec<u8>, String> {
+fn ptx(source: &Source, device: i32) -> Result<Vec<u8>, KernelError> {
     let key = (source.name, architecture(device)?);
     let mut cache = PTX.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, ptx)) = cache.iter().find(|(k, _)| *k == key) {
@@ -93,13 +161,13 @@ fn ptx(source: &Source, device: i32) -> Result<Vec<u8>, String> {
 
 /// Compiles `source` for the first CUDA device, so that a source that does not compile is
 /// found before any work depends on it (NVRTC needs no context).
-pub(crate) fn check(source: &Source) -> Result<(), String> {
+pub(crate) fn check(source: &Source) -> Result<(), KernelError> {
     // cuInit is idempotent.
-    driver::init().map_err(|e| format!("cuInit: {e}"))?;
+    driver::init().map_err(driver_error("cuInit"))?;
     ptx(source, 0).map(|_| ())
 }
 
-fn load(source: &Source, device: i32) -> Result<Loaded, String> {
+fn load(source: &Source, device: i32) -> Result<Loaded, KernelError> {
     let mut ptx = ptx(source, device)?;
     if ptx.last() != Some(&0) {
         ptx.push(0);
@@ -108,7 +176,7 @@ fn load(source: &Source, device: i32) -> Result<Loaded, String> {
     // primary context; the image is NUL-terminated PTX.
     unsafe {
         let module = driver::module::load_data(ptx.as_ptr() as *const c_void)
-            .map_err(|e| format!("cuModuleLoadData: {e}"))?;
+            .map_err(driver_error("cuModuleLoadData"))?;
         source
             .kernels
             .iter()
@@ -117,7 +185,7 @@ fn load(source: &Source, device: i32) -> Result<Loaded, String> {
                     module,
                     CString::new(*k).expect("kernel names have no NUL"),
                 )
-                .map_err(|e| format!("cuModuleGetFunction {k}: {e}"))
+                .map_err(driver_error(format!("cuModuleGetFunction {k}")))
             })
             .collect::<Result<Vec<_>, _>>()
             .map(Loaded)
@@ -125,12 +193,12 @@ fn load(source: &Source, device: i32) -> Result<Loaded, String> {
 }
 
 /// The current device's ordinal (the device thread's context is current).
-fn current_device() -> Result<i32, String> {
+fn current_device() -> Result<i32, KernelError> {
     let mut device = 0;
     // SAFETY: writes one int.
     unsafe { cuda::cuCtxGetDevice(&mut device) }
         .result()
-        .map_err(|e| format!("cuCtxGetDevice: {e}"))?;
+        .map_err(driver_error("cuCtxGetDevice"))?;
     Ok(device)
 }
 
@@ -144,13 +212,13 @@ pub(crate) fn launch(
     threads: u32,
     stream: cuda::CUstream,
     args: &[u64],
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     let device = current_device()?;
     let function = {
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
         let key = (source.name, device);
         if !loaded.iter().any(|(k, _)| *k == key) {
-            let module = load(source, device);
+            let module = load(source, device).map_err(Arc::new);
             if let Err(e) = &module {
                 tracing::error!("{e}");
             }
@@ -160,11 +228,13 @@ pub(crate) fn launch(
             .iter()
             .find(|(k, _)| *k == key)
             .expect("inserted above");
-        let module = module.as_ref().map_err(|e| e.clone())?;
-        *module
-            .0
-            .get(kernel)
-            .ok_or_else(|| format!("{} has no kernel number {kernel}", source.name))?
+        let module = module
+            .as_ref()
+            .map_err(|e| KernelError::Cached(e.clone()))?;
+        *module.0.get(kernel).ok_or(KernelError::NoKernel {
+            name: source.name,
+            kernel,
+        })?
     };
     let mut values: Vec<u64> = args.to_vec();
     let mut params: Vec<*mut c_void> = values
@@ -183,5 +253,8 @@ pub(crate) fn launch(
             &mut params,
         )
     }
-    .map_err(|e| format!("cuLaunchKernel {}: {e}", source.kernels[kernel]))
+    .map_err(driver_error(format!(
+        "cuLaunchKernel {}",
+        source.kernels[kernel]
+    )))
 }

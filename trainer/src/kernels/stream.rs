@@ -125,6 +125,7 @@ fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
     let mut args: Vec<u64> = call.pointers.to_vec();
     args.resize(*pointers as usize, 0);
     args.extend_from_slice(scalars);
+    // cubecl's external operations report failures as text.
     module::launch(
         source,
         *kernel as usize,
@@ -133,4 +134,5 @@ fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
         call.stream,
         &args,
     )
+    .map_err(|e| e.to_string())
 }
