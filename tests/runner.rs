@@ -28,9 +28,10 @@ struct ModelServer {
 }
 
 impl ModelServer {
-    fn start() -> Self {
+    fn start(extra: &[&str]) -> Self {
         let mut child = Command::new(binary_of("trainer", "trainer"))
             .args(["serve", "--tiny-random", "--port", "0"])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -98,7 +99,7 @@ fn lines(path: &Path) -> Vec<Value> {
 async fn the_runner_drives_episodes_with_a_real_model_server() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
-    let model = ModelServer::start();
+    let model = ModelServer::start(&[]);
     let env = server.client();
     let tiny: Vec<String> = env
         .tasks()
@@ -237,6 +238,31 @@ async fn the_runner_drives_episodes_with_a_real_model_server() {
         .unwrap();
     assert!(report.status.success());
     assert_eq!(String::from_utf8_lossy(&report.stdout), table);
+
+    // A model whose context the prompt (every tool's schema) does not fit: the runner asks
+    // for shorter replies, then submits for the model; the episode still ends and is judged.
+    let short = ModelServer::start(&["--context", "700"]);
+    let out_short = dir.path().join("short");
+    let o = runner()
+        .args([
+            "--server",
+            &server.url,
+            "--base-url",
+            &format!("{}/v1", short.url),
+            "--tasks",
+            &tiny[0],
+            "--max-tokens",
+            "64",
+            "--out",
+        ])
+        .arg(&out_short)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rec: EpisodeRecord =
+        serde_json::from_value(lines(&out_short.join("episodes.jsonl"))[0].clone()).unwrap();
+    assert_eq!(rec.end, "runner:context", "{rec:?}");
+    assert!(rec.evaluation.is_some(), "{rec:?}");
 
     // optimize on a module of the user's, given as a class and an input shape.
     let module = dir.path().join("scale.py");
