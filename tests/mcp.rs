@@ -146,6 +146,18 @@ async fn mcp_sessions_are_episodes() {
     let early = call(&b, "Glob", json!({"pattern": "*"})).await;
     assert_eq!(early.is_error, Some(true));
     assert!(text(&early).contains("reset"), "{early:?}");
+    // A task of the user's own is capped in size, and must be a task file.
+    let big = call(&b, "reset", json!({"task_source": "#".repeat(2 << 20)})).await;
+    assert_eq!(big.is_error, Some(true));
+    assert!(text(&big).contains("task_source"), "{}", text(&big));
+    let bad = call(
+        &b,
+        "reset",
+        json!({"task_source": "print('no Model here')"}),
+    )
+    .await;
+    assert_eq!(bad.is_error, Some(true));
+    assert!(text(&bad).contains("class Model"), "{}", text(&bad));
     let r = call(&b, "reset", json!({"task": "L1/1_ReLU"})).await;
     assert_eq!(r.is_error, Some(false), "{r:?}");
     assert!(text(&r).contains("L1/1_ReLU"), "{}", text(&r));
