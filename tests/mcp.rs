@@ -51,6 +51,26 @@ async fn wait_not_running(c: &env_client::EnvClient, id: &str) -> Option<env_api
     panic!("episode {id} still running after its MCP session ended");
 }
 
+/// The status line of an `initialize` POSTed with the given `Host` header.
+fn raw_initialize(url: &str, host: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let body = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"raw","version":"0"}}}"#;
+    let mut s = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
+    write!(
+        s,
+        "POST /mcp HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\naccept: application/json, text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut head = [0u8; 64];
+    let n = s.read(&mut head).unwrap();
+    String::from_utf8_lossy(&head[..n])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn mcp_sessions_are_episodes() {
     let dir = tempfile::tempdir().unwrap();
@@ -59,6 +79,11 @@ async fn mcp_sessions_are_episodes() {
         &["--skip-compile", "--max-episodes", "1"],
     );
     let http = server.client();
+
+    // Without an API key, only loopback Host names are served (a rebound name is refused;
+    // the sessions below, at 127.0.0.1, are served).
+    let status = raw_initialize(&server.url, "evil.example");
+    assert!(status.starts_with("HTTP/1.1 4"), "{status}");
 
     // A client of the session-less revision probes server/discover, is told to use
     // initialize, and opens a session whose episode starts from the URL's query.
