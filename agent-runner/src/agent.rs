@@ -210,15 +210,25 @@ impl Agent {
             TaskChoice::Id(id) => (Some(id.clone()), None),
             TaskChoice::Source(s) => (None, Some(s.clone())),
         };
-        let reset = self
-            .env
-            .reset(&ResetRequest {
-                task: task_id,
-                task_source,
-                options,
-                ..Default::default()
-            })
-            .await?;
+        let req = ResetRequest {
+            task: task_id,
+            task_source,
+            options,
+            ..Default::default()
+        };
+        // A full server (503 at capacity, 429) takes new episodes again as others end.
+        let mut attempt = 0;
+        let reset = loop {
+            match self.env.reset(&req).await {
+                Err(e) if e.is_retryable() && attempt < self.chat.retry.max_retries => {
+                    let delay = self.chat.retry.delay(attempt, None);
+                    tracing::debug!(error = %e, delay_s = delay.as_secs_f64(), "reset retried");
+                    tokio::time::sleep(delay).await;
+                    attempt += 1;
+                }
+                r => break r?,
+            }
+        };
         let id = reset.episode_id.clone();
         let mut rec = EpisodeRecord {
             task: reset.info.task.id.clone(),
