@@ -58,7 +58,8 @@ struct Common {
     /// Nucleus sampling (default: the model server's).
     #[arg(long)]
     top_p: Option<f64>,
-    /// `auto` (the model decides), `required` (a tool call every reply) or `none`.
+    /// `auto` (the model decides; vLLM needs --enable-auto-tool-choice and a tool-call
+    /// parser for it), `required` (a tool call every reply) or `none`.
     #[arg(long, default_value = "auto", value_parser = ["auto", "required", "none"])]
     tool_choice: String,
     /// Offer the model only these tools (comma separated; default: every tool of the episode).
