@@ -374,4 +374,6 @@ async fn an_agent_reads_what_it_needs() {
         t.contains("[episode ended; 9 of 10 tool calls left; 0 s of 2 s tool time left]"),
         "{t}"
     );
+    // The same in `info`, for frameworks that show it.
+    assert_eq!((s.info.turns_left, s.info.tool_time_left_s), (9, 0.0));
 }

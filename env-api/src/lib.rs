@@ -179,6 +179,13 @@ pub struct StepInfo {
     pub turn: u32,
     /// Seconds of tool time used so far.
     pub tool_time_s: f64,
+    /// Tool calls left before the episode ends by itself (model_new.py is then submitted).
+    #[serde(default)]
+    pub turns_left: u32,
+    /// Seconds of tool time left before the episode ends by itself (a command still running
+    /// is cut and model_new.py is submitted). The observation's last line says the same.
+    #[serde(default)]
+    pub tool_time_left_s: f64,
     /// Why the episode was truncated, if it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub truncation_reason: Option<String>,

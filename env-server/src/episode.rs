@@ -1095,6 +1095,8 @@ impl EpisodeManager {
             info: StepInfo {
                 turn: ep.turn,
                 tool_time_s: ep.tool_time.as_secs_f64(),
+                turns_left: ep.limits.max_turns.saturating_sub(ep.turn),
+                tool_time_left_s: (ep.limits.time_budget_s - ep.tool_time.as_secs_f64()).max(0.0),
                 truncation_reason,
                 evaluation,
                 replayed: false,
