@@ -5,12 +5,12 @@ calls `reset(**row)` with the dataset row's columns, exposes every other public 
 function tool (its schema from the signature and the docstring), and hands the instances to
 the reward function afterwards::
 
-    from cuda_agent_trl import trl_environment
+    from cuda_agent_trl import episode_reward, trl_environment
 
     CudaAgent = trl_environment("http://127.0.0.1:8080", max_turns=50)
 
     def reward(environments, **kwargs):
-        return [env.reward for env in environments]
+        return [episode_reward(env) for env in environments]
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Optimize the task."}]] * 64,
                                  "task": ["L1/19_ReLU"] * 64})
@@ -22,9 +22,10 @@ the episode's task; `max_turns` and `time_budget_s` columns set its limits. The 
 server's (Bash, Glob, Read, Write, Edit, MultiEdit, Grep, TodoWrite, Submit); a call the
 server refuses, or one after the episode ended, raises ValueError, which TRL shows the model
 as the tool's answer. After `Submit` (or a limit) `reward` holds the milestone reward and
-`result` the evaluation. An episode whose rollout ended without Submit is submitted as it is
-when the instance is reset again or dropped. The only public methods are `reset` and the
-tools (TRL would offer any other as a tool).
+`result` the evaluation. `episode_reward(env)` is the reward to train on: it first submits an
+episode whose rollout ended without Submit (the workspace is judged as it is); such an
+episode is also submitted when the instance is reset again or dropped. The only public
+methods are `reset` and the tools (TRL would offer any other as a tool).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 from cuda_agent_env import CudaAgentEnv, EnvError
 
-__all__ = ["CudaAgentToolEnv", "trl_environment"]
+__all__ = ["CudaAgentToolEnv", "episode_reward", "trl_environment"]
 
 _RESET_KEYS = ("task", "split", "seed", "task_source", "max_turns", "time_budget_s")
 
@@ -225,6 +226,13 @@ class CudaAgentToolEnv:
             self._finish()
         except Exception:  # noqa: BLE001 - the interpreter may be shutting down
             pass
+
+
+def episode_reward(env: CudaAgentToolEnv) -> float:
+    """The final reward of `env`'s episode, submitting it first if the rollout ended without
+    Submit (0.0 before any reset)."""
+    env._finish()
+    return env.reward
 
 
 def trl_environment(base_url: str, api_key: str | None = None, **reset_defaults) -> type:

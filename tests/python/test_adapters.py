@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "env-client" / "python"))
 from cuda_agent_env import CudaAgentEnv, EnvError  # noqa: E402
 from cuda_agent_openenv import CudaAgentAction, CudaAgentOpenEnv, StepResult  # noqa: E402
-from cuda_agent_trl import CudaAgentToolEnv, trl_environment  # noqa: E402
+from cuda_agent_trl import CudaAgentToolEnv, episode_reward, trl_environment  # noqa: E402
 import cuda_agent_verl  # noqa: E402
 
 KEY = "adapter-test-key"
@@ -103,12 +103,16 @@ def test_trl_episode_round_trip(server):
     assert env.result["correct"] is False
     with pytest.raises(ValueError, match="ended"):
         env.Bash(command="true")
-    # An unfinished episode is submitted when the instance is reset for the next rollout.
-    first = env.reset(task="L1/1_ReLU")
+    assert episode_reward(env) == -1.0
+    # An unfinished episode is submitted when the instance is reset for the next rollout ...
+    assert "L1/1_ReLU" in env.reset(task="L1/1_ReLU")
     old = env.episode_id
     env.reset(split="level1", seed=3)
     assert CudaAgentEnv(server, api_key=KEY).state(old)["status"] == "terminated"
-    assert first
+    # ... or when the reward function asks for its reward.
+    assert not env.done
+    assert episode_reward(env) == -1.0 and env.done and env.result["correct"] is False
+    assert episode_reward(cls()) == 0.0, "no episode, no reward"
 
 
 def test_trl_environment_rejects_unknown_defaults():
