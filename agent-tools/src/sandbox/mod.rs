@@ -757,7 +757,7 @@ impl SandboxedChild {
                 _ = tick.tick() => {
                     ticks += 1;
                     let b = self.cgroup.as_ref().and_then(cgroup::CommandCgroup::breach).or_else(|| {
-                        (ticks % walk_every == 0).then(|| self.volume.as_ref().and_then(|v| v.breach())).flatten()
+                        ticks.is_multiple_of(walk_every).then(|| self.volume.as_ref().and_then(|v| v.breach())).flatten()
                     });
                     if b.is_some() {
                         breach = b;

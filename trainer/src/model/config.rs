@@ -119,14 +119,14 @@ impl ModelConfig {
             }
         }
         if raw.num_attention_heads == 0
-            || raw.hidden_size % raw.num_attention_heads != 0 && raw.head_dim.is_none()
+            || !raw.hidden_size.is_multiple_of(raw.num_attention_heads) && raw.head_dim.is_none()
         {
             return Err(ModelError::Config(
                 "hidden_size must divide into num_attention_heads".into(),
             ));
         }
         let kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if kv == 0 || raw.num_attention_heads % kv != 0 {
+        if kv == 0 || !raw.num_attention_heads.is_multiple_of(kv) {
             return Err(ModelError::Config(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {kv}",
                 raw.num_attention_heads

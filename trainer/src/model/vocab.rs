@@ -71,7 +71,7 @@ pub fn token_stats_decomposed<B: Backend>(
 fn block_width(n: usize) -> Option<usize> {
     [128, 256, 64, 512, 32, 1024]
         .into_iter()
-        .find(|&w| n % w == 0 && n / w >= 2)
+        .find(|&w| n.is_multiple_of(w) && n / w >= 2)
 }
 
 /// `log_softmax` over the last dimension.

@@ -252,7 +252,7 @@ impl<B: AutodiffBackend> Learner<B> {
     /// Whether step `self.step` is due a checkpoint.
     pub fn checkpoint_due(&self, total_steps: usize) -> bool {
         let every = self.cfg.run.checkpoint_every;
-        self.step == total_steps || (every > 0 && self.step % every == 0)
+        self.step == total_steps || (every > 0 && self.step.is_multiple_of(every))
     }
 
     /// Reset requests of training step `step`: explicit tasks in turn, else seeded draws from
