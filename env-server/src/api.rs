@@ -126,9 +126,7 @@ impl From<EvalError> for ApiError {
         match e {
             EvalError::BadSolution(_) => Self::new(StatusCode::BAD_REQUEST, "bad_solution", msg),
             EvalError::QueueFull(_) => Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", msg),
-            EvalError::Harness(_) => {
-                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "harness_error", msg)
-            }
+            _ => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "harness_error", msg),
         }
     }
 }

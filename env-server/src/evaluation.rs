@@ -40,9 +40,42 @@ pub enum EvalError {
     /// Too many evaluations are waiting.
     #[error("the evaluation queue is full ({0} waiting); retry later")]
     QueueFull(usize),
-    /// The harness itself failed to run.
+    /// The harness ran and reported its own failure, or gave no verdict.
     #[error("evaluation harness failed: {0}")]
     Harness(String),
+    /// A file operation on the evaluation's own directories.
+    #[error("evaluation harness failed: {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The sandbox refused (no uids, no ruleset).
+    #[error("evaluation harness failed: {context}: {source}")]
+    Sandbox {
+        /// What was being done.
+        context: &'static str,
+        /// The error.
+        #[source]
+        source: agent_tools::SandboxError,
+    },
+    /// A process could not be started.
+    #[error("evaluation harness failed: spawn {what}: {source}")]
+    Spawn {
+        /// Which process.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Blocking work on the runtime's pool panicked or was cancelled.
+    #[error("evaluation harness failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
+    /// A device lease could not be taken (the evaluator is shutting down).
+    #[error("evaluation harness failed: device lease: {0}")]
+    Lease(#[from] tokio::sync::AcquireError),
 }
 
 /// Settings of the evaluator.
@@ -99,7 +132,10 @@ pub struct Evaluator {
 }
 
 fn io_err(p: &Path, e: std::io::Error) -> EvalError {
-    EvalError::Harness(format!("{}: {e}", p.display()))
+    EvalError::Io {
+        path: p.to_path_buf(),
+        source: e,
+    }
 }
 
 impl Evaluator {
@@ -232,7 +268,10 @@ impl Evaluator {
         let leases = self
             .sandbox
             .lease_uid_pair()
-            .map_err(|e| EvalError::Harness(format!("no uids for the evaluation: {e}")))?;
+            .map_err(|source| EvalError::Sandbox {
+                context: "no uids for the evaluation",
+                source,
+            })?;
         let (judge_owner, worker_owner) = match &leases {
             Some((j, w)) => (Some(j.owner()), Some(w.owner())),
             None => (None, None),
@@ -244,8 +283,7 @@ impl Evaluator {
                 EvalDirs::create(&dir, &source, &files, judge_owner, worker_owner)
                     .map_err(|e| io_err(&dir, e))
             })
-            .await
-            .map_err(|e| EvalError::Harness(e.to_string()))??
+            .await??
         };
 
         // Build: off the device, bounded, as the worker's uid. Extensions build into a
@@ -517,10 +555,14 @@ impl Evaluator {
         let wcmd = self
             .sandbox
             .command(&worker_jail, &self.python.executable, &wargv, &d.candidate)
-            .map_err(|e| EvalError::Harness(e.to_string()))?;
-        let mut worker = wcmd
-            .spawn()
-            .map_err(|e| EvalError::Harness(format!("spawn the worker: {e}")))?;
+            .map_err(|source| EvalError::Sandbox {
+                context: "the worker's sandbox",
+                source,
+            })?;
+        let mut worker = wcmd.spawn().map_err(|source| EvalError::Spawn {
+            what: "the worker",
+            source,
+        })?;
         let worker_pid = worker.id().unwrap_or(0);
         // The worker's prints go nowhere the verdict is read from: drained (so it never blocks
         // on a full pipe) and kept as a capped tail for the diagnostics.
@@ -620,10 +662,14 @@ impl Evaluator {
         let sc = self
             .sandbox
             .command(jail, &self.python.executable, argv, cwd)
-            .map_err(|e| EvalError::Harness(e.to_string()))?;
-        let mut child = sc
-            .spawn()
-            .map_err(|e| EvalError::Harness(format!("spawn python: {e}")))?;
+            .map_err(|source| EvalError::Sandbox {
+                context: "the harness's sandbox",
+                source,
+            })?;
+        let mut child = sc.spawn().map_err(|source| EvalError::Spawn {
+            what: "python",
+            source,
+        })?;
         let out = drain(child.stdout.take(), 8 << 20);
         let err = drain(child.stderr.take(), 1 << 20);
         let outcome = child.wait_within(self.cfg.phase_timeout).await;
@@ -675,13 +721,7 @@ impl Evaluator {
             Some(c) => c,
             None => {
                 let slot = &self.slots[start];
-                (
-                    slot,
-                    slot.lock
-                        .acquire()
-                        .await
-                        .map_err(|e| EvalError::Harness(e.to_string()))?,
-                )
+                (slot, slot.lock.acquire().await?)
             }
         };
         let t0 = Instant::now();
