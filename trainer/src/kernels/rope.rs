@@ -56,7 +56,7 @@ pub fn install() -> bool {
 fn supported(x: &Tensor, cos: &Tensor, sin: &Tensor) -> bool {
     let xs = x.shape.as_slice();
     xs.len() == 4
-        && xs[3] % 2 == 0
+        && xs[3].is_multiple_of(2)
         && xs[3] > 0
         && matches!(x.dtype, DType::F32 | DType::BF16)
         && [cos, sin]

@@ -60,7 +60,7 @@ pub fn install() -> bool {
 fn supported(gu: &Tensor) -> bool {
     let s = gu.shape.as_slice();
     s.len() == 2
-        && s[1] % 2 == 0
+        && s[1].is_multiple_of(2)
         && s[1] > 0
         && matches!(gu.dtype, DType::F32 | DType::BF16)
         && (s[0] * s[1] / 2).div_ceil(THREADS as usize) <= u32::MAX as usize
