@@ -1029,7 +1029,7 @@ impl EpisodeManager {
                         observation.text.push_str(&format!("\n[{skipped}]"));
                     }
                     submitted = solution.files;
-                    self.final_evaluation(&ep.task, &submitted).await
+                    self.final_evaluation(&ep.id, &ep.task, &submitted).await
                 }
                 Err(e) => EvaluationResult {
                     reward: -1.0,
@@ -1145,6 +1145,7 @@ impl EpisodeManager {
 
     async fn final_evaluation(
         &self,
+        episode: &str,
         task: &Task,
         files: &BTreeMap<String, String>,
     ) -> EvaluationResult {
@@ -1162,7 +1163,7 @@ impl EpisodeManager {
                 details: json!({"task": task.id}),
             };
         }
-        match self.evaluator.evaluate(task, files, None).await {
+        match self.evaluator.evaluate_for(episode, task, files, None).await {
             Ok(r) => r,
             Err(e) => EvaluationResult {
                 reward: -1.0,
