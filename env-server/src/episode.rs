@@ -1163,7 +1163,11 @@ impl EpisodeManager {
                 details: json!({"task": task.id}),
             };
         }
-        match self.evaluator.evaluate_for(episode, task, files, None).await {
+        match self
+            .evaluator
+            .evaluate_for(episode, task, files, None)
+            .await
+        {
             Ok(r) => r,
             Err(e) => EvaluationResult {
                 reward: -1.0,
