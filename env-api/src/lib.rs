@@ -246,8 +246,7 @@ pub struct EpisodeState {
     /// The limits.
     pub limits: EpisodeLimits,
     /// The current todo list.
-    #[schema(value_type = Vec<Object>)]
-    pub todos: Vec<Value>,
+    pub todos: Vec<tools::TodoItem>,
     /// Why it was truncated, if it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub truncation_reason: Option<String>,

@@ -458,12 +458,7 @@ impl Episode {
             todos: self
                 .toolbox
                 .as_ref()
-                .map(|t| {
-                    t.todos()
-                        .iter()
-                        .filter_map(|x| serde_json::to_value(x).ok())
-                        .collect()
-                })
+                .map(|t| t.todos().to_vec())
                 .unwrap_or_default(),
             truncation_reason: self.truncation_reason.clone(),
             result: self.result.clone(),
