@@ -191,7 +191,7 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
         .await
         .unwrap();
     assert!(again.correct, "{again:?}");
-    assert_eq!(again.details["build_cache_hit"], true, "{again:?}");
+    assert_eq!(again.details.build_cache_hit, Some(true), "{again:?}");
 
     // The kernels/ layout: sources and a header compiled into one module, `import kernels_ext`.
     let files = [

@@ -359,9 +359,95 @@ pub struct EvaluationResult {
     pub times_ms: Times,
     /// Speedups.
     pub speedup: Speedups,
-    /// Task id, device, timing spread, errors, build time.
-    #[schema(value_type = Object)]
-    pub details: Value,
+    /// Where and how it was judged: task, device, the build, where the time went, the judge's
+    /// checks and timing.
+    pub details: EvaluationDetails,
+}
+
+/// The details of an evaluation. What the server itself knows is typed; what the judge
+/// reports about its checks and timing (`check`, `timing`, `env`) is the judge's own
+/// diagnostic JSON, passed through.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct EvaluationDetails {
+    /// The task's id.
+    #[serde(default)]
+    pub task: String,
+    /// `cpu` or `cuda`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// The same sources had been built before: no build step ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_cache_hit: Option<bool>,
+    /// The build's report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<BuildDetails>,
+    /// Where the evaluation's time went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases: Option<EvaluationPhases>,
+    /// Seconds from the request to the verdict.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elapsed_s: Option<f64>,
+    /// Judged under landlock and seccomp.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confined: Option<bool>,
+    /// The rule the candidate broke.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// The tail of the candidate worker's own output: diagnostics, never evidence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_log: Option<String>,
+    /// The 90% band of each speedup (`eager`, `compile`): `[low, high]`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub noise_band: BTreeMap<String, [f64; 2]>,
+    /// The judge's checks (errors, input sets, stages' seconds, memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub check: Option<Value>,
+    /// The judge's per-contestant timing statistics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub timing: Option<Value>,
+    /// The judge's environment (versions, device name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub env: Option<Value>,
+    /// The task's kind where it is not a kernel (`recall`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// The server, not the candidate, failed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub server_error: bool,
+}
+
+/// What the build step of an evaluation reported.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct BuildDetails {
+    /// It built.
+    pub built: bool,
+    /// Why not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Seconds the build took, by the builder's clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_s: Option<f64>,
+    /// The extensions built.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extensions: Vec<String>,
+}
+
+/// Where one evaluation's time went, in seconds.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct EvaluationPhases {
+    /// Directories, uids, files.
+    pub setup_s: f64,
+    /// Waiting for a build slot (0 on a cache hit).
+    pub build_queue_s: f64,
+    /// The build (0 on a cache hit).
+    pub build_s: f64,
+    /// Waiting for the device.
+    pub lease_wait_s: f64,
+    /// Checking and timing on the device.
+    pub judge_s: f64,
 }
 
 /// Error answer body.

@@ -11,8 +11,8 @@ use agent_tools::{
     create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace,
 };
 use env_api::{
-    EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationResult, Observation, ResetInfo,
-    ResetRequest, ResetResponse, StepInfo, StepResponse, TaskInfo, TrajectoryRecord,
+    EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationDetails, EvaluationResult, Observation,
+    ResetInfo, ResetRequest, ResetResponse, StepInfo, StepResponse, TaskInfo, TrajectoryRecord,
 };
 use kernelbench::{Task, TaskSet};
 use serde_json::{json, Value};
@@ -1032,7 +1032,10 @@ impl EpisodeManager {
                     reason: Some(format!("bad_solution: {e}")),
                     times_ms: Default::default(),
                     speedup: Default::default(),
-                    details: json!({"task": ep.task.id}),
+                    details: EvaluationDetails {
+                        task: ep.task.id.clone(),
+                        ..EvaluationDetails::default()
+                    },
                 },
             };
             reward = result.reward;
@@ -1155,7 +1158,10 @@ impl EpisodeManager {
                 reason: Some("missing_solution: model_new.py is empty".into()),
                 times_ms: Default::default(),
                 speedup: Default::default(),
-                details: json!({"task": task.id}),
+                details: EvaluationDetails {
+                    task: task.id.clone(),
+                    ..EvaluationDetails::default()
+                },
             };
         }
         match self
@@ -1170,7 +1176,11 @@ impl EpisodeManager {
                 reason: Some(format!("evaluation_error: {e}")),
                 times_ms: Default::default(),
                 speedup: Default::default(),
-                details: json!({"task": task.id, "server_error": true}),
+                details: EvaluationDetails {
+                    task: task.id.clone(),
+                    server_error: true,
+                    ..EvaluationDetails::default()
+                },
             },
         }
     }

@@ -17,9 +17,11 @@ use std::time::{Duration, Instant};
 
 use agent_tools::sandbox::{Outcome, ProcessView};
 use agent_tools::{create_private_dir, Jail, Sandbox};
-use env_api::{EvaluationResult, Speedups, Times};
+use env_api::{
+    BuildDetails, EvaluationDetails, EvaluationPhases, EvaluationResult, Speedups, Times,
+};
 use kernelbench::Task;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::io::AsyncReadExt;
 use tokio::sync::Semaphore;
 
@@ -294,9 +296,9 @@ impl Evaluator {
         let ext = self.cfg.data_dir.join("build-cache").join(&digest);
         let built_mark = self.cfg.data_dir.join("build-ok").join(&digest);
         let worker_jail = self.worker_jail(&layout, &ext, worker_owner);
-        let mut phases = Phases {
+        let mut phases = EvaluationPhases {
             setup_s: started.elapsed().as_secs_f64(),
-            ..Phases::default()
+            ..EvaluationPhases::default()
         };
         let (build, cache_hit) = {
             let digest_lock = self.build_lock(&digest);
@@ -322,8 +324,14 @@ impl Evaluator {
                 }
             }
         };
-        let mut details = json!({"task": task.id, "device": self.cfg.device.as_str(), "build_cache_hit": cache_hit, "build": build});
-        let fail = |reason: String, details: Value| EvaluationResult {
+        let mut details = EvaluationDetails {
+            task: task.id.clone(),
+            device: Some(self.cfg.device.as_str().into()),
+            build_cache_hit: Some(cache_hit),
+            build: Some(build.clone()),
+            ..EvaluationDetails::default()
+        };
+        let fail = |reason: String, details: EvaluationDetails| EvaluationResult {
             reward: -1.0,
             correct: false,
             reason: Some(reason),
@@ -336,7 +344,7 @@ impl Evaluator {
                 .reason
                 .clone()
                 .unwrap_or_else(|| "compile: the build failed".into());
-            details["phases"] = json!(phases);
+            details.phases = Some(phases);
             return Ok(fail(reason, details));
         }
 
@@ -363,21 +371,19 @@ impl Evaluator {
             .await?;
         phases.judge_s = lease_asked.elapsed().as_secs_f64() - phases.lease_wait_s;
         drop(leases);
-        details["elapsed_s"] = json!(started.elapsed().as_secs_f64());
-        details["phases"] = json!(phases);
-        details["confined"] = json!(self.sandbox.is_confined());
-        if !worker_log.is_empty() {
-            details["worker_log"] = json!(worker_log);
-        }
+        details.elapsed_s = Some(started.elapsed().as_secs_f64());
+        details.phases = Some(phases);
+        details.confined = Some(self.sandbox.is_confined());
+        details.worker_log = (!worker_log.is_empty()).then_some(worker_log);
         if verdict.rule.as_deref() == Some("harness_error") {
             return Err(EvalError::Harness(verdict.reason.unwrap_or_default()));
         }
-        details["check"] = verdict.details.clone().unwrap_or(Value::Null);
-        details["timing"] = verdict.timing.clone().unwrap_or(Value::Null);
-        details["noise_band"] = json!(verdict.noise_band);
-        details["env"] = verdict.env.clone().unwrap_or(Value::Null);
+        details.check = verdict.details.clone();
+        details.timing = verdict.timing.clone();
+        details.noise_band = verdict.noise_band.clone();
+        details.env = verdict.env.clone();
         if !verdict.correct {
-            details["rule"] = json!(verdict.rule);
+            details.rule = verdict.rule.clone();
             let reason = verdict.reason.unwrap_or_else(|| "evaluation failed".into());
             return Ok(fail(reason, details));
         }
@@ -453,7 +459,7 @@ impl Evaluator {
         }
         let (out, err, outcome) = self.run_sandboxed(&jail, &argv, &d.candidate).await?;
         if outcome.timed_out {
-            return Ok(BuildReport::failed(format!(
+            return Ok(build_failed(format!(
                 "time_limit: the build ran past {} s",
                 self.cfg.phase_timeout.as_secs()
             )));
@@ -466,7 +472,7 @@ impl Evaluator {
             .rev()
             .find_map(|l| serde_json::from_str::<BuildReport>(l).ok())
             .unwrap_or_else(|| {
-                BuildReport::failed(format!(
+                build_failed(format!(
                     "compile: the build process died ({}): {}",
                     describe_exit(&outcome),
                     tail(&err, 2000)
@@ -735,21 +741,6 @@ impl Evaluator {
     }
 }
 
-/// Where one evaluation's time went (seconds), in its details.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
-struct Phases {
-    /// Directories, uids, files.
-    setup_s: f64,
-    /// Waiting for a build slot (0 on a cache hit).
-    build_queue_s: f64,
-    /// The build (0 on a cache hit).
-    build_s: f64,
-    /// Waiting for the device.
-    lease_wait_s: f64,
-    /// Checking and timing on the device.
-    judge_s: f64,
-}
-
 /// The report of an earlier successful build of the same sources, if its cache entry is
 /// still there. The mark is the server's own file, in a directory no sandbox can write.
 fn read_built_mark(mark: &Path, ext: &Path) -> Option<BuildReport> {
@@ -777,25 +768,15 @@ fn write_built_mark(mark: &Path, report: &BuildReport) {
     }
 }
 
-/// What the build step reports.
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-struct BuildReport {
-    built: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    reason: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    build_s: Option<f64>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    extensions: Vec<String>,
-}
+/// What the build step reports (the worker's last JSON line; it can only claim a failure or
+/// a success that the run checks again).
+type BuildReport = BuildDetails;
 
-impl BuildReport {
-    fn failed(reason: String) -> Self {
-        Self {
-            built: false,
-            reason: Some(reason),
-            ..Self::default()
-        }
+fn build_failed(reason: String) -> BuildReport {
+    BuildDetails {
+        built: false,
+        reason: Some(reason),
+        ..BuildDetails::default()
     }
 }
 

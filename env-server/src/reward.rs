@@ -1,5 +1,7 @@
 //! The milestone reward of the CUDA Agent recipe.
 
+use env_api::EvaluationDetails;
+
 /// `b(t, t') = (t' - t) / t' > 0.05`: the candidate is more than 5% faster than a baseline.
 pub fn beats(candidate_ms: f64, baseline_ms: f64) -> bool {
     baseline_ms > 0.0 && (baseline_ms - candidate_ms) / baseline_ms > 0.05
@@ -42,9 +44,9 @@ pub fn describe(result: &env_api::EvaluationResult) -> String {
 ",
         );
         out.push_str(result.reason.as_deref().unwrap_or("evaluation failed"));
-        let rule = result.details.get("rule").and_then(|r| r.as_str());
+        let rule = result.details.rule.as_deref();
         let crashed = matches!(rule, Some("worker_died" | "time_limit" | "runtime_error"));
-        if let Some(log) = result.details.get("worker_log").and_then(|l| l.as_str()) {
+        if let Some(log) = result.details.worker_log.as_deref() {
             let log = log.trim();
             if crashed && !log.is_empty() {
                 let start = log
@@ -77,9 +79,9 @@ pub fn describe(result: &env_api::EvaluationResult) -> String {
     let band = |base: &str| {
         result
             .details
-            .pointer(&format!("/noise_band/{base}"))
-            .and_then(|b| b.as_array())
-            .and_then(|b| Some((b.first()?.as_f64()?, b.get(1)?.as_f64()?)))
+            .noise_band
+            .get(base)
+            .map(|&[low, high]| (low, high))
     };
     let mut speedups = Vec::new();
     for (name, key, v) in [
@@ -131,7 +133,11 @@ pub fn judge_recall(
         reason,
         times_ms: Default::default(),
         speedup: Default::default(),
-        details: serde_json::json!({"task": task_id, "kind": "recall"}),
+        details: EvaluationDetails {
+            task: task_id.to_string(),
+            kind: Some("recall".into()),
+            ..EvaluationDetails::default()
+        },
     }
 }
 
@@ -168,7 +174,10 @@ mod tests {
                 eager: Some(2.0),
                 compile: Some(0.5),
             },
-            details: serde_json::json!({"noise_band": {"eager": [1.9, 2.1]}}),
+            details: EvaluationDetails {
+                noise_band: [("eager".to_string(), [1.9, 2.1])].into(),
+                ..EvaluationDetails::default()
+            },
         };
         assert_eq!(
             describe(&ok),
@@ -182,7 +191,14 @@ mod tests {
             reason: Some("worker_died: the candidate worker died during check (run)".into()),
             times_ms: Default::default(),
             speedup: Default::default(),
-            details: serde_json::json!({"rule": "worker_died", "worker_log": "Fatal Python error: Segmentation fault\n  File \"model_new.py\", line 8 in forward"}),
+            details: EvaluationDetails {
+                rule: Some("worker_died".into()),
+                worker_log: Some(
+                    "Fatal Python error: Segmentation fault\n  File \"model_new.py\", line 8 in forward"
+                        .into(),
+                ),
+                ..EvaluationDetails::default()
+            },
         };
         let text = describe(&crashed);
         assert!(
