@@ -80,8 +80,12 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
         eprintln!("train pass {i}: {:.3} s", t0.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);
-    let train = times.get(times.len() / 2).map(|&train_s| {
-        serde_json::json!({"batch": b, "seq": t, "seconds": train_s, "tokens_per_s": (b * t) as f64 / train_s, "loss": first_loss})
+    let train = times.get(times.len() / 2).map(|&train_s| TrainRow {
+        batch: b,
+        seq: t,
+        seconds: train_s,
+        tokens_per_s: (b * t) as f64 / train_s,
+        loss: first_loss,
     });
     let mut gen_rows = Vec::new();
     let inner = burn::module::AutodiffModule::valid(&lm);
@@ -113,7 +117,13 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
                 best = best.min(dt);
             }
             if rep == 1 {
-                gen_rows.push(serde_json::json!({"batch": gb, "prompt": a.prompt, "new_tokens": a.new_tokens, "seconds": best, "tokens_per_s": n as f64 / best}));
+                gen_rows.push(GenerateRow {
+                    batch: gb,
+                    prompt: a.prompt,
+                    new_tokens: a.new_tokens,
+                    seconds: best,
+                    tokens_per_s: n as f64 / best,
+                });
             }
         }
     }
@@ -122,13 +132,13 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     } else {
         Vec::new()
     };
-    let report = serde_json::json!({
-        "products": products,
-        "engine": format!("burn {}{engine_note}", B::name(&device)),
-        "params": param_count(&cfg),
-        "train": train,
-        "generate": gen_rows,
-    });
+    let report = Report {
+        products,
+        engine: format!("burn {}{engine_note}", B::name(&device)),
+        params: param_count(&cfg),
+        train,
+        generate: gen_rows,
+    };
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }
@@ -145,7 +155,7 @@ fn bench_products<B: burn::tensor::backend::Backend>(
     cfg: &trainer::model::ModelConfig,
     batches: &[usize],
     device: &B::Device,
-) -> Result<Vec<serde_json::Value>> {
+) -> Result<Vec<ProductRow>> {
     use burn::tensor::{Distribution, ElementConversion, Tensor};
     use std::time::Instant;
     let (d, hd) = (cfg.hidden_size, cfg.head_dim);
@@ -218,7 +228,19 @@ fn bench_products<B: burn::tensor::backend::Backend>(
                 "| {m} | {name} | {k} | {n} | {:.0} | {:.0} | {:.0} | {:.0} | {worst:.2e} |",
                 times[0], times[1], times[2], times[3]
             );
-            rows.push(serde_json::json!({"rows": m, "product": name, "k": k, "n": n, "max_diff": worst, "us": {"plain": times[0], "split_k8": times[1], "rows_as_batch": times[2], "transposed": times[3]}}));
+            rows.push(ProductRow {
+                rows: m,
+                product: name,
+                k,
+                n,
+                max_diff: worst,
+                us: ProductTimes {
+                    plain: times[0],
+                    split_k8: times[1],
+                    rows_as_batch: times[2],
+                    transposed: times[3],
+                },
+            });
         }
     }
     Ok(rows)
@@ -230,4 +252,55 @@ fn param_count(c: &trainer::model::ModelConfig) -> usize {
     let mlp = 3 * c.hidden_size * c.intermediate_size;
     let emb = c.vocab_size * c.hidden_size * if c.tie_word_embeddings { 1 } else { 2 };
     c.num_hidden_layers * (attn + mlp) + emb
+}
+
+/// What `bench-model` prints (scripts/bench_gpu_trainer.sh reads it).
+#[derive(serde::Serialize)]
+struct Report {
+    products: Vec<ProductRow>,
+    engine: String,
+    params: usize,
+    train: Option<TrainRow>,
+    generate: Vec<GenerateRow>,
+}
+
+/// The median training pass.
+#[derive(serde::Serialize)]
+struct TrainRow {
+    batch: usize,
+    seq: usize,
+    seconds: f64,
+    tokens_per_s: f64,
+    /// The first pass's loss (the same weights and tokens every pass).
+    loss: f64,
+}
+
+/// The best generation run of one batch size.
+#[derive(serde::Serialize)]
+struct GenerateRow {
+    batch: usize,
+    prompt: usize,
+    new_tokens: usize,
+    seconds: f64,
+    tokens_per_s: f64,
+}
+
+/// One product of a decoding step, timed four ways.
+#[derive(serde::Serialize)]
+struct ProductRow {
+    rows: usize,
+    product: &'static str,
+    k: usize,
+    n: usize,
+    max_diff: f64,
+    us: ProductTimes,
+}
+
+/// Microseconds per formulation.
+#[derive(serde::Serialize)]
+struct ProductTimes {
+    plain: f64,
+    split_k8: f64,
+    rows_as_batch: f64,
+    transposed: f64,
 }
