@@ -26,16 +26,26 @@ use crate::runtime::{Device, PythonInfo};
 /// Memory one build may take (g++ or nvcc over the torch headers), for the default bound.
 pub const BUILD_MEMORY_BYTES: u64 = 2 << 30;
 
+fn cores() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+}
+
 /// Builds at once by default: one per core, as many as memory allows at
 /// [`BUILD_MEMORY_BYTES`] each, at least one.
 pub fn default_max_builds() -> usize {
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(2);
+    let cores = cores();
     let by_memory = available_memory_bytes()
         .map(|b| (b / BUILD_MEMORY_BYTES) as usize)
         .unwrap_or(cores);
     cores.min(by_memory).max(1)
+}
+
+/// Compile jobs inside one build (`MAX_JOBS`) when `max_builds` run at once: the cores
+/// shared out, 1 to 4.
+pub fn jobs_per_build(max_builds: usize) -> usize {
+    (cores() / max_builds.max(1)).clamp(1, 4)
 }
 
 /// `MemAvailable` of /proc/meminfo.
@@ -378,6 +388,15 @@ impl Pch {
             .join(format!("{name}.gch"))
     }
 
+    /// The compiler with torch's extension flags and the variant's own `flags`.
+    fn compiler(&self, flags: &str, path: &std::ffi::OsStr) -> Command {
+        let mut c = Command::new(&self.flags.cxx);
+        c.args(&self.flags.cflags)
+            .args(flags.split_whitespace())
+            .env("PATH", path);
+        c
+    }
+
     /// Whether the variant for `flags` is built.
     pub fn has(&self, flags: &str) -> bool {
         self.variant_path(flags).is_file()
@@ -397,15 +416,12 @@ impl Pch {
         };
         // Written beside the directory gcc reads, then renamed in: never seen half made.
         let tmp = self.dir.join(format!("torch/{}.tmp", std::process::id()));
-        let extra: Vec<&str> = flags.split_whitespace().collect();
-        let run = Command::new(&self.flags.cxx)
+        let run = self
+            .compiler(flags, path)
             .args(["-x", "c++-header"])
             .arg(&self.flags.header)
             .arg("-o")
             .arg(&tmp)
-            .args(&self.flags.cflags)
-            .args(&extra)
-            .env("PATH", path)
             .output()
             .map_err(|e| io(Path::new(&self.flags.cxx), e))?;
         if !run.status.success() {
@@ -440,12 +456,10 @@ impl Pch {
             path: src.clone(),
             source: e,
         })?;
-        let run = Command::new(&self.flags.cxx)
+        let run = self
+            .compiler(flags, path)
             .args(["-fsyntax-only", "-H", "-DTORCH_EXTENSION_NAME=probe"])
-            .args(&self.flags.cflags)
-            .args(flags.split_whitespace())
             .arg(&src)
-            .env("PATH", path)
             .env("CPATH", &self.dir)
             .output()
             .map_err(|e| PchError::Io {

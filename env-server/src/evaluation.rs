@@ -25,7 +25,7 @@ use serde_json::Value;
 use tokio::io::AsyncReadExt;
 use tokio::sync::Semaphore;
 
-use crate::build::{BuildQueue, QueueLoad};
+use crate::build::BuildQueue;
 use crate::reward::milestone;
 use crate::runtime::{Device, PythonInfo};
 
@@ -173,11 +173,6 @@ impl Evaluator {
     /// The device leases.
     pub fn slots(&self) -> &[DeviceSlot] {
         &self.slots
-    }
-
-    /// Builds running and waiting.
-    pub fn build_load(&self) -> QueueLoad {
-        self.builds.load()
     }
 
     /// Evaluations waiting or running.
@@ -436,7 +431,7 @@ impl Evaluator {
         j
     }
 
-    async fn build(&self, jail: &Jail, d: &EvalDirs) -> Result<BuildReport, EvalError> {
+    async fn build(&self, jail: &Jail, d: &EvalDirs) -> Result<BuildDetails, EvalError> {
         let argv: Vec<OsString> = vec![
             self.harness_dir.join("cuda_agent_worker.py").into(),
             "build".into(),
@@ -470,7 +465,7 @@ impl Evaluator {
         Ok(text
             .lines()
             .rev()
-            .find_map(|l| serde_json::from_str::<BuildReport>(l).ok())
+            .find_map(|l| serde_json::from_str::<BuildDetails>(l).ok())
             .unwrap_or_else(|| {
                 build_failed(format!(
                     "compile: the build process died ({}): {}",
@@ -743,18 +738,18 @@ impl Evaluator {
 
 /// The report of an earlier successful build of the same sources, if its cache entry is
 /// still there. The mark is the server's own file, in a directory no sandbox can write.
-fn read_built_mark(mark: &Path, ext: &Path) -> Option<BuildReport> {
+fn read_built_mark(mark: &Path, ext: &Path) -> Option<BuildDetails> {
     let text = std::fs::read(mark).ok()?;
     if !ext.is_dir() {
         let _ = std::fs::remove_file(mark);
         return None;
     }
-    serde_json::from_slice::<BuildReport>(&text)
+    serde_json::from_slice::<BuildDetails>(&text)
         .ok()
         .filter(|r| r.built)
 }
 
-fn write_built_mark(mark: &Path, report: &BuildReport) {
+fn write_built_mark(mark: &Path, report: &BuildDetails) {
     let write = || -> std::io::Result<()> {
         if let Some(dir) = mark.parent() {
             std::fs::create_dir_all(dir)?;
@@ -768,11 +763,9 @@ fn write_built_mark(mark: &Path, report: &BuildReport) {
     }
 }
 
-/// What the build step reports (the worker's last JSON line; it can only claim a failure or
-/// a success that the run checks again).
-type BuildReport = BuildDetails;
-
-fn build_failed(reason: String) -> BuildReport {
+/// A build that failed for `reason` (the worker's own report is its last JSON line, a
+/// [`BuildDetails`]; it can only claim a failure or a success that the run checks again).
+fn build_failed(reason: String) -> BuildDetails {
     BuildDetails {
         built: false,
         reason: Some(reason),

@@ -248,11 +248,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             device,
             devices: gpus.max(1),
             max_builds: cfg.max_builds,
-            build_jobs: (std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(2)
-                / cfg.max_builds.max(1))
-            .clamp(1, 4),
+            build_jobs: build::jobs_per_build(cfg.max_builds),
             max_queue: cfg.max_eval_queue,
             phase_timeout: cfg.eval_timeout,
             extra_env: extra_env.clone(),
