@@ -61,13 +61,16 @@ def main():
     p.add_argument("--no-episode", action="store_true", help="only the /v1/evaluate table")
     p.add_argument("--candidates", help="comma-separated example names (file stems); default all")
     p.add_argument("--parallel", type=int, default=4, help="evaluations in flight (the server builds them side by side and times one at a time)")
+    p.add_argument("--log", help="write the server's log here (default: a temporary file, removed)")
+    p.add_argument("--json", help="write every evaluation's full answer here")
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="cuda-agent-gpu-"))
     base.chmod(0o711)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(base / "server.log", "w")
+    log_path = Path(args.log) if args.log else base / "server.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen([args.server, "--bind", f"127.0.0.1:{port}", "--data-dir", str(base / "data"),
                              "--python", sys.executable, "--device", "cuda"], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
@@ -78,7 +81,7 @@ def main():
                 break
             except OSError:
                 if proc.poll() is not None:
-                    print(open(base / "server.log").read())
+                    print(open(log_path).read())
                     raise SystemExit("server exited")
                 time.sleep(0.1)
         info = call(url + "/v1/info")
@@ -101,8 +104,12 @@ def main():
 
         print("| candidate | reward | eager ms | compile ms | candidate ms | vs eager | vs compile | seconds |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        answers = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
             for task, r, took in pool.map(evaluate, files):
+                answers[task] = {"seconds": took, **r}
+                if args.json:
+                    Path(args.json).write_text(json.dumps(answers, indent=1))
                 if "reward" not in r:
                     print(f"| {task} | error {r} |")
                     continue

@@ -3,7 +3,9 @@
 //! samples.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
 
 use axum::http::StatusCode;
 use burn::tensor::backend::Backend;
@@ -66,19 +68,29 @@ struct Work {
 /// The queue to the generation thread.
 #[derive(Clone)]
 pub struct Engine {
-    tx: SyncSender<Work>,
+    tx: Sender<Work>,
+    /// Requests admitted and not yet answered (the one generating included). Admission is
+    /// counted here rather than by a bounded channel: a rendezvous channel refuses a request
+    /// sent in the moment between one answer and the thread's next `recv`, which would make
+    /// an idle server answer 429.
+    admitted: Arc<AtomicUsize>,
+    /// At most this many admitted: the one generating plus `queue` waiting.
+    limit: usize,
 }
 
 impl Engine {
     /// Starts the generation thread with room for `queue` waiting requests.
     pub fn start<B: Backend>(model: ServedModel<B>, queue: usize) -> std::io::Result<Self> {
-        let (tx, rx) = sync_channel::<Work>(queue);
+        let (tx, rx) = channel::<Work>();
+        let admitted = Arc::new(AtomicUsize::new(0));
+        let done = admitted.clone();
         std::thread::Builder::new()
             .name("generate".into())
             .spawn(move || {
                 while let Ok(work) = rx.recv() {
                     // The client went away while the request waited.
                     if work.reply.is_closed() {
+                        done.fetch_sub(1, Ordering::AcqRel);
                         continue;
                     }
                     let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -95,10 +107,17 @@ impl Engine {
                         })
                     });
                     drop(work.deltas);
+                    // Free the slot before answering: a client that sends its next request as
+                    // soon as this one ends finds the server idle.
+                    done.fetch_sub(1, Ordering::AcqRel);
                     let _ = work.reply.send(result);
                 }
             })?;
-        Ok(Self { tx })
+        Ok(Self {
+            tx,
+            admitted,
+            limit: queue + 1,
+        })
     }
 
     /// Queues `job`; the answer comes on the returned channel, text as it is sampled on
@@ -109,16 +128,25 @@ impl Engine {
         deltas: Option<mpsc::UnboundedSender<Delta>>,
     ) -> Result<oneshot::Receiver<Result<Outcome, ApiError>>, ApiError> {
         let (reply, rx) = oneshot::channel();
-        match self.tx.try_send(Work { job, deltas, reply }) {
-            Ok(()) => Ok(rx),
-            Err(TrySendError::Full(_)) => Err(ApiError {
+        let limit = self.limit;
+        if self
+            .admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_err()
+        {
+            return Err(ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
                 message: "the server is busy: too many requests are waiting; retry later".into(),
                 kind: "rate_limit_error",
                 code: "server_busy",
                 param: None,
-            }),
-            Err(TrySendError::Disconnected(_)) => Err(ApiError {
+            });
+        }
+        match self.tx.send(Work { job, deltas, reply }) {
+            Ok(()) => Ok(rx),
+            Err(_) => Err(ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 message: "the generation thread has stopped".into(),
                 kind: "server_error",
