@@ -18,6 +18,7 @@ use agent_tools::{
     create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits,
     ToolOutput, Toolbox, Workspace,
 };
+use common::bash_data;
 use serde_json::json;
 
 fn features() -> KernelFeatures {
@@ -371,14 +372,20 @@ async fn named_unix_sockets_outside_cannot_be_reached() {
     for p in [&stream_path, &dgram_path] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).expect("chmod");
     }
+    // A sequenced-packet listener too: the jail may make such sockets (CUDA's driver needs
+    // them), so connect() itself must be what stops it.
+    let seq_path = dir.path().join("host.seq");
+    let seq = seqpacket_listener(&seq_path);
+    std::fs::set_permissions(&seq_path, std::fs::Permissions::from_mode(0o777)).expect("chmod");
     let script = format!(
         r#"
 import socket
 for name, make in [("stream", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)),
-                   ("dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))]:
+                   ("dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)),
+                   ("seqpacket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))]:
     try:
         s = make()
-        s.connect("{stream}" if name == "stream" else "{dgram}")
+        s.connect({{"stream": "{stream}", "dgram": "{dgram}", "seqpacket": "{seq}"}}[name])
         s.send(b"leak")
         print(name, "REACHED")
     except OSError as e:
@@ -394,7 +401,8 @@ a.send(b"x")
 print("pair-stream", b.recv(1))
 "#,
         stream = stream_path.display(),
-        dgram = dgram_path.display()
+        dgram = dgram_path.display(),
+        seq = seq_path.display()
     );
     std::fs::write(ep.root.join("probe.py"), script).expect("write");
     let out = ep.bash("python3 probe.py").await;
@@ -413,6 +421,43 @@ print("pair-stream", b.recv(1))
         dgram.recv(&mut buf).is_err(),
         "the host received a datagram from inside"
     );
+    // SAFETY: accept on a valid non-blocking listening socket; null address arguments.
+    let conn = unsafe { libc::accept(seq, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert!(
+        conn < 0,
+        "the host accepted a sequenced-packet connection from inside"
+    );
+    // SAFETY: closing the descriptor this test opened.
+    unsafe { libc::close(seq) };
+}
+
+/// A non-blocking AF_UNIX sequenced-packet socket listening at `path` (std has none).
+fn seqpacket_listener(path: &std::path::Path) -> libc::c_int {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: plain socket calls on a zeroed sockaddr_un whose path fits (checked).
+    unsafe {
+        let fd = libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        );
+        assert!(fd >= 0, "socket");
+        let mut addr: libc::sockaddr_un = std::mem::zeroed();
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = path.as_os_str().as_bytes();
+        assert!(bytes.len() < addr.sun_path.len(), "socket path too long");
+        for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+            *d = *s as libc::c_char;
+        }
+        let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+        assert_eq!(
+            libc::bind(fd, (&addr as *const libc::sockaddr_un).cast(), len),
+            0,
+            "bind"
+        );
+        assert_eq!(libc::listen(fd, 4), 0, "listen");
+        fd
+    }
 }
 
 /// The server's command line (with whatever secret it was given) and other episodes'
@@ -589,8 +634,13 @@ async fn the_temp_dir_counts_and_a_full_quota_ends_the_command() {
     let out = ep
         .call("Bash", json!({"command": "head -c 200000000 /dev/zero > \"$TMPDIR/fill\"; echo wrote; sleep 7008.5151", "timeout": 300000}))
         .await;
-    assert_eq!(out.data["breach"], "disk_quota", "{}", out.text);
-    assert_eq!(out.data["timed_out"], false, "{}", out.text);
+    assert_eq!(
+        bash_data(&out).breach.as_deref(),
+        Some("disk_quota"),
+        "{}",
+        out.text
+    );
+    assert!(!bash_data(&out).timed_out, "{}", out.text);
     assert!(out.text.contains("disk quota"), "{}", out.text);
     let size = std::fs::metadata(ep.tmp.join("fill"))
         .map(|m| m.len())
@@ -615,7 +665,12 @@ async fn empty_files_hit_the_inode_quota() {
         ProcessView::Private,
     );
     let out = ep.bash("python3 -c 'import os\nfor i in range(5000): open(\"f%d\" % i, \"w\").close()'; ls | wc -l").await;
-    assert_eq!(out.data["breach"], "inode_quota", "{}", out.text);
+    assert_eq!(
+        bash_data(&out).breach.as_deref(),
+        Some("inode_quota"),
+        "{}",
+        out.text
+    );
     assert!(ep.volume.usage().inodes <= 500);
 }
 
@@ -640,7 +695,12 @@ async fn memory_across_all_processes_is_bounded() {
             json!({"command": format!("{hog} & {hog} & {hog} & {hog} & wait"), "timeout": 300000}),
         )
         .await;
-    assert_eq!(out.data["breach"], "memory_limit", "{}", out.text);
+    assert_eq!(
+        bash_data(&out).breach.as_deref(),
+        Some("memory_limit"),
+        "{}",
+        out.text
+    );
     assert_eq!(gone("7009.5151").await, Vec::<i32>::new());
 }
 
@@ -658,7 +718,12 @@ async fn processes_across_the_command_are_bounded() {
     };
     let mut ep = episode(limits, VolumeLimits::bytes(64 << 20), ProcessView::Private);
     let out = ep.call("Bash", json!({"command": "for i in $(seq 1 100); do sleep 7010.5151 & done; wait", "timeout": 300000})).await;
-    assert_eq!(out.data["breach"], "process_limit", "{}", out.text);
+    assert_eq!(
+        bash_data(&out).breach.as_deref(),
+        Some("process_limit"),
+        "{}",
+        out.text
+    );
     assert_eq!(gone("7010.5151").await, Vec::<i32>::new());
 }
 

@@ -1,6 +1,6 @@
 //! `sandbox-exec`: run one command in the tool sandbox, for diagnosing what a toolchain needs.
 //!
-//!     sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--no-cgroups]
+//!     sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--seccomp-allow SYSCALL]... [--no-cgroups]
 //!                  [--view private|own-uid|host] [--uid N] [--timeout SECS] -- CMD ARGS...
 //!
 //! The working directory (and first writable directory) is a fresh temp dir unless `--rw` is
@@ -14,7 +14,7 @@ use agent_tools::sandbox::ProcessView;
 use agent_tools::{create_private_dir, Jail, Sandbox, SandboxConfig};
 
 fn usage() -> ! {
-    eprintln!("usage: sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--no-cgroups] [--view private|own-uid|host] [--uid N] [--timeout SECS] -- CMD ARGS...");
+    eprintln!("usage: sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--seccomp-allow SYSCALL]... [--no-cgroups] [--view private|own-uid|host] [--uid N] [--timeout SECS] -- CMD ARGS...");
     std::process::exit(2)
 }
 
@@ -29,12 +29,18 @@ fn main() {
     );
     let (mut cgroups, mut view, mut timeout) = (true, ProcessView::Private, 30 * 86_400u64);
     let mut cmd: Vec<OsString> = Vec::new();
+    let mut seccomp_allow = Vec::new();
     while let Some(a) = args.next() {
         match a.to_str() {
             Some("--rw") => rw.push(args.next().unwrap_or_else(|| usage()).into()),
             Some("--ro") => ro.push(args.next().unwrap_or_else(|| usage()).into()),
             Some("--no-landlock") => landlock = false,
             Some("--no-seccomp") => seccomp = false,
+            Some("--seccomp-allow") => seccomp_allow.push(
+                args.next()
+                    .and_then(|s| agent_tools::sandbox::governed_syscall(s.to_str()?))
+                    .unwrap_or_else(|| usage()),
+            ),
             Some("--no-cgroups") => cgroups = false,
             Some("--view") => {
                 view = match args.next().and_then(|s| s.into_string().ok()).as_deref() {
@@ -82,6 +88,7 @@ fn main() {
     let mut cfg = SandboxConfig::with_toolchains(ro);
     cfg.landlock = landlock;
     cfg.seccomp = seccomp;
+    cfg.seccomp_allow = seccomp_allow;
     cfg.cgroups = cgroups;
     cfg.allow_unconfined = !(landlock && seccomp);
     let sandbox = match Sandbox::new(cfg) {

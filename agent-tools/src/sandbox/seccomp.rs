@@ -23,6 +23,10 @@ pub fn available() -> bool {
 
 /// Syscalls refused with EPERM whatever their arguments.
 const DENIED: &[libc::c_long] = &[
+    // No connect(): the only sockets a jail can make are AF_UNIX sequenced-packet ones (for
+    // CUDA's driver, which goes on when its probe of the MPS socket is refused), and connect
+    // is how one would reach a named socket of the host.
+    libc::SYS_connect,
     libc::SYS_ptrace,
     libc::SYS_process_vm_readv,
     libc::SYS_process_vm_writev,
@@ -90,16 +94,61 @@ fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SandboxError> {
     SeccompRule::new(conds).map_err(|e| SandboxError::Seccomp(e.to_string()))
 }
 
+/// The syscall numbers of the names the filters govern (`socket`, `clone3`, `ptrace`, ...),
+/// for diagnosis: `None` for a name the filters do not mention.
+pub fn governed_syscall(name: &str) -> Option<libc::c_long> {
+    let nr = match name {
+        "socket" => libc::SYS_socket,
+        "socketpair" => libc::SYS_socketpair,
+        "connect" => libc::SYS_connect,
+        "clone" => libc::SYS_clone,
+        "clone3" => libc::SYS_clone3,
+        "ioctl" => libc::SYS_ioctl,
+        "ptrace" => libc::SYS_ptrace,
+        "process_vm_readv" => libc::SYS_process_vm_readv,
+        "process_vm_writev" => libc::SYS_process_vm_writev,
+        "mount" => libc::SYS_mount,
+        "bpf" => libc::SYS_bpf,
+        "perf_event_open" => libc::SYS_perf_event_open,
+        "keyctl" => libc::SYS_keyctl,
+        "unshare" => libc::SYS_unshare,
+        "setns" => libc::SYS_setns,
+        "io_uring_setup" => libc::SYS_io_uring_setup,
+        "setsid" => libc::SYS_setsid,
+        "userfaultfd" => libc::SYS_userfaultfd,
+        "name_to_handle_at" => libc::SYS_name_to_handle_at,
+        _ => return None,
+    };
+    Some(nr)
+}
+
 /// Compiles the filters, in the order they are to be installed.
 pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
+    compile_except(&[])
+}
+
+/// The filters with the rules for `allowed` syscalls left out. For diagnosing what a
+/// toolchain needs (`sandbox-exec --seccomp-allow`); the server always uses [`compile`].
+pub fn compile_except(allowed: &[libc::c_long]) -> Result<Vec<BpfProgram>, SandboxError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
-    // No socket() at all: network families are a way out, and so are AF_UNIX sockets, which
-    // can connect to any named socket on the host (landlock does not govern connect on a
-    // socket file). Toolchains get their local channels from socketpair(), allowed for
-    // AF_UNIX stream and seqpacket pairs only: a datagram socket could still send to a
-    // named socket elsewhere (sendmsg with an address, which a filter cannot read).
-    rules.insert(libc::SYS_socket, Vec::new());
+    // socket() only for AF_UNIX sequenced-packet sockets: CUDA's driver makes two in cuInit
+    // (one probes the MPS control socket; measured on an H200, any error from socket() fails
+    // cuInit with error 304). Network families are a way out, and stream and datagram AF_UNIX
+    // sockets could reach the host's named sockets (landlock does not govern connect on a
+    // socket file); listening sequenced-packet sockets are rare, and those a jail's uid may
+    // write to are its own (abstract names are scoped by landlock and the network namespace).
+    let mut socket_rules = vec![rule(vec![cond(
+        0,
+        SeccompCmpOp::Ne,
+        libc::AF_UNIX as u64,
+    )?])?];
+    for ty in 0..16u64 {
+        if ty != libc::SOCK_SEQPACKET as u64 {
+            socket_rules.push(rule(vec![cond(1, SeccompCmpOp::MaskedEq(0xf), ty)?])?);
+        }
+    }
+    rules.insert(libc::SYS_socket, socket_rules);
     let mut pair_rules = vec![rule(vec![cond(
         0,
         SeccompCmpOp::Ne,
@@ -121,6 +170,9 @@ pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
         libc::SYS_ioctl,
         vec![rule(vec![cond(1, SeccompCmpOp::Eq, libc::TIOCSTI)?])?],
     );
+    for nr in allowed {
+        rules.remove(nr);
+    }
     let deny = SeccompFilter::new(
         rules,
         SeccompAction::Allow,
@@ -131,8 +183,13 @@ pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
 
     // clone3 passes its flags in memory a filter cannot read: answer ENOSYS so that libc
     // falls back to clone, whose flags the first filter checks.
+    let clone3_rules = if allowed.contains(&libc::SYS_clone3) {
+        BTreeMap::new()
+    } else {
+        [(libc::SYS_clone3, Vec::new())].into_iter().collect()
+    };
     let clone3 = SeccompFilter::new(
-        [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
+        clone3_rules,
         SeccompAction::Allow,
         SeccompAction::Errno(libc::ENOSYS as u32),
         arch()?,
