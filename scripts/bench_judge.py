@@ -167,10 +167,13 @@ def before(skills: Path, cands: list, dirs: dict, task_default, device: str, env
         return (json.loads(lines[-1]) if lines else {"correct": False, "reason": out.stderr[-500:]}), time.perf_counter() - t0
 
     print(f"\nBefore: {skills}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel_builds)) as pool:
+        builds = dict(zip(cands, pool.map(lambda c: run(["candidate", "--task", str(task_for(c, task_default)), "--candidate", str(dirs[c]),
+                                                             "--device", device, "--phase", "build"])[1], cands)))
     rows = []
     for cand in cands:
         task = str(task_for(cand, task_default))
-        _, build_s = run(["candidate", "--task", task, "--candidate", str(dirs[cand]), "--device", device, "--phase", "build"])
+        build_s = builds[cand]
         base, base_s = run(["baseline", "--task", task, "--device", device] + (["--no-compile"] if args.no_compile else []))
         res, run_s = run(["candidate", "--task", task, "--candidate", str(dirs[cand]), "--device", device, "--phase", "run"])
         if res.get("correct"):
