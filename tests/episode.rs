@@ -76,7 +76,7 @@ async fn an_episode_with_every_tool_then_submit() {
     assert_eq!(state.status, env_api::EpisodeStatus::Terminated);
     assert_eq!(state.result.as_ref().map(|r| r.reward), Some(s.reward));
     let t = c.trajectory(&id).await.unwrap();
-    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind.as_str()).collect();
+    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind()).collect();
     assert_eq!(
         kinds,
         ["reset", "step", "step", "step", "step", "step", "step", "step", "final"]
@@ -84,7 +84,10 @@ async fn an_episode_with_every_tool_then_submit() {
     let tools: Vec<&str> = t
         .records
         .iter()
-        .filter_map(|r| r.body.pointer("/action/tool").and_then(|v| v.as_str()))
+        .filter_map(|r| match r {
+            env_api::TrajectoryRecord::Step { body, .. } => Some(body.action.tool.as_str()),
+            _ => None,
+        })
         .collect();
     assert_eq!(
         tools,
@@ -127,7 +130,7 @@ async fn a_restart_mid_episode_loses_no_step() {
     assert_eq!(state.truncation_reason.as_deref(), Some("server_restart"));
     assert_eq!(state.turn, 2);
     let t = c.trajectory(&id).await.unwrap();
-    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind.as_str()).collect();
+    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind()).collect();
     assert_eq!(kinds, ["reset", "step", "step", "truncated"]);
     // The retried request still answers as before; a new step is refused.
     let again = c

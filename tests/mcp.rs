@@ -152,12 +152,12 @@ async fn mcp_sessions_are_episodes() {
     assert_eq!(state.task.id, "L1/2_Add");
     assert_eq!(state.limits.max_turns, 5);
     let t = http.trajectory(&id).await.unwrap();
-    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind.as_str()).collect();
+    let kinds: Vec<&str> = t.records.iter().map(|r| r.kind()).collect();
     assert_eq!(kinds, ["reset", "step", "step", "final"]);
-    assert!(t.records[1].body["request_id"]
-        .as_str()
-        .unwrap()
-        .starts_with("mcp-"));
+    let env_api::TrajectoryRecord::Step { body, .. } = &t.records[1] else {
+        panic!("not a step: {:?}", t.records[1]);
+    };
+    assert!(body.request_id.as_deref().unwrap().starts_with("mcp-"));
     a.cancel().await.unwrap();
 
     // A legacy client: no episode until `reset`; the episode closes with the session.

@@ -4,7 +4,7 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use env_api::{EvaluateRequest, EvaluationResult, SolutionRef, TaskRef};
+use env_api::{EvaluateRequest, EvaluationResult, SolutionRef, TaskRef, TrajectoryRecord};
 
 use crate::agent::{Agent, EpisodeRecord, TaskChoice};
 use crate::run::{run_jobs, Job, RunError, RunSummary};
@@ -277,14 +277,11 @@ async fn final_files(
     let t = env.trajectory(episode).await?;
     let files = t
         .records
-        .iter()
+        .into_iter()
         .rev()
-        .find(|r| r.kind == "final")
-        .and_then(|r| r.body["files"].as_object())
-        .map(|m| {
-            m.iter()
-                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                .collect()
+        .find_map(|r| match r {
+            TrajectoryRecord::Final { body, .. } => Some(body.files),
+            _ => None,
         })
         .unwrap_or_default();
     Ok(files)

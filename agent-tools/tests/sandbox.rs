@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use agent_tools::sandbox::KernelFeatures;
 use agent_tools::ResourceLimits;
-use common::{fixture, fixture_with};
+use common::{bash_data, fixture, fixture_with};
 use serde_json::json;
 
 fn features() -> KernelFeatures {
@@ -239,7 +239,7 @@ async fn a_huge_file_is_cut_at_the_file_size_limit() {
     let out = f.bash("head -c 100000000 /dev/zero > big.bin").await;
     assert!(out.is_error);
     assert!(
-        out.text.contains("File size limit exceeded") || out.data["exit_code"] == 153,
+        out.text.contains("File size limit exceeded") || bash_data(&out).exit_code == Some(153),
         "{}",
         out.text
     );
@@ -280,7 +280,7 @@ async fn nothing_outlives_a_timeout_or_the_end_of_a_command() {
     let mut f = fixture();
     let out =
         f.call("Bash", json!({"command": "sleep 1000.4711 & nohup sleep 1001.4711 >/dev/null 2>&1 & sleep 100", "timeout": 1000})).await;
-    assert_eq!(out.data["timed_out"], true, "{}", out.text);
+    assert!(bash_data(&out).timed_out, "{}", out.text);
     assert!(out.text.contains("timed out"), "{}", out.text);
     assert_eq!(
         with_marker(".4711"),

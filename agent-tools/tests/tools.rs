@@ -3,7 +3,7 @@
 mod common;
 
 use agent_tools::{tool_schemas, CallError, ToolCall};
-use common::fixture;
+use common::{bash_data, edit_data, fixture, glob_data, read_data, write_data};
 use serde_json::json;
 
 #[tokio::test]
@@ -24,7 +24,7 @@ async fn multi_edit_applies_edits_in_order() {
         std::fs::read_to_string(f.root.join("a.py")).unwrap(),
         "x = 10\nz = 2\n"
     );
-    assert_eq!(out.data["replacements"], 2);
+    assert_eq!(edit_data(&out).replacements, 2);
 }
 
 #[tokio::test]
@@ -69,7 +69,7 @@ async fn multi_edit_refuses_ambiguous_strings_unless_replace_all() {
         std::fs::read_to_string(f.root.join("a.py")).unwrap(),
         "u u u\n"
     );
-    assert_eq!(out.data["replacements"], 3);
+    assert_eq!(edit_data(&out).replacements, 3);
 }
 
 #[tokio::test]
@@ -99,7 +99,7 @@ async fn multi_edit_creates_a_missing_file_from_an_empty_old_string() {
         )
         .await;
     assert!(!out.is_error, "{}", out.text);
-    assert_eq!(out.data["created"], true);
+    assert!(edit_data(&out).created);
     assert_eq!(
         std::fs::read_to_string(f.root.join("kernels/add.cpp")).unwrap(),
         "int add(int a, int b) { return b + a; }\n"
@@ -240,14 +240,14 @@ async fn write_creates_and_replaces() {
         )
         .await;
     assert!(!out.is_error, "{}", out.text);
-    assert_eq!(out.data["created"], true);
+    assert!(write_data(&out).created);
     let out = f
         .call(
             "Write",
             json!({"file_path": "dir/sub/x.py", "content": "b"}),
         )
         .await;
-    assert_eq!(out.data["created"], false);
+    assert!(!write_data(&out).created);
     assert_eq!(
         std::fs::read_to_string(f.root.join("dir/sub/x.py")).unwrap(),
         "b"
@@ -278,16 +278,13 @@ async fn glob_lists_matches_newest_first() {
             .unwrap();
     }
     let out = f.call("Glob", json!({"pattern": "**/*.cu"})).await;
-    assert_eq!(
-        out.data["paths"],
-        json!(["kernels/sub/b.cu", "kernels/a.cu"])
-    );
+    assert_eq!(glob_data(&out).paths, ["kernels/sub/b.cu", "kernels/a.cu"]);
     let out = f
         .call("Glob", json!({"pattern": "*.cu", "path": "kernels"}))
         .await;
     assert_eq!(
-        out.data["paths"],
-        json!(["kernels/a.cu"]),
+        glob_data(&out).paths,
+        ["kernels/a.cu"],
         "* does not cross directories"
     );
     let out = f.call("Glob", json!({"pattern": "../**/*"})).await;
@@ -401,7 +398,7 @@ async fn bash_keeps_the_working_directory_and_reports_exit_codes() {
         out.text
     );
     assert!(out.text.contains("[stderr]\noops"), "{}", out.text);
-    assert_eq!(out.data["exit_code"], 3);
+    assert_eq!(bash_data(&out).exit_code, Some(3));
     assert!(out.is_error);
     let out = f.bash("cd /usr").await;
     assert!(
@@ -417,7 +414,7 @@ async fn bash_keeps_the_working_directory_and_reports_exit_codes() {
 async fn bash_caps_huge_output() {
     let mut f = fixture();
     let out = f.bash("seq 1 2000000").await;
-    assert_eq!(out.data["truncated"], true);
+    assert!(bash_data(&out).truncated);
     assert!(out.text.len() < 31_000, "{}", out.text.len());
     assert!(out.text.starts_with("1\n2\n"));
     assert!(out.text.trim_end().ends_with("2000000"));
@@ -505,6 +502,6 @@ async fn multi_edit_counts_its_edits_and_read_marks_a_cut_file() {
     assert_eq!(std::fs::read_to_string(f.root.join("a.py")).unwrap(), "a");
     // A file within the cap reads whole, and says so.
     let out = f.call("Read", json!({"file_path": "a.py"})).await;
-    assert_eq!(out.data["truncated"], false);
+    assert!(!read_data(&out).truncated);
     assert_eq!(out.text, "     1\ta\n");
 }

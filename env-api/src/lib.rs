@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+pub mod observation;
 pub mod tools;
 
 /// Episode options a reset may set.
@@ -51,10 +52,9 @@ pub struct Observation {
     /// The tool call failed.
     #[serde(default)]
     pub is_error: bool,
-    /// Structured details of the tool's result.
+    /// Structured details of the tool's result (the workspace's files after a reset).
     #[serde(default)]
-    #[schema(value_type = Object)]
-    pub data: Value,
+    pub data: observation::ObservationData,
 }
 
 /// A task as listed.
@@ -255,16 +255,130 @@ pub struct EpisodeState {
     pub result: Option<EvaluationResult>,
 }
 
-/// One record of a trajectory log.
+/// One record of a trajectory log: `{"kind", "time", "body"}`, the body's shape set by the
+/// kind. The kind is written first: a reader can tell a log's last kind from the head of its
+/// last line.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct TrajectoryRecord {
-    /// `reset`, `step`, `final` or `truncated`.
-    pub kind: String,
-    /// Seconds since the Unix epoch.
-    pub time: f64,
-    /// The record's content: the reset answer, `{request_id, action, response}`, or the result.
-    #[schema(value_type = Object)]
-    pub body: Value,
+#[serde(tag = "kind", rename_all = "snake_case")]
+// Most records are steps, as large as the largest kind: boxing would only add an allocation
+// to each.
+#[allow(clippy::large_enum_variant)]
+pub enum TrajectoryRecord {
+    /// The episode started.
+    Reset {
+        /// Seconds since the Unix epoch.
+        time: f64,
+        /// The request, the answer and the task.
+        body: ResetRecord,
+    },
+    /// A tool call was answered.
+    Step {
+        /// Seconds since the Unix epoch.
+        time: f64,
+        /// The call and its answer.
+        body: StepRecord,
+    },
+    /// The episode ended and was judged.
+    Final {
+        /// Seconds since the Unix epoch.
+        time: f64,
+        /// The result and the files judged.
+        body: FinalRecord,
+    },
+    /// The episode was cut short by the server (idle timeout, restart).
+    Truncated {
+        /// Seconds since the Unix epoch.
+        time: f64,
+        /// Why, and when.
+        body: TruncatedRecord,
+    },
+    /// The episode was closed by a DELETE: it is gone for the API, across restarts too.
+    Closed {
+        /// Seconds since the Unix epoch.
+        time: f64,
+        /// When.
+        body: ClosedRecord,
+    },
+}
+
+impl TrajectoryRecord {
+    /// The kind as written: `reset`, `step`, `final`, `truncated` or `closed`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Reset { .. } => "reset",
+            Self::Step { .. } => "step",
+            Self::Final { .. } => "final",
+            Self::Truncated { .. } => "truncated",
+            Self::Closed { .. } => "closed",
+        }
+    }
+
+    /// Seconds since the Unix epoch when it was written.
+    pub fn time(&self) -> f64 {
+        match self {
+            Self::Reset { time, .. }
+            | Self::Step { time, .. }
+            | Self::Final { time, .. }
+            | Self::Truncated { time, .. }
+            | Self::Closed { time, .. } => *time,
+        }
+    }
+}
+
+// Record bodies: fields in alphabetical order, the order the server wrote them in when they
+// were JSON maps.
+
+/// The body of a `reset` record.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ResetRecord {
+    /// The reset as asked.
+    pub request: ResetRequest,
+    /// The answer given.
+    pub response: ResetResponse,
+    /// The task's Python source, so that an inline task can be rebuilt from the log alone
+    /// (absent in logs older than this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_source: Option<String>,
+}
+
+/// The body of a `step` record.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct StepRecord {
+    /// The call as sent (arguments as given: an object or a JSON string).
+    pub action: PlainAction,
+    /// The call's idempotency key, if it had one (null otherwise).
+    pub request_id: Option<String>,
+    /// The answer given.
+    pub response: StepResponse,
+}
+
+/// The body of a `final` record.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct FinalRecord {
+    /// The files judged, by relative path (empty in logs older than this field).
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+    /// The final evaluation.
+    pub result: Option<EvaluationResult>,
+    /// The task's id.
+    #[serde(default)]
+    pub task: String,
+}
+
+/// The body of a `truncated` record.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct TruncatedRecord {
+    /// `idle_timeout` or `server_restart`.
+    pub reason: String,
+    /// Turns taken by then.
+    pub turn: u32,
+}
+
+/// The body of a `closed` record.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ClosedRecord {
+    /// Turns taken by then.
+    pub turn: u32,
 }
 
 /// `GET /v1/episodes/{id}/trajectory`.

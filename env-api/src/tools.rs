@@ -141,7 +141,7 @@ pub enum TodoStatus {
 
 /// A todo item as the agent sends it: the current form `{content, status, activeForm}` or
 /// the older `{id, content, status, priority}`.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, ToSchema)]
 pub struct TodoItem {
     /// What to do, in the imperative ("Profile the reference").
     pub content: String,

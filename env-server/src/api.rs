@@ -637,6 +637,11 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         EpisodeStatus,
         Trajectory,
         TrajectoryRecord,
+        env_api::ResetRecord,
+        env_api::StepRecord,
+        env_api::FinalRecord,
+        env_api::TruncatedRecord,
+        env_api::ClosedRecord,
         EvaluateRequest,
         EvaluateOptions,
         TaskRef,
@@ -660,7 +665,20 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         env_api::tools::TodoItem,
         env_api::tools::TodoStatus,
         env_api::tools::TodoWriteArgs,
-        env_api::tools::SubmitArgs
+        env_api::tools::SubmitArgs,
+        // What each tool reports in `observation.data`.
+        env_api::observation::ObservationData,
+        env_api::observation::ToolData,
+        env_api::observation::BashData,
+        env_api::observation::StreamLayout,
+        env_api::observation::EditData,
+        env_api::observation::WriteData,
+        env_api::observation::ReadData,
+        env_api::observation::GrepData,
+        env_api::observation::GlobData,
+        env_api::observation::TodoWriteData,
+        env_api::observation::ResetData,
+        env_api::observation::NoData
     ))
 )]
 pub struct ApiDoc;

@@ -11,11 +11,13 @@ use agent_tools::{
     create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace,
 };
 use env_api::{
-    EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationDetails, EvaluationResult, Observation,
-    ResetInfo, ResetRequest, ResetResponse, StepInfo, StepResponse, TaskInfo, TrajectoryRecord,
+    observation::{ResetData, ToolData},
+    ClosedRecord, EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationDetails, EvaluationResult,
+    FinalRecord, Observation, PlainAction, ResetInfo, ResetRecord, ResetRequest, ResetResponse,
+    StepInfo, StepRecord, StepResponse, TaskInfo, TrajectoryRecord, TruncatedRecord,
 };
 use kernelbench::{Task, TaskSet};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::Mutex;
 
 use crate::evaluation::Evaluator;
@@ -312,12 +314,12 @@ fn internal(e: impl std::fmt::Display) -> EpisodeError {
 
 /// The answer first given to `request_id`, from an episode's records.
 fn answer_in(records: &[TrajectoryRecord], request_id: &str) -> Option<StepResponse> {
-    records
-        .iter()
-        .filter(|r| {
-            r.kind == "step" && r.body.get("request_id").and_then(Value::as_str) == Some(request_id)
-        })
-        .find_map(|r| serde_json::from_value(r.body["response"].clone()).ok())
+    records.iter().find_map(|r| match r {
+        TrajectoryRecord::Step { body, .. } if body.request_id.as_deref() == Some(request_id) => {
+            Some(body.response.clone())
+        }
+        _ => None,
+    })
 }
 
 /// Rebuilds an episode from its log; None when the log lacks a usable reset record.
@@ -327,19 +329,14 @@ fn replay(
     tasks: &TaskSet,
     data_dir: &Path,
 ) -> Option<(Episode, bool)> {
-    let reset = records.iter().find(|r| r.kind == "reset")?;
-    let task_id = reset
-        .body
-        .pointer("/response/info/task/id")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    let hash = reset
-        .body
-        .pointer("/response/info/task/hash")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
+    let reset = records.iter().find_map(|r| match r {
+        TrajectoryRecord::Reset { body, .. } => Some(body),
+        _ => None,
+    })?;
+    let info = &reset.response.info;
+    let (task_id, hash) = (info.task.id.as_str(), info.task.hash.as_str());
     let known = tasks.get(task_id).ok().filter(|t| t.hash == hash).cloned();
-    let task = match (known, reset.body.get("task_source").and_then(Value::as_str)) {
+    let task = match (known, reset.task_source.as_deref()) {
         (Some(t), _) => t,
         (None, Some(src)) => Task {
             id: task_id.into(),
@@ -351,53 +348,45 @@ fn replay(
         },
         (None, None) => return None,
     };
-    let limits: EpisodeLimits =
-        serde_json::from_value(reset.body.pointer("/response/info/limits").cloned()?).ok()?;
     let mut ep = Episode::new(
         id.to_string(),
         task,
         data_dir.join("episodes").join(id),
-        limits,
+        info.limits.clone(),
         None,
         None,
     );
     let mut closed = false;
     for r in records {
-        match r.kind.as_str() {
-            "step" => {
-                if let Ok(resp) = serde_json::from_value::<StepResponse>(r.body["response"].clone())
-                {
-                    ep.turn = resp.info.turn;
-                    ep.tool_time = Duration::from_secs_f64(resp.info.tool_time_s);
-                    if let Some(rid) = r.body.get("request_id").and_then(Value::as_str) {
-                        ep.answered.insert(rid.to_string());
-                    }
-                    if resp.done {
-                        ep.status = if resp.terminated {
-                            EpisodeStatus::Terminated
-                        } else {
-                            EpisodeStatus::Truncated
-                        };
-                        ep.truncation_reason = resp.info.truncation_reason.clone();
-                        ep.result = resp.info.evaluation.clone();
-                    }
+        match r {
+            TrajectoryRecord::Step { body, .. } => {
+                let resp = &body.response;
+                ep.turn = resp.info.turn;
+                ep.tool_time = Duration::from_secs_f64(resp.info.tool_time_s);
+                if let Some(rid) = &body.request_id {
+                    ep.answered.insert(rid.clone());
+                }
+                if resp.done {
+                    ep.status = if resp.terminated {
+                        EpisodeStatus::Terminated
+                    } else {
+                        EpisodeStatus::Truncated
+                    };
+                    ep.truncation_reason = resp.info.truncation_reason.clone();
+                    ep.result = resp.info.evaluation.clone();
                 }
             }
-            "truncated" => {
+            TrajectoryRecord::Truncated { body, .. } => {
                 ep.status = EpisodeStatus::Truncated;
-                ep.truncation_reason = r
-                    .body
-                    .get("reason")
-                    .and_then(Value::as_str)
-                    .map(str::to_string);
+                ep.truncation_reason = Some(body.reason.clone());
             }
-            "closed" => {
+            TrajectoryRecord::Closed { .. } => {
                 closed = true;
                 if !ep.is_done() {
                     ep.status = EpisodeStatus::Closed;
                 }
             }
-            _ => {}
+            TrajectoryRecord::Reset { .. } | TrajectoryRecord::Final { .. } => {}
         }
     }
     Some((ep, closed))
@@ -502,7 +491,7 @@ impl Setup {
                         text: prompt(task, limits, &device),
                         tool: None,
                         is_error: false,
-                        data: json!({"files": listing}),
+                        data: ToolData::Reset(ResetData { files: listing }).into(),
                     };
                     let resp = ResetResponse {
                         episode_id: id.to_string(),
@@ -516,10 +505,14 @@ impl Setup {
                     };
                     let log = TrajectoryLog::open(&self.trajectories_dir(), id)
                         .map_err(|e| e.to_string())?;
-                    log.append(
-                        "reset",
-                        json!({"request": req, "response": resp, "task_source": task.source}),
-                    )
+                    log.append(&TrajectoryRecord::Reset {
+                        time: trajectory::now(),
+                        body: ResetRecord {
+                            request: req.clone(),
+                            response: resp.clone(),
+                            task_source: Some(task.source.clone()),
+                        },
+                    })
                     .map_err(|e| e.to_string())?;
                     Ok(Started {
                         toolbox,
@@ -712,10 +705,13 @@ impl EpisodeManager {
                 continue;
             }
             let log = TrajectoryLog::open(&dir, &id).map_err(internal)?;
-            log.append(
-                "truncated",
-                json!({"reason": "server_restart", "turn": ep.turn}),
-            )
+            log.append(&TrajectoryRecord::Truncated {
+                time: trajectory::now(),
+                body: TruncatedRecord {
+                    reason: "server_restart".into(),
+                    turn: ep.turn,
+                },
+            })
             .map_err(internal)?;
             n += 1;
         }
@@ -763,19 +759,14 @@ impl EpisodeManager {
     }
 
     /// Appends a record to the episode's log on a blocking thread.
-    async fn log(
-        &self,
-        ep: &mut Episode,
-        kind: &'static str,
-        body: Value,
-    ) -> Result<(), EpisodeError> {
+    async fn log(&self, ep: &mut Episode, record: TrajectoryRecord) -> Result<(), EpisodeError> {
         let Some(log) = ep.log.clone() else {
             return Ok(());
         };
         let n = blocking(
             self.cfg().io_timeout,
             "writing the trajectory log",
-            move || log.append(kind, body),
+            move || log.append(&record),
         )
         .await?
         .map_err(internal)?;
@@ -784,17 +775,12 @@ impl EpisodeManager {
     }
 
     /// Appends a record to a log that is not held open (an ended episode's).
-    async fn log_detached(
-        &self,
-        id: &str,
-        kind: &'static str,
-        body: Value,
-    ) -> Result<(), EpisodeError> {
+    async fn log_detached(&self, id: &str, record: TrajectoryRecord) -> Result<(), EpisodeError> {
         let (dir, id) = (self.trajectories_dir(), id.to_string());
         blocking(
             self.cfg().io_timeout,
             "writing the trajectory log",
-            move || TrajectoryLog::open(&dir, &id)?.append(kind, body),
+            move || TrajectoryLog::open(&dir, &id)?.append(&record),
         )
         .await?
         .map_err(internal)?;
@@ -1100,20 +1086,32 @@ impl EpisodeManager {
                 replayed: false,
             },
         };
-        let action = json!({"tool": tool, "arguments": arguments});
-        self.log(
-            &mut ep,
-            "step",
-            json!({"request_id": request_id, "action": action, "response": resp}),
-        )
-        .await?;
+        let record = TrajectoryRecord::Step {
+            time: trajectory::now(),
+            body: StepRecord {
+                action: PlainAction {
+                    tool: tool.to_string(),
+                    arguments: arguments.clone(),
+                },
+                request_id: request_id.clone(),
+                response: resp.clone(),
+            },
+        };
+        self.log(&mut ep, record).await?;
         if let Some(rid) = request_id {
             ep.answered.insert(rid);
         }
         if resp.done {
             // The files judged, so replay and fine-tuning can use the solution itself.
-            let body = json!({"result": ep.result, "task": ep.task.id, "files": submitted});
-            self.log(&mut ep, "final", body).await?;
+            let record = TrajectoryRecord::Final {
+                time: trajectory::now(),
+                body: FinalRecord {
+                    files: submitted,
+                    result: ep.result.clone(),
+                    task: ep.task.id.clone(),
+                },
+            };
+            self.log(&mut ep, record).await?;
             self.cleanup(&mut ep).await;
         }
         slot.publish(&ep);
@@ -1247,8 +1245,13 @@ impl EpisodeManager {
         let slot = match self.find(id).await? {
             Found::Live(slot) => slot,
             Found::Logged(l) => {
-                self.log_detached(id, "closed", json!({"turn": l.episode.turn}))
-                    .await?;
+                let record = TrajectoryRecord::Closed {
+                    time: trajectory::now(),
+                    body: ClosedRecord {
+                        turn: l.episode.turn,
+                    },
+                };
+                self.log_detached(id, record).await?;
                 return Ok(l.episode.state());
             }
         };
@@ -1263,11 +1266,14 @@ impl EpisodeManager {
                 .entry("closed".into())
                 .or_default() += 1;
         }
-        let body = json!({"turn": ep.turn});
+        let record = TrajectoryRecord::Closed {
+            time: trajectory::now(),
+            body: ClosedRecord { turn: ep.turn },
+        };
         if ep.log.is_some() {
-            self.log(&mut ep, "closed", body).await?;
+            self.log(&mut ep, record).await?;
         } else {
-            self.log_detached(id, "closed", body).await?;
+            self.log_detached(id, record).await?;
         }
         self.cleanup(&mut ep).await;
         let state = ep.state();
@@ -1298,8 +1304,14 @@ impl EpisodeManager {
             }
             ep.status = EpisodeStatus::Truncated;
             ep.truncation_reason = Some("idle_timeout".into());
-            let body = json!({"reason": "idle_timeout", "turn": ep.turn});
-            if let Err(e) = self.log(&mut ep, "truncated", body).await {
+            let record = TrajectoryRecord::Truncated {
+                time: trajectory::now(),
+                body: TruncatedRecord {
+                    reason: "idle_timeout".into(),
+                    turn: ep.turn,
+                },
+            };
+            if let Err(e) = self.log(&mut ep, record).await {
                 tracing::warn!(episode = %ep.id, error = %e, "logging an idle timeout");
             }
             *self

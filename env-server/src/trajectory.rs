@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use env_api::TrajectoryRecord;
-use serde_json::Value;
 
 /// Errors of the log.
 #[derive(Debug, thiserror::Error)]
@@ -73,13 +72,8 @@ impl TrajectoryLog {
 
     /// Appends one record and fsyncs it; returns the bytes written. Blocking: call it off the
     /// async workers.
-    pub fn append(&self, kind: &str, body: Value) -> Result<u64, LogError> {
-        let rec = TrajectoryRecord {
-            kind: kind.into(),
-            time: now(),
-            body,
-        };
-        let mut line = serde_json::to_vec(&rec).unwrap_or_default();
+    pub fn append(&self, record: &TrajectoryRecord) -> Result<u64, LogError> {
+        let mut line = serde_json::to_vec(record).unwrap_or_default();
         line.push(b'\n');
         (&*self.file)
             .write_all(&line)
@@ -107,15 +101,26 @@ impl TrajectoryLog {
     }
 }
 
-/// Reads every record of a log. A torn last line (a crash mid-write) is skipped.
+/// Reads every record of a log. A torn last line (a crash mid-write) is skipped; so is any
+/// other line that is not a record, with a warning, since only the last line can be torn.
 pub fn read(path: &Path) -> Result<Vec<TrajectoryRecord>, LogError> {
     let text = std::fs::read_to_string(path).map_err(|source| LogError::Io {
         path: path.to_path_buf(),
         source,
     })?;
+    let lines = text.lines().count();
     Ok(text
         .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
+        .enumerate()
+        .filter_map(|(i, l)| match serde_json::from_str(l) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                if i + 1 < lines {
+                    tracing::warn!(log = %path.display(), line = i + 1, error = %e, "skipping a line that is not a trajectory record");
+                }
+                None
+            }
+        })
         .collect())
 }
 

@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use axum::http::StatusCode;
 use common::*;
+use env_api::{FinalRecord, TrajectoryRecord, TruncatedRecord};
 use env_server::retention::{self, BuildCacheRetention, TrajectoryRetention};
 use env_server::ServerConfig;
 use serde_json::json;
@@ -67,7 +68,7 @@ async fn a_delete_is_not_undone_by_a_restart() {
             &dir.path().join("trajectories").join(format!("{id}.jsonl")),
         )
         .unwrap();
-        assert_eq!(records.last().unwrap().kind, "closed");
+        assert_eq!(records.last().unwrap().kind(), "closed");
     }
     assert_eq!(state.episodes.in_memory(), 0);
 }
@@ -352,18 +353,27 @@ fn the_build_cache_is_pruned_least_recently_used_first() {
 fn the_tail_of_a_log_names_how_it_ended() {
     let dir = tempfile::tempdir().unwrap();
     let log = env_server::trajectory::TrajectoryLog::open(dir.path(), "e").unwrap();
-    log.append("reset", json!({"big": "r".repeat(200_000)}))
-        .unwrap();
+    log.append(&TrajectoryRecord::Truncated {
+        time: 1.0,
+        body: TruncatedRecord {
+            reason: "r".repeat(200_000),
+            turn: 1,
+        },
+    })
+    .unwrap();
     assert_eq!(
         env_server::trajectory::last_kind(log.path())
             .unwrap()
             .as_deref(),
-        Some("reset")
+        Some("truncated")
     );
-    log.append(
-        "final",
-        json!({"files": {"model_new.py": "f".repeat(300_000)}}),
-    )
+    log.append(&TrajectoryRecord::Final {
+        time: 2.0,
+        body: FinalRecord {
+            files: [("model_new.py".to_string(), "f".repeat(300_000))].into(),
+            ..FinalRecord::default()
+        },
+    })
     .unwrap();
     assert_eq!(
         env_server::trajectory::last_kind(log.path())
@@ -401,4 +411,129 @@ async fn commands_start_while_the_server_holds_more_descriptors_than_a_command_m
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["observation"]["is_error"], false, "{v}");
     assert_eq!(v["observation"]["text"], "started\n", "{v}");
+}
+
+/// The old logs in env-api's fixtures: (file, episode id, lines as JSON).
+fn old_log(name: &str) -> (std::path::PathBuf, String, Vec<serde_json::Value>) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../env-api/tests/fixtures/old_logs")
+        .join(name);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let id = lines[0]["body"]["response"]["episode_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    (path, id, lines)
+}
+
+/// Logs written before records were typed (bodies as sorted JSON maps) serve after a restart
+/// as they did: state, trajectory, retried steps; one cut short is truncated by the restart.
+#[tokio::test]
+async fn logs_of_the_untyped_server_load_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("trajectories");
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut old = std::collections::BTreeMap::new();
+    for name in ["submitted", "restarted", "closed"] {
+        let (path, id, lines) = old_log(&format!("{name}.jsonl"));
+        std::fs::copy(&path, logs.join(format!("{id}.jsonl"))).unwrap();
+        old.insert(name, (id, lines));
+    }
+    // An episode the old server was running when it stopped: the closed one, before its close.
+    let interrupted = "0123456789abcdef0123456789abcdef";
+    let text = std::fs::read_to_string(old_log("closed.jsonl").0).unwrap();
+    let head: Vec<&str> = text.lines().collect();
+    std::fs::write(
+        logs.join(format!("{interrupted}.jsonl")),
+        head[..head.len() - 1].join("\n") + "\n",
+    )
+    .unwrap();
+
+    let state = state_from(test_config(dir.path()));
+    let trajectory = |id: String| {
+        let state = state.clone();
+        async move {
+            let (st, t) = call(
+                &state,
+                "GET",
+                &format!("/v1/episodes/{id}/trajectory"),
+                None,
+            )
+            .await;
+            assert_eq!(st, StatusCode::OK, "{t}");
+            t["records"].as_array().unwrap().clone()
+        }
+    };
+    let retry = |id: String, rid: &'static str| {
+        let state = state.clone();
+        async move {
+            let (st, v) = call(
+                &state,
+                "POST",
+                &format!("/v1/episodes/{id}/step"),
+                Some(json!({"action": {"tool": "Glob", "arguments": {"pattern": "*"}}, "request_id": rid})),
+            )
+            .await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+            assert_eq!(v["info"]["replayed"], true, "{v}");
+            v
+        }
+    };
+
+    let (id, lines) = &old["submitted"];
+    let (_, v) = call(&state, "GET", &format!("/v1/episodes/{id}"), None).await;
+    assert_eq!(
+        (v["status"].as_str(), v["result"]["reward"].as_f64()),
+        (Some("terminated"), Some(1.0)),
+        "{v}"
+    );
+    assert_eq!(&trajectory(id.clone()).await, lines, "the same records");
+    for (rid, line) in [("t1", 1), ("g2", 10), ("s", 11)] {
+        let mut v = retry(id.clone(), rid).await;
+        v["info"]["replayed"] = json!(false);
+        assert_eq!(v, lines[line]["body"]["response"], "{rid}");
+    }
+
+    let (id, lines) = &old["restarted"];
+    let (_, v) = call(&state, "GET", &format!("/v1/episodes/{id}"), None).await;
+    assert_eq!(
+        (v["status"].as_str(), v["truncation_reason"].as_str()),
+        (Some("truncated"), Some("server_restart")),
+        "{v}"
+    );
+    assert_eq!(&trajectory(id.clone()).await, lines);
+    let v = retry(id.clone(), "b1").await;
+    assert_eq!(
+        v["observation"]["data"]["restored_read_only"],
+        json!(["model.py"])
+    );
+    assert_eq!(v["observation"]["data"]["exit_code"], 0);
+
+    let (id, _) = &old["closed"];
+    let (st, _) = call(&state, "GET", &format!("/v1/episodes/{id}"), None).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+
+    let (_, v) = call(&state, "GET", &format!("/v1/episodes/{interrupted}"), None).await;
+    assert_eq!(
+        (
+            v["status"].as_str(),
+            v["truncation_reason"].as_str(),
+            v["turn"].as_u64()
+        ),
+        (Some("truncated"), Some("server_restart"), Some(1)),
+        "{v}"
+    );
+    let records = trajectory(interrupted.to_string()).await;
+    let kinds: Vec<&str> = records
+        .iter()
+        .map(|r| r["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["reset", "step", "truncated"]);
+    // The old records and the new one read back together, typed.
+    let typed = env_server::trajectory::read(&logs.join(format!("{interrupted}.jsonl"))).unwrap();
+    assert_eq!(typed.len(), 3);
 }

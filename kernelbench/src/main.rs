@@ -164,22 +164,15 @@ fn solutions_from_trajectories(
     {
         let text = std::fs::read_to_string(&f)?;
         for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            if v["kind"] != "final" {
-                continue;
-            }
-            let (Some(task), Some(fs)) =
-                (v["body"]["task"].as_str(), v["body"]["files"].as_object())
+            let Ok(env_api::TrajectoryRecord::Final { body, .. }) = serde_json::from_str(line)
             else {
                 continue;
             };
-            let map: BTreeMap<String, String> = fs
-                .iter()
-                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                .collect();
-            out.insert(task.to_string(), map);
+            // Final records older than the judged files carry neither task nor files.
+            if body.task.is_empty() {
+                continue;
+            }
+            out.insert(body.task, body.files);
         }
     }
     Ok(out)

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use env_api::{ResetResponse, StepResponse, TrajectoryRecord};
+use env_api::TrajectoryRecord;
 use serde_json::Value;
 
 use crate::error::TrainError;
@@ -166,31 +166,23 @@ pub fn sample_from_log(
     records: &[TrajectoryRecord],
     renderer: &Renderer,
 ) -> Result<Sample, TrainError> {
-    let reset = records
+    let resp = records
         .iter()
-        .find(|r| r.kind == "reset")
+        .find_map(|r| match r {
+            TrajectoryRecord::Reset { body, .. } => Some(&body.response),
+            _ => None,
+        })
         .ok_or_else(|| TrainError::Data("log has no reset record".into()))?;
-    let resp: ResetResponse =
-        serde_json::from_value(reset.body["response"].clone()).map_err(|e| {
-            TrainError::DataJson {
-                what: "reset record".into(),
-                source: e,
-            }
-        })?;
     let mut s = Sample::new(&resp.info.task.id, &resp.episode_id);
     s.push_context(&renderer.prompt(&resp.observation.text, &resp.info.tools)?);
-    for r in records.iter().filter(|r| r.kind == "step") {
-        let tool = r.body["action"]["tool"]
-            .as_str()
-            .ok_or_else(|| TrainError::Data("step record without a tool".into()))?;
-        let arguments = r.body["action"]["arguments"].clone();
-        let step: StepResponse =
-            serde_json::from_value(r.body["response"].clone()).map_err(|e| {
-                TrainError::DataJson {
-                    what: "step record".into(),
-                    source: e,
-                }
-            })?;
+    let steps = records.iter().filter_map(|r| match r {
+        TrajectoryRecord::Step { body, .. } => Some(body),
+        _ => None,
+    });
+    for body in steps {
+        let tool = body.action.tool.as_str();
+        let arguments = body.action.arguments.clone();
+        let step = &body.response;
         let call = renderer.call_tokens(tool, &arguments)?;
         s.push_policy(&call, None);
         s.turns.push(TurnRecord {
@@ -202,7 +194,7 @@ pub fn sample_from_log(
         if step.done {
             s.reward = step.reward as f32;
             s.outcome = Some(Outcome::Finished);
-            s.reason = step.info.evaluation.and_then(|e| e.reason);
+            s.reason = step.info.evaluation.as_ref().and_then(|e| e.reason.clone());
             break;
         }
         s.push_context(&renderer.observation(

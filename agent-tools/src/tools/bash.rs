@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use env_api::observation::{BashData, StreamLayout, ToolData};
 use tokio::io::AsyncReadExt;
 
 use super::{ToolError, ToolOutput, Toolbox};
@@ -216,19 +216,20 @@ pub(super) async fn run(
     Ok(ToolOutput {
         text,
         is_error: timed_out || breach.is_some() || exit_code != Some(0),
-        data: json!({
-            "exit_code": exit_code,
-            "timed_out": timed_out,
-            "budget_cut": timed_out && by_budget,
-            "stdout": "separate",
-            "stdout_bytes": stdout.total,
-            "stderr_bytes": stderr.total,
-            "truncated": out_cut || err_cut,
-            "duration_ms": elapsed.as_millis() as u64,
-            "processes_killed": killed,
-            "breach": breach.map(|b| b.reason()),
-            "cwd": tb.workspace.display(&tb.cwd),
-        }),
+        data: ToolData::Bash(BashData {
+            breach: breach.map(|b| b.reason().to_string()),
+            budget_cut: timed_out && by_budget,
+            cwd: tb.workspace.display(&tb.cwd),
+            duration_ms: elapsed.as_millis() as u64,
+            exit_code,
+            processes_killed: killed,
+            stderr_bytes: stderr.total as u64,
+            stdout: StreamLayout::Separate,
+            stdout_bytes: stdout.total as u64,
+            timed_out,
+            truncated: out_cut || err_cut,
+        })
+        .into(),
     })
 }
 

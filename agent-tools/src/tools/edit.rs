@@ -2,6 +2,8 @@
 //! of one edit: the same path rules, caps and all-or-nothing write, with messages that speak
 //! of one edit.
 
+use env_api::observation::ToolData;
+
 use super::{files, Edit, EditArgs, MultiEditArgs, ToolError, ToolLimits, ToolOutput};
 use crate::workspace::Workspace;
 
@@ -20,13 +22,13 @@ pub(super) fn run(
     };
     match files::multi_edit(ws, &multi, limits) {
         Ok(mut out) => {
-            let n = out.data["replacements"].as_u64().unwrap_or(0);
-            let shown = out.data["path"].as_str().unwrap_or_default().to_string();
-            out.text = if out.data["created"] == true {
-                format!("Created {shown}")
-            } else {
-                format!("Edited {shown}: {n} replacement(s)")
-            };
+            if let ToolData::Edit(d) = &out.data.details {
+                out.text = if d.created {
+                    format!("Created {}", d.path)
+                } else {
+                    format!("Edited {}: {} replacement(s)", d.path, d.replacements)
+                };
+            }
             Ok(out)
         }
         Err(ToolError::Edit { reason, .. }) => Err(ToolError::InvalidArgument(format!(

@@ -2,7 +2,7 @@
 //! link, read only regular files, never touch a protected file, and cap what they read and
 //! write.
 
-use serde_json::json;
+use env_api::observation::{EditData, ReadData, ToolData, WriteData};
 
 use super::{MultiEditArgs, ReadArgs, ToolError, ToolLimits, ToolOutput, WriteArgs};
 use crate::workspace::Workspace;
@@ -73,7 +73,14 @@ pub(super) fn read(
     let cut_note = capped.truncated.then(|| {
         format!("[the file is {} bytes; Read sees only its first {bytes_read} bytes; use Bash (sed -n, tail) for the rest]", capped.size)
     });
-    let data = |lines: usize| json!({"lines": lines, "truncated": capped.truncated, "bytes_read": bytes_read, "size": capped.size});
+    let data = |lines: usize| {
+        ToolData::Read(ReadData {
+            bytes_read: bytes_read as u64,
+            lines,
+            size: capped.size,
+            truncated: capped.truncated,
+        })
+    };
     if text.is_empty() {
         let mut out = "(empty file)".to_string();
         if let Some(n) = &cut_note {
@@ -148,7 +155,11 @@ pub(super) fn write(
     let verb = if created { "Created" } else { "Updated" };
     Ok(ToolOutput::ok(
         format!("{verb} {shown} ({} bytes)", args.content.len()),
-        json!({"path": shown, "bytes": args.content.len(), "created": created}),
+        ToolData::Write(WriteData {
+            bytes: args.content.len() as u64,
+            created,
+            path: shown,
+        }),
     ))
 }
 
@@ -285,6 +296,11 @@ pub(super) fn multi_edit(
             if created { "Created" } else { "Edited" },
             args.edits.len()
         ),
-        json!({"path": shown, "edits": args.edits.len(), "replacements": replacements, "created": created}),
+        ToolData::Edit(EditData {
+            created,
+            edits: args.edits.len(),
+            path: shown,
+            replacements,
+        }),
     ))
 }

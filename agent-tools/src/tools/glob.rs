@@ -5,7 +5,7 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
-use serde_json::json;
+use env_api::observation::{GlobData, ToolData};
 
 use super::{GlobArgs, ToolError, ToolLimits, ToolOutput};
 use crate::workspace::fsops::{self, Kind};
@@ -161,6 +161,10 @@ pub(super) fn run(
     }
     Ok(ToolOutput::ok(
         text,
-        json!({"paths": paths, "total": total, "complete": !walk.too_deep && !walk.stopped}),
+        ToolData::Glob(GlobData {
+            complete: !walk.too_deep && !walk.stopped,
+            paths,
+            total,
+        }),
     ))
 }

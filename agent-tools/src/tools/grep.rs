@@ -6,11 +6,11 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
+use env_api::observation::{GrepData, ToolData};
 use grep_regex::{RegexMatcher, RegexMatcherBuilder};
 use grep_searcher::{
     BinaryDetection, Searcher, SearcherBuilder, Sink, SinkContext, SinkContextKind, SinkMatch,
 };
-use serde_json::json;
 
 use super::{GrepArgs, GrepOutputMode, ToolError, ToolLimits, ToolOutput};
 use crate::workspace::fsops::{self, Kind};
@@ -463,11 +463,11 @@ pub(super) fn run(
     let text = text.trim_end().to_string();
     Ok(ToolOutput::ok(
         text,
-        json!({
-            "files_searched": files.len(),
-            "matching_files": matching_files,
-            "matching_lines": matching_lines,
-            "complete": notes.is_empty(),
+        ToolData::Grep(GrepData {
+            complete: notes.is_empty(),
+            files_searched: files.len(),
+            matching_files,
+            matching_lines,
         }),
     ))
 }

@@ -11,6 +11,7 @@ mod todo;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use env_api::observation::{ObservationData, ToolData};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -285,15 +286,15 @@ pub struct ToolOutput {
     /// The call failed (the text says why).
     pub is_error: bool,
     /// Structured details (exit code, matched paths, ...).
-    pub data: Value,
+    pub data: ObservationData,
 }
 
 impl ToolOutput {
-    fn ok(text: impl Into<String>, data: Value) -> Self {
+    fn ok(text: impl Into<String>, data: ToolData) -> Self {
         Self {
             text: text.into(),
             is_error: false,
-            data,
+            data: data.into(),
         }
     }
 
@@ -301,7 +302,7 @@ impl ToolOutput {
         Self {
             text: format!("Error: {err}"),
             is_error: true,
-            data: json!({}),
+            data: ObservationData::default(),
         }
     }
 }
@@ -433,7 +434,7 @@ impl Toolbox {
             ToolCall::TodoWrite(a) => todo::write(&mut self.todos, a),
             ToolCall::Submit(_) => Ok(ToolOutput::ok(
                 "Submitted model_new.py for evaluation.",
-                json!({}),
+                ToolData::default(),
             )),
             ToolCall::Glob(_)
             | ToolCall::Grep(_)
@@ -454,7 +455,7 @@ impl Toolbox {
                     "\n[read-only files were changed and have been restored: {}]",
                     restored.join(", ")
                 ));
-                out.data["restored_read_only"] = json!(restored);
+                out.data.restored_read_only = restored;
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "restoring protected files failed"),

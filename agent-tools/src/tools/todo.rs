@@ -1,6 +1,6 @@
 //! `TodoWrite`: the episode's todo list, replaced whole on every call.
 
-use serde_json::json;
+use env_api::observation::{TodoWriteData, ToolData};
 
 use super::{TodoItem, TodoStatus, TodoWriteArgs, ToolError, ToolOutput};
 
@@ -61,5 +61,10 @@ pub(super) fn write(todos: &mut Vec<Todo>, args: &TodoWriteArgs) -> Result<ToolO
         };
         text.push_str(&format!("\n{mark} {}", t.content));
     }
-    Ok(ToolOutput::ok(text, json!({"todos": todos})))
+    Ok(ToolOutput::ok(
+        text,
+        ToolData::TodoWrite(TodoWriteData {
+            todos: todos.clone(),
+        }),
+    ))
 }

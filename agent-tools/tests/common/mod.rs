@@ -12,7 +12,28 @@ use agent_tools::{
     create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits,
     ToolOutput, Toolbox, Workspace,
 };
+use env_api::observation::{BashData, EditData, GlobData, ReadData, ToolData, WriteData};
 use serde_json::Value;
+
+/// The details of a call of the tool the function is named for; panics on any other.
+macro_rules! details {
+    ($($name:ident: $variant:ident => $ty:ty),* $(,)?) => {$(
+        pub fn $name(out: &ToolOutput) -> &$ty {
+            match &out.data.details {
+                ToolData::$variant(d) => d,
+                other => panic!("not {} details: {other:?} ({})", stringify!($variant), out.text),
+            }
+        }
+    )*};
+}
+
+details! {
+    bash_data: Bash => BashData,
+    edit_data: Edit => EditData,
+    write_data: Write => WriteData,
+    read_data: Read => ReadData,
+    glob_data: Glob => GlobData,
+}
 
 /// Python's installation prefixes, which the sandbox must be able to read.
 pub fn python_dirs() -> (PathBuf, Vec<PathBuf>) {
