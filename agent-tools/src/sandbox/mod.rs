@@ -391,7 +391,7 @@ impl Sandbox {
             return Err(SandboxError::Unconfined(missing.join(", ")));
         }
         let filters = if features.seccomp {
-            seccomp::compile_except(&config.seccomp_allow)?
+            seccomp::compile(&config.seccomp_allow)?
         } else {
             Vec::new()
         };

@@ -122,14 +122,10 @@ pub fn governed_syscall(name: &str) -> Option<libc::c_long> {
     Some(nr)
 }
 
-/// Compiles the filters, in the order they are to be installed.
-pub fn compile() -> Result<Vec<BpfProgram>, SandboxError> {
-    compile_except(&[])
-}
-
-/// The filters with the rules for `allowed` syscalls left out. For diagnosing what a
-/// toolchain needs (`sandbox-exec --seccomp-allow`); the server always uses [`compile`].
-pub fn compile_except(allowed: &[libc::c_long]) -> Result<Vec<BpfProgram>, SandboxError> {
+/// Compiles the filters, in the order they are to be installed, with the rules for the
+/// `allowed` syscalls left out: empty for every server, others for diagnosing what a
+/// toolchain needs (`sandbox-exec --seccomp-allow`).
+pub fn compile(allowed: &[libc::c_long]) -> Result<Vec<BpfProgram>, SandboxError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
     // socket() only for AF_UNIX sequenced-packet sockets: CUDA's driver makes two in cuInit
