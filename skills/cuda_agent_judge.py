@@ -191,7 +191,17 @@ class WorkerLink:
         return f"{self.stage} ({op})" if self.stage else op
 
     def request(self, msg: dict, timeout: float) -> dict:
-        """One request and its reply; every way a worker can misbehave becomes a RuleBreak."""
+        """One request and its reply. Every way the candidate's worker can misbehave becomes a
+        RuleBreak; a failure of the reference worker (which runs no candidate code) is the
+        evaluation's own, never a verdict on the candidate."""
+        try:
+            return self._request(msg, timeout)
+        except h.RuleBreak as e:
+            if self.name == "reference":
+                raise ReferenceFailure(f"the reference worker failed during {self.where(msg['op'])} ({e.rule}): {e}") from e
+            raise
+
+    def _request(self, msg: dict, timeout: float) -> dict:
         if self.channel.pending():
             raise h.RuleBreak("protocol", f"the {self.name} worker wrote to its channel out of turn")
         if self.track_cpu:
@@ -273,6 +283,11 @@ class WorkerLink:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+class ReferenceFailure(Exception):
+    """The reference worker failed: an error of the evaluation (a task that does not run, a
+    machine that cannot share memory between processes), reported as `harness_error`."""
 
 
 def signal_name(n: int) -> str:
@@ -815,6 +830,8 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         details["memory"] = judge.memory()
     except h.RuleBreak as e:
         result = {"correct": False, "rule": e.rule, "reason": f"{e.rule}: {e}"}
+    except ReferenceFailure as e:
+        result = {"correct": False, "rule": "harness_error", "reason": f"harness_error: {e}"}
     finally:
         judge.close()
         if own_tmp is not None:

@@ -133,14 +133,14 @@ def ext_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("torch_extensions")
 
 
-def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15", extra=()):
+def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15", extra=(), task=TASK):
     cand = tmp_path / "candidate"
     cand.mkdir(parents=True)
     (cand / "model_new.py").write_text(HEADER.replace("MAIN_N", str(main_n())) + body.replace("MAIN_N", str(main_n())))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     out = subprocess.run(
-        [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu", "--seeds", seeds,
+        [sys.executable, str(EVALUATE), "candidate", "--task", str(task), "--candidate", str(cand), "--device", "cpu", "--seeds", seeds,
          "--no-compile", "--budget-s", "0.5", *extra],
         capture_output=True, text=True, env=env, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -201,6 +201,16 @@ def test_the_op_allowlist_is_configurable(tmp_path, ext_dir):
     cand = tmp_path / "c1"
     r = evaluate(cand, ext_dir, body, extra=["--allow-ops", "add"])
     assert r["correct"] is True, r
+
+
+def test_a_failing_reference_is_the_evaluations_error_not_a_verdict(tmp_path, ext_dir):
+    """The reference worker runs no candidate code: its failure (a task that does not run, a
+    machine that cannot share memory between processes) is never a -1 for the candidate."""
+    task = tmp_path / "broken_task.py"
+    task.write_text(TASK.read_text().replace("        return a + b", "        raise RuntimeError('the reference broke')"))
+    r = evaluate(tmp_path, ext_dir, CANDIDATES["correct"], task=task)
+    assert r["correct"] is False and r["rule"] == "harness_error", r
+    assert "reference worker failed" in r["reason"] and "the reference broke" in r["reason"], r
 
 
 def test_a_broken_candidate_is_a_compile_failure(tmp_path, ext_dir):
