@@ -293,6 +293,24 @@ class PeerFile:
             self._fd = -1
 
 
+class IpcHandle(ctypes.Structure):
+    """CUipcMemHandle: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def ipc_handle_struct(handle_hex: str) -> IpcHandle:
+    """The handle as the driver takes it, every byte as it was exported. (Assigning bytes to a
+    `c_char` array field stops at the first NUL, and IPC handles hold NULs: the driver then
+    answers CUDA_ERROR_INVALID_VALUE, measured on an H200.)"""
+    raw = bytes.fromhex(handle_hex)
+    if len(raw) != 64:
+        raise ValueError(f"a CUDA IPC handle is 64 bytes, not {len(raw)}")
+    h = IpcHandle()
+    ctypes.memmove(ctypes.addressof(h), raw, 64)
+    return h
+
+
 class _CudaDriver:
     """The few CUDA driver calls the regions need, through ctypes (libcuda ships with the
     driver on every CUDA machine)."""
@@ -340,14 +358,10 @@ class _CudaDriver:
         return bytes(handle).hex()
 
     def ipc_open(self, handle_hex: str) -> int:
-        class Handle(ctypes.Structure):
-            _fields_ = [("reserved", ctypes.c_char * 64)]
-
-        h = Handle()
-        h.reserved = bytes.fromhex(handle_hex)
         ptr = ctypes.c_uint64()
+        h = ipc_handle_struct(handle_hex)
         fn = self._fn("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), Handle, ctypes.c_uint]
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), IpcHandle, ctypes.c_uint]
         self._check(fn(ctypes.byref(ptr), h, 1), "cuIpcOpenMemHandle")  # 1: lazy peer access
         return ptr.value
 
@@ -594,3 +608,29 @@ def physical_floor_ms(nbytes: int, device):
 def geometric_mean(xs):
     xs = [x for x in xs if x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def cuda_ipc_selftest() -> str | None:
+    """Whether a second process can map this one's device memory by IPC handle, as the judge
+    and its workers do: None when it can, else what went wrong. Some virtualised GPUs cannot
+    (the handle does not open), and then no CUDA evaluation can run."""
+    import subprocess
+
+    device = torch.device("cuda")
+    region = CudaRegion.create(1 << 20, device)
+    try:
+        region.tensor[:16].view(torch.float32).copy_(torch.arange(4.0, device=device))
+        torch.cuda.synchronize()
+        code = (f"import sys; sys.path.append({str(Path(__file__).resolve().parent)!r}); import torch, cuda_agent_harness as h; "
+                f"r = h.CudaRegion.open_peer({region.handle!r}, {region.nbytes}, torch.device('cuda')); "
+                "print(float(r.tensor[:16].view(torch.float32).sum().item()))")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    finally:
+        region.close()
+    if p.returncode != 0:
+        lines = p.stderr.strip().splitlines()
+        return lines[-1] if lines else f"the peer exited with status {p.returncode}"
+    if p.stdout.strip() != "6.0":
+        return f"the peer read {p.stdout.strip()!r} where 6.0 was written"
+    return None
+

@@ -221,6 +221,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     }
     let harness_dir = data_dir.join("harness");
     runtime::install_harness(&harness_dir)?;
+    if device == runtime::Device::Cuda {
+        runtime::check_cuda_ipc(&cfg.python, &harness_dir)?;
+    }
     let tasks = Arc::new(
         match &cfg.tasks_dir {
             Some(d) => TaskSet::load_dir(d)?,

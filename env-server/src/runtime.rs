@@ -57,6 +57,10 @@ pub enum RuntimeError {
     /// A file could not be written.
     #[error("{0}: {1}")]
     Io(PathBuf, #[source] std::io::Error),
+    /// One process cannot map another's GPU memory: the judge shares inputs and outputs
+    /// with its workers that way, so no CUDA evaluation could run.
+    #[error("--device cuda: a second process cannot map GPU memory by CUDA IPC handle on this machine ({0}); the judge needs it to share inputs and outputs with its workers")]
+    NoCudaIpc(String),
 }
 
 /// The Python environment, as it reported itself.
@@ -189,6 +193,31 @@ impl Device {
             _ => Ok(Device::Cpu),
         }
     }
+}
+
+/// Checks, through the installed harness, that a second process can map this one's GPU
+/// memory by IPC handle (some virtualised GPUs cannot).
+pub fn check_cuda_ipc(python: &Path, harness_dir: &Path) -> Result<(), RuntimeError> {
+    let script = format!(
+        "import sys; sys.path.append({dir:?}); import cuda_agent_harness as h; print(h.cuda_ipc_selftest() or 'ok')",
+        dir = harness_dir.display().to_string()
+    );
+    let out = std::process::Command::new(python)
+        .args(["-c", &script])
+        .output()
+        .map_err(|e| RuntimeError::NoCudaIpc(e.to_string()))?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    let last = said.lines().last().unwrap_or("").trim();
+    if out.status.success() && last == "ok" {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    let why = if last.is_empty() {
+        err.lines().last().unwrap_or("the check printed nothing")
+    } else {
+        last
+    };
+    Err(RuntimeError::NoCudaIpc(why.to_string()))
 }
 
 /// Writes the pristine harness into `dir` (read-only), replacing whatever was there.
