@@ -175,40 +175,37 @@ pub fn compile(allowed: &[libc::c_long]) -> Result<Vec<BpfProgram>, SandboxError
 
     // clone3 passes its flags in memory a filter cannot read: answer ENOSYS so that libc
     // falls back to clone, whose flags the first filter checks.
-    let clone3_rules = if allowed.contains(&libc::SYS_clone3) {
-        BTreeMap::new()
-    } else {
-        [(libc::SYS_clone3, Vec::new())].into_iter().collect()
-    };
-    let clone3 = SeccompFilter::new(
-        clone3_rules,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        arch()?,
-    )
-    .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
-
+    let clone3 = refuse_with(libc::SYS_clone3, libc::ENOSYS, allowed)?;
     // No connect() at all, answered ENOENT: the only sockets a jail can make are AF_UNIX
     // sequenced-packet ones, and connect is how one would reach a named socket of the host.
     // ENOENT is what CUDA's driver gets when it probes /tmp/nvidia-mps/control on a machine
     // with no MPS server (measured on an H200), the answer it is known to go on from.
-    let connect_rules = if allowed.contains(&libc::SYS_connect) {
-        BTreeMap::new()
-    } else {
-        [(libc::SYS_connect, Vec::new())].into_iter().collect()
-    };
-    let connect = SeccompFilter::new(
-        connect_rules,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOENT as u32),
-        arch()?,
-    )
-    .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
+    let connect = refuse_with(libc::SYS_connect, libc::ENOENT, allowed)?;
 
     [deny, clone3, connect]
         .into_iter()
         .map(|f| BpfProgram::try_from(f).map_err(|e| SandboxError::Seccomp(e.to_string())))
         .collect()
+}
+
+/// A filter answering `errno` to every call of `nr` (none where `allowed` names it).
+fn refuse_with(
+    nr: libc::c_long,
+    errno: libc::c_int,
+    allowed: &[libc::c_long],
+) -> Result<SeccompFilter, SandboxError> {
+    let rules: BTreeMap<i64, Vec<SeccompRule>> = if allowed.contains(&nr) {
+        BTreeMap::new()
+    } else {
+        [(nr, Vec::new())].into_iter().collect()
+    };
+    SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(errno as u32),
+        arch()?,
+    )
+    .map_err(|e| SandboxError::Seccomp(e.to_string()))
 }
 
 /// Installs one compiled filter on the calling thread. Async-signal-safe: only a syscall.
