@@ -9,6 +9,7 @@ use env_client::{ClientError, EnvClient};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::openai::wire::ToolDefinition;
 use crate::openai::{ChatClient, ChatError, Sampling, ToolCall, Usage};
 
 /// Errors that end an episode without a result.
@@ -265,12 +266,18 @@ impl Agent {
         rec: &mut EpisodeRecord,
     ) -> Result<(), AgentError> {
         let id = reset.episode_id.as_str();
-        let tools: Vec<Value> = reset
+        let tools: Vec<ToolDefinition> = reset
             .info
             .tools
             .iter()
-            .filter(|t| self.offered(t["function"]["name"].as_str().unwrap_or_default()))
-            .cloned()
+            .filter_map(|t| match ToolDefinition::deserialize(t) {
+                Ok(tool) => Some(tool),
+                Err(e) => {
+                    tracing::warn!(episode = id, error = %e, "tool not offered: not a function tool");
+                    None
+                }
+            })
+            .filter(|t| self.offered(&t.function.name))
             .collect();
         let tools = &tools;
         let max_obs = self.limits.max_observation_chars;
