@@ -552,6 +552,14 @@ def compare_tensor(i: int, r: torch.Tensor, n: torch.Tensor, atol=None, rtol=Non
 _WEIGHTS: dict = {}
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite, chunk by chunk (no full-size temporary)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return True
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i: i + CHUNK]).all()) for i in range(0, flat.numel(), CHUNK))
+
+
 def checksum(t: torch.Tensor) -> int:
     """A position-weighted fingerprint of a uint8 region, to notice writes made after a reply
     (a plain sum would miss values moved around). Chunked: no full-size temporaries."""

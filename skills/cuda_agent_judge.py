@@ -14,6 +14,7 @@ worker themselves). docs/EVALUATION.md has the threat model and the protocol.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -581,6 +582,48 @@ class Judge:
             self.release()
         return {"max_abs_error": max(e["max_abs_error"] for e in errors), "max_rel_error": max(e["max_rel_error"] for e in errors), "checks": len(seeds)}
 
+    def check_off_distribution(self, seed: int, cand_dir: Path, ref_dir: Path) -> str:
+        """One more input set, drawn as the task draws them and then moved off its distribution:
+        every floating-point input centred, scaled by a random factor of either sign and shifted.
+        A closed form that holds only on the task's own inputs (the identity for ReLU of
+        non-negative numbers, a sum that assumes a mean) is wrong here; an operator computed
+        for every input is not. Skipped where the reference itself gives non-finite outputs on
+        the moved inputs (a log or a square root leaves its domain)."""
+        self.set_stage("check off the task's input distribution")
+        moves: list = []
+
+        def make():
+            inputs = list(self.task.get_inputs())
+            for i, x in enumerate(inputs):
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1:
+                    mean, std = float(x.float().mean()), float(x.float().std())
+                    if not (math.isfinite(mean) and math.isfinite(std)) or std == 0.0:
+                        continue
+                    scale = self.rng.uniform(0.5, 2.0) * self.rng.choice((-1.0, 1.0))
+                    shift = self.rng.uniform(-0.5, 0.5) * std
+                    try:  # in place: no second copy of a full-size input
+                        x.sub_(mean).mul_(scale).add_(shift)
+                    except RuntimeError:  # an expanded view cannot be written in place
+                        inputs[i] = ((x - mean) * scale + shift).to(x.dtype)
+                    moves.append(f"x{scale:+.2f}{shift:+.2f}")
+            return inputs
+
+        want = self.fresh_pair(seed, make, "main", cand_dir, ref_dir)
+        if not moves:
+            self.release()
+            return "skipped: no floating-point input to move"
+        if not all(h.all_finite(t) for t in want if isinstance(t, torch.Tensor)):
+            self.release()
+            return "skipped: the reference is not finite there"
+        label = f"an input set off the task's distribution (inputs centred, then {', '.join(moves)})"
+        try:
+            got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
+        except h.RuleBreak as e:
+            raise h.RuleBreak(e.rule, f"{label}: {e}") from e
+        self.compare(want, got, label)
+        self.release()
+        return "checked"
+
     def check_alt(self, seed: int, cand_dir: Path, ref_dir: Path) -> bool:
         """The task's second input shape, where it defines one."""
         if not hasattr(self.task, "get_inputs_alt"):
@@ -801,6 +844,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         lap("start")
         details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions"), "stage_s": stage_s}
         details.update(judge.check(opts.seeds, cand_in, ref_dir))
+        details["off_distribution"] = judge.check_off_distribution(opts.seeds[-1] ^ 0x5EED, cand_in, ref_dir)
         lap("check")
         details["second_shape"] = judge.check_alt(opts.seeds[0], cand_in, ref_dir)
         lap("second_shape")
