@@ -261,3 +261,23 @@ def test_a_build_error_is_located_in_the_candidates_files(tmp_path):
     assert lines[4] == "kernels/k.cpp:1:21: error: expected ';' before '}' token", out
     assert "note:" not in out and "c++ -MMD" not in out and "ninja" not in out, out
     assert len(out) < 1000, out
+
+
+@pytest.mark.parametrize("source,built", [
+    ("import torch\nimport torch.nn as nn\nBUF = torch.zeros(4, device='cuda')\nclass ModelNew(nn.Module):\n    def forward(self, a, b):\n        return a + b\n", True),
+    ("import torch\nclass ModelNew(\n", False),
+])
+def test_a_cuda_build_with_the_gpu_hidden(tmp_path, source, built):
+    """The server builds CUDA candidates with no GPU visible: a build names the device without
+    using it, an import that touches the GPU is finished by the evaluation's worker (which sees
+    one), and a candidate's own error is still a compile failure."""
+    (tmp_path / "model_new.py").write_text(source)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_AGENT_TASK_SIZE="small")
+    out = subprocess.run([sys.executable, str(ROOT / "skills" / "cuda_agent_worker.py"), "build", "--task", str(TASK), "--candidate", str(tmp_path),
+                          "--device", "cuda"], capture_output=True, text=True, env=env, timeout=300)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["built"] is built, r
+    if built:
+        assert "needs the GPU" in r["deferred"], r
+    else:
+        assert r["rule"] == "compile" and "SyntaxError" in r["reason"], r
