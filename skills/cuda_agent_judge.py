@@ -609,20 +609,20 @@ class Judge:
             return inputs
 
         want = self.fresh_pair(seed, make, "main", cand_dir, ref_dir)
-        if not moves:
-            self.release()
-            return "skipped: no floating-point input to move"
-        if not all(h.all_finite(t) for t in want if isinstance(t, torch.Tensor)):
-            self.release()
-            return "skipped: the reference is not finite there"
-        label = f"an input set off the task's distribution (inputs centred, then {', '.join(moves)})"
         try:
-            got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
-        except h.RuleBreak as e:
-            raise h.RuleBreak(e.rule, f"{label}: {e}") from e
-        self.compare(want, got, label)
-        self.release()
-        return "checked"
+            if not moves:
+                return "skipped: no floating-point input to move"
+            if not all(h.all_finite(t) for t in want if isinstance(t, torch.Tensor)):
+                return "skipped: the reference is not finite there"
+            label = f"an input set off the task's distribution (inputs centred, then {', '.join(moves)})"
+            try:
+                got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
+            except h.RuleBreak as e:
+                raise h.RuleBreak(e.rule, f"{label}: {e}") from e
+            self.compare(want, got, label)
+            return "checked"
+        finally:
+            self.release()
 
     def check_alt(self, seed: int, cand_dir: Path, ref_dir: Path) -> bool:
         """The task's second input shape, where it defines one."""

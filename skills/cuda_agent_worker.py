@@ -601,7 +601,7 @@ def needs_gpu(e: BaseException) -> bool:
     if "Error building extension" in text:
         return False
     return any(k in text for k in ("No CUDA GPUs are available", "no CUDA-capable device", "Found no NVIDIA driver", "CUDA driver initialization failed",
-                                   "torch sees no CUDA device", "invalid device ordinal"))
+                                   "invalid device ordinal"))
 
 
 def build(args) -> int:

@@ -399,6 +399,8 @@ except OSError as e:
 a, b = socket.socketpair()
 a.send(b"x")
 print("pair-stream", b.recv(1))
+socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC).close()
+print("seqpacket-socket made")
 "#,
         stream = stream_path.display(),
         dgram = dgram_path.display(),
@@ -410,6 +412,12 @@ print("pair-stream", b.recv(1))
     assert!(
         out.text.contains("pair-stream b'x'"),
         "socketpair must keep working: {}",
+        out.text
+    );
+    // CUDA's driver makes two of these in cuInit and fails without them.
+    assert!(
+        out.text.contains("seqpacket-socket made"),
+        "AF_UNIX sequenced-packet sockets must still be made: {}",
         out.text
     );
     assert!(
