@@ -1,0 +1,105 @@
+"""The judge's output comparison (`compare_tensor`): its fast path (in the output's own
+precision) must give exactly the verdicts of the float64 rule it speeds up, and the rule must
+hold at the edges a candidate could aim for: infinities, NaNs, the tolerance bound itself,
+complex parts, one bad element in a later chunk."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "skills"))
+import cuda_agent_harness as h  # noqa: E402
+
+
+def exact_verdict(r: torch.Tensor, n: torch.Tensor, atol: float, rtol: float) -> bool:
+    """The rule written out plainly, in float64 (complex128): what every verdict must agree with."""
+    wide = torch.complex128 if r.is_complex() else torch.float64
+    rd, nd = r.to(wide), n.to(wide)
+    diff = (nd - rd).abs()
+    ok = ((diff <= atol + rtol * rd.abs()) & torch.isfinite(diff)) | (torch.isnan(rd) & torch.isnan(nd)) | (torch.isinf(rd) & (rd == nd))
+    return bool(ok.all())
+
+
+def verdict(r, n, atol=None, rtol=None) -> bool:
+    try:
+        h.compare_tensor(0, r, n, atol, rtol)
+        return True
+    except h.RuleBreak as e:
+        assert e.rule == "wrong_output", e
+        return False
+
+
+def test_a_close_output_passes_with_its_errors_reported():
+    r = torch.randn(10_000)
+    n = r + 1e-6 * torch.randn(10_000)
+    err = h.compare_tensor(0, r, n)
+    assert 0 < err["max_abs_error"] < 1e-4
+    assert err["max_rel_error"] > 0
+
+
+def test_a_finite_value_is_never_within_tolerance_of_an_infinity():
+    r = torch.tensor([1.0, float("inf"), -float("inf"), 2.0])
+    assert verdict(r, r.clone())
+    for bad in ([1.0, 3.0e38, -float("inf"), 2.0], [1.0, float("inf"), 0.0, 2.0], [1.0, -float("inf"), -float("inf"), 2.0]):
+        assert not verdict(r, torch.tensor(bad)), bad
+
+
+def test_nan_matches_only_nan():
+    r = torch.tensor([1.0, float("nan")])
+    assert verdict(r, torch.tensor([1.0, float("nan")]))
+    assert not verdict(r, torch.tensor([1.0, 0.0]))
+    assert not verdict(torch.tensor([1.0, 0.0]), torch.tensor([1.0, float("nan")]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_verdict_at_the_tolerance_bound_is_the_float64_rule(dtype):
+    """Elements placed just inside, on and just outside the bound (in float64), in every
+    floating dtype: whatever path decides, it decides as the plain float64 rule does."""
+    atol, rtol = h.TOLERANCE[dtype]
+    g = torch.Generator().manual_seed(7)
+    r = (torch.randn(4096, generator=g, dtype=torch.float64) * 10).to(dtype)
+    bound = atol + rtol * r.to(torch.float64).abs()
+    for factor in (0.5, 0.999999, 1.0, 1.000001, 1.01, 2.0):
+        n = (r.to(torch.float64) + factor * bound).to(dtype)
+        assert verdict(r, n) == exact_verdict(r, n, atol, rtol), factor
+
+
+def test_random_near_misses_agree_with_the_float64_rule():
+    g = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        r = torch.randn(2048, generator=g) * float(10 ** torch.randint(-3, 4, (1,), generator=g))
+        bound = 1e-4 + 1e-4 * r.abs()
+        # Most elements well inside, a few scattered around the bound.
+        n = r + bound * (torch.rand(2048, generator=g) * 0.5)
+        idx = torch.randint(0, 2048, (3,), generator=g)
+        n[idx] = r[idx] + bound[idx] * (0.99995 + 0.0001 * torch.rand(3, generator=g))
+        assert verdict(r, n) == exact_verdict(r, n, 1e-4, 1e-4), trial
+
+
+def test_a_wrong_imaginary_part_is_wrong():
+    r = torch.complex(torch.randn(100), torch.randn(100))
+    n = r.clone()
+    assert verdict(r, n)
+    n[3] = torch.complex(r[3].real, r[3].imag + 1.0)
+    assert not verdict(r, n)
+
+
+def test_one_bad_element_in_a_later_chunk_is_found_and_located(monkeypatch):
+    monkeypatch.setattr(h, "CHUNK", 1000)
+    r = torch.randn(5, 1000)
+    n = r.clone()
+    n[3, 17] += 1.0
+    with pytest.raises(h.RuleBreak) as e:
+        h.compare_tensor(0, r, n)
+    assert "1 of 5000 elements" in str(e.value)
+    assert "[3, 17]" in str(e.value)
+
+
+def test_integer_outputs_must_be_equal():
+    r = torch.arange(10)
+    assert verdict(r, r.clone())
+    n = r.clone()
+    n[4] = 5
+    assert not verdict(r, n)
