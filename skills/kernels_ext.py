@@ -6,8 +6,9 @@ and this file is not used; it is here so that a test script of yours sees what M
     import torch, kernels_ext
     out = kernels_ext.my_kernel(x)          # whatever kernels/ binds with PYBIND11_MODULE
 
-A rebuild happens only when a source changed (the build directory is keyed by the sources'
-hash). The device comes from CUDA_AGENT_DEVICE (set in every episode), else CUDA when torch sees
+A rebuild compiles only the files that changed (and those including a changed header), then
+links: keep the binding (which includes the torch headers) in its own file and a kernel change
+costs one small compile. The device comes from CUDA_AGENT_DEVICE (set in every episode), else CUDA when torch sees
 one. A compile error raises ImportError with the compiler's error lines, located in kernels/.
 """
 
