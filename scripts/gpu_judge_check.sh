@@ -3,7 +3,9 @@
 #   1. the CUDA red-team cases through a release env-server's POST /v1/evaluate (the production
 #      path: sandbox, worker uid, CUDA IPC across uids), torch.compile skipped (verdicts only);
 #   2. scripts/gpu_e2e.py: one episode (nvcc, verify.py, profile.py in the sandbox, submit) and
-#      /v1/evaluate of every example candidate, on a second server.
+#      /v1/evaluate of every example candidate, on a second server;
+#   3. scripts/bench_agent_loop.py --device cuda: verify.py and profile.py per build layout
+#      (AGENT_LOOP=0 leaves it out).
 # Usage: scripts/gpu_judge_check.sh OUT_DIR [SECONDS]   (env-server from target/release)
 set -u
 out=${1:?usage: gpu_judge_check.sh OUT_DIR [SECONDS]}
@@ -33,15 +35,23 @@ for g in $(seq 0 $((groups - 1))); do
         --json "$out/logs/redteam_$g.json" >"$out/logs/redteam_$g.md" 2>"$out/logs/redteam_$g.log" &
     pids+=($!)
 done
+# 3. The agent's loop in a workspace (nvcc): verify.py and profile.py per build layout.
+AGENT_LOOP=${AGENT_LOOP:-1}
+if [ "$AGENT_LOOP" = 1 ]; then
+    timeout "$limit" $CUDA_AGENT_PYTHON scripts/bench_agent_loop.py --device cuda --json "$out/logs/agent_loop.json" \
+        >"$out/logs/agent_loop.md" 2>"$out/logs/agent_loop.log" &
+    pids+=($!)
+fi
 timeout "$limit" $CUDA_AGENT_PYTHON scripts/gpu_e2e.py --server "$server" --parallel 6 --log "$out/logs/e2e_server.log" \
     --json "$out/logs/e2e.json" >"$out/logs/e2e.log" 2>&1 &
 pids+=($!)
 # Progress as it comes: each case's verdict line, the e2e table's rows.
-tail -q -n +1 -F "$out"/logs/redteam_*.log "$out/logs/e2e.log" 2>/dev/null | cut -c1-300 &
+tail -q -n +1 -F "$out"/logs/redteam_*.log "$out/logs/e2e.log" "$out/logs/agent_loop.log" 2>/dev/null | cut -c1-300 &
 tpid=$!
 wait "${pids[@]}"
 sleep 1
 kill $tpid $spid 2>/dev/null
 echo "=== red team"; cat "$out"/logs/redteam_*.md
 echo "=== e2e"; cat "$out/logs/e2e.log" | cut -c1-400 | tail -60
+echo "=== agent loop"; cat "$out/logs/agent_loop.md" 2>/dev/null
 tar -C "$out" -czf "$out/logs.tgz" logs && rm -rf "$out/logs"
