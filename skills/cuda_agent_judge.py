@@ -446,14 +446,14 @@ class Judge:
 
     def give_inputs(self, inputs: list, key: str, cand_dir: Path, ref_dir: Path) -> dict:
         """Has both workers map their region for this input set, then writes the set into
-        both regions, starting at a random offset (new input addresses every set, on GPU too). The workers map first and the data comes after: until the judge sends
-        `run`, a worker holds a mapping of stale contents, so nothing can be computed from the
-        inputs in an untimed step (and CPU used between the load's reply and the run is counted
-        as work outside the timed window)."""
-        shift = h.ALIGN * (h.INPUT_SHIFT_SLOTS - 1)
-        layout, nbytes = h.input_layout(inputs, base=h.ALIGN * self.rng.randrange(h.INPUT_SHIFT_SLOTS))
+        both regions, starting at a random offset (new input addresses every set, on GPU too).
+        The workers map first and the data comes after: until the judge sends `run`, a worker
+        holds a mapping of stale contents, so nothing can be computed from the inputs in an
+        untimed step (and CPU used between the load's reply and the run is counted as work
+        outside the timed window)."""
+        layout, _ = h.input_layout(inputs, base=h.ALIGN * self.rng.randrange(h.INPUT_SHIFT_SLOTS))
         # Sized for the largest shift whatever this one is: a region is made once per shape.
-        nbytes = h.input_layout(inputs, base=shift)[1]
+        nbytes = h.input_layout(inputs, base=h.ALIGN * (h.INPUT_SHIFT_SLOTS - 1))[1]
         regions = [self.region(link, key, nbytes, where) for link, where in ((self.ref, ref_dir), (self.cand, cand_dir))]
         for link in (self.ref, self.cand):
             link.request({"op": "load", "slot": key, "layout": layout}, self.call_timeout)
