@@ -43,6 +43,10 @@ FORBIDDEN_SOURCE = [
     (r"(?m)^\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random|gc|threading|subprocess)(?:\s*\.\s*(?!backends\b)\w+)+\s*=(?!=)", "rebinds a library function"),
     (r"\bsetattr\s*\(\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random)\b|\b__code__\b|\b__globals__\b|\b__closure__\b", "patches library code"),
     (r"\.numpy\s*\(|\bfrom_numpy\b", "computes outside its kernels through numpy"),
+    # Entry points straight into ATen's per-device kernels (invisible to the dispatcher trace).
+    # at::cuda:: is not listed: its streams, handles and guards are what CUDA kernels need.
+    (r"#\s*include\s*[<\"]ATen/(?:CPUFunctions|CUDAFunctions|Composite\w*Functions|ops/\w+_(?:cpu|cuda)_dispatch|native/)|\bat\s*::\s*(?:cpu|native)\s*::",
+     "calls PyTorch's kernels around its dispatcher"),
     (r"allow_tf32\s*=\s*True|set_float32_matmul_precision|allow_(fp16|bf16)_reduced_precision_reduction\s*=\s*True", "changes PyTorch's precision settings"),
 ]
 

@@ -9,8 +9,10 @@ Functions (float32 contiguous CPU tensors unless said otherwise):
   honest kernels: vadd, vadd_into, vsub, relu_inplace, mm_naive (at::parallel_for), linear_wt,
                   sum_dim1, argmax_last, copy_f32, add_omp, slow_vadd (sleeps, then adds)
   building blocks of attacks: noop, empty_like_out, vadd_bf16, matmul_tf32, sum_subsample,
-                  vadd_late_thread, vadd_ptr_cache, vadd_fixed_n, add_aten, add_cpu_direct,
-                  vadd_static, vadd_inplace, zero_inputs
+                  vadd_late_thread, vadd_ptr_cache, vadd_fixed_n, add_aten, vadd_static,
+                  vadd_inplace, zero_inputs
+(ATen's kernels called around the dispatcher live in the aten_cpu_direct cases' own extensions:
+their headers are a forbidden source, which would reject every case that embeds this block.)
 """
 
 SHARED_BLOCK = r'''
@@ -21,7 +23,6 @@ from torch.utils.cpp_extension import load_inline
 _RT_SRC = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <ATen/CPUFunctions.h>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -220,9 +221,6 @@ torch::Tensor vadd_fixed_n(torch::Tensor a, torch::Tensor b) {
 // PyTorch's add through the dispatcher.
 torch::Tensor add_aten(torch::Tensor a, torch::Tensor b) { return at::add(a, b); }
 
-// PyTorch's CPU add kernel called directly, around the dispatcher.
-torch::Tensor add_cpu_direct(torch::Tensor a, torch::Tensor b) { return at::cpu::add(a, b); }
-
 // Computes once into static storage and hands out the same memory on every call.
 torch::Tensor vadd_static(torch::Tensor a, torch::Tensor b) {
     static torch::Tensor keep;
@@ -246,12 +244,12 @@ torch::Tensor zero_inputs(torch::Tensor a, torch::Tensor b) {
 """
 
 ext = load_inline(
-    name="redteam_shared_ext_v1",
+    name="redteam_shared_ext_v2",
     cpp_sources=_RT_SRC,
     functions=[
         "vadd", "vadd_into", "vsub", "relu_inplace", "mm_naive", "linear_wt", "sum_dim1", "argmax_last", "copy_f32",
         "add_omp", "slow_vadd", "noop", "empty_like_out", "vadd_bf16", "matmul_tf32", "sum_subsample",
-        "vadd_late_thread", "vadd_ptr_cache", "vadd_fixed_n", "add_aten", "add_cpu_direct", "vadd_static",
+        "vadd_late_thread", "vadd_ptr_cache", "vadd_fixed_n", "add_aten", "vadd_static",
         "vadd_inplace", "zero_inputs",
     ],
     extra_cflags=["-O2", "-fopenmp"],

@@ -6,7 +6,6 @@ from torch.utils.cpp_extension import load_inline
 _RT_SRC = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <ATen/CPUFunctions.h>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -205,9 +204,6 @@ torch::Tensor vadd_fixed_n(torch::Tensor a, torch::Tensor b) {
 // PyTorch's add through the dispatcher.
 torch::Tensor add_aten(torch::Tensor a, torch::Tensor b) { return at::add(a, b); }
 
-// PyTorch's CPU add kernel called directly, around the dispatcher.
-torch::Tensor add_cpu_direct(torch::Tensor a, torch::Tensor b) { return at::cpu::add(a, b); }
-
 // Computes once into static storage and hands out the same memory on every call.
 torch::Tensor vadd_static(torch::Tensor a, torch::Tensor b) {
     static torch::Tensor keep;
@@ -231,12 +227,12 @@ torch::Tensor zero_inputs(torch::Tensor a, torch::Tensor b) {
 """
 
 ext = load_inline(
-    name="redteam_shared_ext_v1",
+    name="redteam_shared_ext_v2",
     cpp_sources=_RT_SRC,
     functions=[
         "vadd", "vadd_into", "vsub", "relu_inplace", "mm_naive", "linear_wt", "sum_dim1", "argmax_last", "copy_f32",
         "add_omp", "slow_vadd", "noop", "empty_like_out", "vadd_bf16", "matmul_tf32", "sum_subsample",
-        "vadd_late_thread", "vadd_ptr_cache", "vadd_fixed_n", "add_aten", "add_cpu_direct", "vadd_static",
+        "vadd_late_thread", "vadd_ptr_cache", "vadd_fixed_n", "add_aten", "vadd_static",
         "vadd_inplace", "zero_inputs",
     ],
     extra_cflags=["-O2", "-fopenmp"],
