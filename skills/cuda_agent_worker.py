@@ -689,6 +689,11 @@ def serve(args) -> int:
             reply = {"ok": False, "rule": "runtime_error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         reply["seq"] = seq
         if msg.get("op") == "hello":
+            if reply.get("ok") and worker.role == "candidate":
+                # The trace's first use imports PyTorch's dispatch-mode machinery (about 100k
+                # objects): done here, so that it is frozen with the rest below.
+                with OpTrace():
+                    torch.zeros(2).add_(1)
             # What the imports made lives as long as the process: moved out of the
             # collector's sight, so that the pass below scans only what came after (a full
             # pass over torch's objects took a tenth of a second per model).
