@@ -535,18 +535,19 @@ def _close_fast(rc: torch.Tensor, nc: torch.Tensor, atol: float, rtol: float) ->
     return worst, rel
 
 
-def compare_tensor(i: int, r: torch.Tensor, n: torch.Tensor, atol=None, rtol=None) -> dict:
+def compare_tensor(i: int, r: torch.Tensor, n: torch.Tensor, atol=None, rtol=None, scale: float = 1.0) -> dict:
     """Compares one output with its reference; raises RuleBreak with where and how it is wrong.
     An element is right when |got - want| <= atol + rtol * |want| in float64 (complex128 for
     complex outputs), when both are NaN, or when both are the same infinity: an infinite
-    reference is matched only by itself (a finite value is never "within tolerance" of it)."""
+    reference is matched only by itself (a finite value is never "within tolerance" of it).
+    `scale` multiplies both tolerances (after the dtype's defaults are applied)."""
     if tuple(n.shape) != tuple(r.shape):
         raise RuleBreak("wrong_output", f"output {i}: shape {tuple(n.shape)} != expected {tuple(r.shape)}")
     if n.dtype != r.dtype:
         raise RuleBreak("precision", f"output {i}: dtype {n.dtype} != expected {r.dtype}")
     a, rt = TOLERANCE.get(r.dtype, (0.0, 0.0))
-    a = atol if atol is not None else a
-    rt = rtol if rtol is not None else rt
+    a = (atol if atol is not None else a) * scale
+    rt = (rtol if rtol is not None else rt) * scale
     rf, nf = r.reshape(-1), n.reshape(-1)
     total = rf.numel()
     bad_count, first_bad, max_abs, max_rel, kind = 0, None, 0.0, 0.0, None

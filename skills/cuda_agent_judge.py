@@ -31,6 +31,10 @@ import torch
 
 WORKER = Path(__file__).resolve().parent / "cuda_agent_worker.py"
 
+# The input set moved off the task's distribution is compared at this multiple of the task's
+# tolerance (see Judge.check_off_distribution).
+OFF_DISTRIBUTION_TOLERANCE = 10.0
+
 # Source patterns no honest candidate needs: each reaches into the evaluation machinery or
 # hands the work to PyTorch's own compiler. Matched on the candidate's sources by the judge.
 FORBIDDEN_SOURCE = [
@@ -531,7 +535,7 @@ class Judge:
                 f.close()
         return [h.checksum(t.reshape(-1).view(torch.uint8)) if isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() else None for t in outs]
 
-    def compare(self, want: list, got: list, label: str, rule: str = "wrong_output") -> dict:
+    def compare(self, want: list, got: list, label: str, rule: str = "wrong_output", scale: float = 1.0) -> dict:
         if len(want) != len(got):
             raise h.RuleBreak(rule, f"{label}: expected {len(want)} outputs, got {len(got)}")
         err = {"max_abs_error": 0.0, "max_rel_error": 0.0}
@@ -543,7 +547,7 @@ class Judge:
             if not isinstance(n, torch.Tensor):
                 raise h.RuleBreak(rule, f"{label}: output {i}: expected a tensor, got {n!r}")
             try:
-                e = h.compare_tensor(i, r, n, self.atol, self.rtol)
+                e = h.compare_tensor(i, r, n, self.atol, self.rtol, scale)
             except h.RuleBreak as b:
                 raise h.RuleBreak(rule if b.rule == "wrong_output" else b.rule, f"{label}: {b}") from b
             err = {k: max(err[k], e[k]) for k in err}
@@ -626,7 +630,11 @@ class Judge:
                 got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
             except h.RuleBreak as e:
                 raise h.RuleBreak(e.rule, f"{label}: {e}") from e
-            self.compare(want, got, label)
+            # At ten times the task's tolerance: moved inputs change the rounding of long sums
+            # (a float32 matmul of centred, rescaled and shifted inputs drifts past the task's
+            # own tolerance at outputs near zero), and this set is here for answers that are
+            # not the operator at all, which miss by far more. Precision is the five sets' job.
+            self.compare(want, got, label, scale=OFF_DISTRIBUTION_TOLERANCE)
             return "checked"
         finally:
             self.release()
