@@ -173,16 +173,16 @@ def build_kernels_dir(candidate_dir: Path, device: torch.device, counter: Extens
     # header that the evaluation, building from kernels/ alone, would not.
     src_dir = Path(cpp._get_build_directory(name, verbose=False)) / "src"
     src_dir.mkdir(exist_ok=True)
-    present = {p.name for p in kdir.iterdir() if p.is_file()}
+    files = [p for p in sorted(kdir.iterdir()) if p.is_file()]  # sources and headers alike
+    present = {p.name for p in files}
     for old in src_dir.iterdir():
         if old.name not in present and old.is_file():
             old.unlink()
-    for p in sorted(kdir.iterdir()):
-        if p.is_file():  # sources and headers alike
-            dest = src_dir / p.name
-            data = p.read_bytes()
-            if not dest.exists() or dest.read_bytes() != data:
-                dest.write_bytes(data)
+    for p in files:
+        dest = src_dir / p.name
+        data = p.read_bytes()
+        if not dest.exists() or dest.read_bytes() != data:
+            dest.write_bytes(data)
     with build_lock(name):
         module = cpp.load(
             name=name,
@@ -446,6 +446,15 @@ class Worker:
                 cdir = Path(self.args.candidate)
                 raise h.RuleBreak("compile", describe_build_error(e, cdir) + candidate_traceback(e, cdir)) from e
             self.build_s = time.perf_counter() - start
+            # The trace's first use imports PyTorch's dispatch-mode machinery (about 100k
+            # objects): done here, so that it is frozen with the rest below.
+            with OpTrace():
+                torch.zeros(2).add_(1)
+        # What the imports made lives as long as the process: moved out of the collector's
+        # sight, so that the pass after each new model scans only what came after (a full pass
+        # over torch's objects took a tenth of a second per model).
+        gc.collect()
+        gc.freeze()
         return {"ok": True, "pid": os.getpid(), "build_s": self.build_s, "extensions": self.counter.modules}
 
     def make_model(self, msg: dict) -> dict:
@@ -688,17 +697,6 @@ def serve(args) -> int:
         except Exception as e:  # noqa: BLE001 - reported to the judge, which decides
             reply = {"ok": False, "rule": "runtime_error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         reply["seq"] = seq
-        if msg.get("op") == "hello":
-            if reply.get("ok") and worker.role == "candidate":
-                # The trace's first use imports PyTorch's dispatch-mode machinery (about 100k
-                # objects): done here, so that it is frozen with the rest below.
-                with OpTrace():
-                    torch.zeros(2).add_(1)
-            # What the imports made lives as long as the process: moved out of the
-            # collector's sight, so that the pass below scans only what came after (a full
-            # pass over torch's objects took a tenth of a second per model).
-            gc.collect()
-            gc.freeze()
         if msg.get("op") == "model":
             gc.collect()  # cycles freed with the old model; before the reply, never after one
         channel.send(reply)
