@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Which sandbox layer stops CUDA: initialises CUDA (torch and the bare driver API) inside
 # `sandbox-exec` with each layer turned off in turn, and lists what the jail sees of the
-# driver's files. Usage: scripts/gpu_sandbox_probe.sh [sandbox-exec]
+# driver's files (the layer-by-layer search runs only where the full sandbox fails). Usage: scripts/gpu_sandbox_probe.sh [sandbox-exec]
 set -u
 se=${1:-target/release/sandbox-exec}
 py=$(command -v "${CUDA_AGENT_PYTHON:-python3}")
@@ -29,7 +29,9 @@ quick='import ctypes; print("cuInit", ctypes.CDLL("libcuda.so.1").cuInit(0))'
 echo "== no sandbox"
 "$py" -c "$probe" 2>&1 | tail -12
 echo "== sandboxed"
-run
+out=$(run)
+echo "$out"
+case $out in *"sum 8.0"*) echo "CUDA works in the full sandbox"; exit 0 ;; esac
 run --no-seccomp
 # One seccomp rule left out at a time: the one whose absence lets cuInit succeed is it.
 for sc in socket socketpair clone clone3 ioctl ptrace process_vm_readv process_vm_writev mount bpf perf_event_open keyctl unshare setns io_uring_setup setsid userfaultfd name_to_handle_at; do
