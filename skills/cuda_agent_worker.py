@@ -654,7 +654,13 @@ def memory_stats(device) -> dict:
 def scope_signals() -> bool:
     """Puts this process in a landlock domain of its own that scopes signals (landlock ABI 6+):
     nothing it runs can signal a process outside it, such as the judge that started it with the
-    same uid. Best effort: an older kernel leaves it unscoped."""
+    same uid. Best effort: an older kernel leaves it unscoped.
+
+    Every landlock layer denies moving a file to another directory (the REFER right) unless a
+    rule of that layer grants it, even one that handles no other file access. Inside a
+    sandbox's own layer this one would then refuse every cross-directory rename (Triton's cache
+    writes each file in a temporary directory and moves it up: torch.compile failed with EXDEV
+    on CUDA), so it grants REFER beneath `/` and leaves the files to the sandbox's layer."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -662,15 +668,28 @@ def scope_signals() -> bool:
     class Attr(ctypes.Structure):
         _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
 
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    refer = 1 << 13  # LANDLOCK_ACCESS_FS_REFER
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which landlock requires
         return False
-    attr = Attr(0, 0, 2)  # LANDLOCK_SCOPE_SIGNAL
+    attr = Attr(refer, 0, 2)  # LANDLOCK_SCOPE_SIGNAL
     fd = libc.syscall(444, ctypes.byref(attr), ctypes.sizeof(attr), 0)  # landlock_create_ruleset
     if fd < 0:
         return False
-    ok = libc.syscall(446, fd, 0) == 0  # landlock_restrict_self
-    os.close(fd)
-    return ok
+    try:
+        root = os.open("/", os.O_PATH | os.O_CLOEXEC)
+        try:
+            rule = PathBeneath(refer, root)
+            if libc.syscall(445, fd, 1, ctypes.byref(rule), 0) != 0:  # landlock_add_rule, PATH_BENEATH
+                return False
+        finally:
+            os.close(root)
+        return libc.syscall(446, fd, 0) == 0  # landlock_restrict_self
+    finally:
+        os.close(fd)
 
 
 def serve(args) -> int:
