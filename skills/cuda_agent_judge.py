@@ -833,9 +833,19 @@ class Options:
     static: bool = True
 
 
-def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, workdir: Path | None = None) -> dict:
+def wait_for_go() -> None:
+    """Blocks until the server writes a line on stdin (it holds the device lease then); end of
+    file means the server gave the evaluation up."""
+    line = sys.stdin.readline()
+    if line.strip() != "go":
+        raise SystemExit(f"the server closed the gate ({line.strip()!r}): no evaluation")
+
+
+def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, workdir: Path | None = None, gate=None) -> dict:
     """The whole evaluation. `attach` connects to a candidate worker started by someone else
-    (the server); without it the judge starts one itself."""
+    (the server); without it the judge starts one itself. `gate`, when given, is called once
+    both workers are started (imports done, no candidate code run, no device work) and returns
+    when the device is the judge's."""
     device = h.pick_device(opts.device)
     h.pin_precision()
     own_tmp = None
@@ -865,6 +875,10 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
             cand_in = cdir
         else:
             judge.cand, cand_in = attach()
+        if gate is not None:
+            lap("prestart")
+            gate()
+            lap("lease_wait")
         hello = judge.hello(opts.setup_timeout)
         lap("start")
         details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions"), "stage_s": stage_s}

@@ -5,7 +5,9 @@ sandbox of its own, never from files the agent could touch.
     evaluate.py candidate ... --worker-req FIFO --worker-rep FIFO --worker-pid PID
                               --worker-uid UID --worker-out DIR --inputs-dir DIR --workdir DIR
 
-Without --worker-*, the judge starts the candidate worker itself (tests, local use). With them,
+Without --worker-*, the judge starts the candidate worker itself (tests, local use). With
+--gate, it starts its workers and waits for a line on stdin before any device work or candidate
+code (the server starts the next evaluation while the device still times the last one). With them,
 it talks to a worker the server started under another uid. Either way the judge never imports
 candidate code. Prints one JSON object on stdout (and writes it to --out when given).
 """
@@ -49,6 +51,8 @@ def main() -> int:
     c.add_argument("--inputs-dir", help="where the candidate's input files go (readable by its uid)")
     c.add_argument("--workdir", help="the judge's private directory")
     c.add_argument("--out")
+    c.add_argument("--gate", action="store_true",
+                   help="start the workers, then wait for a line on stdin before anything runs on the device or any candidate code runs (the server's device lease)")
     args = p.parse_args()
     opts = judge.Options(device=args.device, atol=args.atol, rtol=args.rtol, compile=not args.no_compile, time=not args.no_time,
                          budget_s=args.budget_s, setup_timeout=args.setup_timeout, call_timeout=args.call_timeout, allow_ops=args.allow_ops)
@@ -59,8 +63,9 @@ def main() -> int:
         def attach():
             link = judge.attach_worker(args.worker_req, args.worker_rep, args.worker_pid, args.worker_uid, Path(args.worker_out), opts.setup_timeout)
             return link, Path(args.inputs_dir)
+    gate = judge.wait_for_go if args.gate else None
     try:
-        result = judge.evaluate(Path(args.task), Path(args.candidate), opts, attach=attach, workdir=Path(args.workdir) if args.workdir else None)
+        result = judge.evaluate(Path(args.task), Path(args.candidate), opts, attach=attach, workdir=Path(args.workdir) if args.workdir else None, gate=gate)
     except Exception as e:  # noqa: BLE001 - the judge's own failure, never the candidate's verdict
         tb = traceback.format_exc()
         result = {"correct": False, "rule": "harness_error", "reason": f"harness_error: {type(e).__name__}: {e}\n{tb[-1500:]}", "traceback": tb[-4000:]}

@@ -7,6 +7,12 @@
 //! (`evaluate.py`, trusted, never imports candidate code) and the candidate's worker
 //! (`cuda_agent_worker.py`), talking over two FIFOs; eager and torch.compile are timed next to
 //! the candidate in the same run, never cached (docs/EVALUATION.md).
+//!
+//! With `prestart` (the default on CUDA), the next evaluation of a device starts its judge and
+//! workers while the device still times the current one: they import PyTorch and open their
+//! channels, then the judge waits at a gate until the lease is its own. No candidate code runs
+//! and nothing touches the device before the gate; at most [`PRESTART_PER_DEVICE`]
+//! evaluations per device have processes alive.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
@@ -22,7 +28,7 @@ use env_api::{
 };
 use kernelbench::Task;
 use serde_json::Value;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 use crate::build::BuildQueue;
@@ -103,7 +109,15 @@ pub struct EvaluatorConfig {
     pub skip_compile: bool,
     /// Aten operators candidates may dispatch beyond the harness's allocation/view/copy list.
     pub allow_ops: Vec<String>,
+    /// Start the next evaluation's processes while the device is still leased (see the
+    /// module's docs). Off on CPU by default: there the lease is the whole machine, and
+    /// importing PyTorch beside a timing run would disturb it.
+    pub prestart: bool,
 }
+
+/// Evaluations per device whose judge and workers are alive at once with `prestart`: the one
+/// holding the lease and the one ready at its gate.
+pub const PRESTART_PER_DEVICE: usize = 2;
 
 /// One device lease; `busy_ms` and `leases` feed `/metrics`.
 #[derive(Debug)]
@@ -111,6 +125,8 @@ pub struct DeviceSlot {
     /// Index (GPU ordinal or 0 for the CPU).
     pub index: usize,
     lock: Semaphore,
+    /// Evaluations of this device with processes alive (`prestart`).
+    warm: Semaphore,
     /// Leases granted.
     pub leases: AtomicU64,
     /// Milliseconds held.
@@ -152,6 +168,7 @@ impl Evaluator {
             .map(|index| DeviceSlot {
                 index,
                 lock: Semaphore::new(1),
+                warm: Semaphore::new(PRESTART_PER_DEVICE),
                 leases: AtomicU64::new(0),
                 busy_ms: AtomicU64::new(0),
             })
@@ -350,21 +367,18 @@ impl Evaluator {
             .collect();
         let seeds = seeds.join(",");
         let lease_asked = Instant::now();
-        let (verdict, worker_log) = self
-            .with_lease(|slot| {
-                phases.lease_wait_s = lease_asked.elapsed().as_secs_f64();
-                self.judge_run(
-                    &layout,
-                    &worker_jail,
-                    judge_owner,
-                    worker_owner,
-                    &seeds,
-                    tolerance,
-                    slot,
-                )
-            })
+        let (verdict, worker_log, lease_wait_s) = self
+            .judge_run(
+                &layout,
+                &worker_jail,
+                judge_owner,
+                worker_owner,
+                &seeds,
+                tolerance,
+            )
             .await?;
-        phases.judge_s = lease_asked.elapsed().as_secs_f64() - phases.lease_wait_s;
+        phases.lease_wait_s = lease_wait_s;
+        phases.judge_s = lease_asked.elapsed().as_secs_f64() - lease_wait_s;
         drop(leases);
         details.elapsed_s = Some(started.elapsed().as_secs_f64());
         details.phases = Some(phases);
@@ -484,9 +498,20 @@ impl Evaluator {
         worker_owner: Option<(u32, u32)>,
         seeds: &str,
         tolerance: Option<f64>,
-        slot: usize,
-    ) -> Result<(Verdict, String), EvalError> {
-        let visible = slot.to_string();
+    ) -> Result<(Verdict, String, f64), EvalError> {
+        let asked = Instant::now();
+        // Without prestart the lease comes first (nothing of this evaluation runs beside
+        // another's timing); with it, a place among the device's warm evaluations.
+        let (slot, mut lease, _warm) = if self.cfg.prestart {
+            let slot = self.pick_slot();
+            let warm = slot.warm.acquire().await?;
+            (slot, None, Some(warm))
+        } else {
+            let lease = self.lease_any().await?;
+            (lease.slot, Some(lease), None)
+        };
+        let slot_index = slot.index;
+        let visible = slot_index.to_string();
         let mut worker_jail = worker_jail.clone();
         let mut judge_jail = Jail::standard(
             &d.judge,
@@ -502,7 +527,7 @@ impl Evaluator {
             .cfg
             .data_dir
             .join("judge-cache")
-            .join(format!("slot{slot}"));
+            .join(format!("slot{slot_index}"));
         hand_over(&compile_cache, judge_owner).map_err(|e| io_err(&compile_cache, e))?;
         judge_jail.env.push((
             "TORCHINDUCTOR_CACHE_DIR".into(),
@@ -620,21 +645,61 @@ impl Evaluator {
         if self.cfg.skip_compile {
             jargv.push("--no-compile".into());
         }
-        let judged = self.run_sandboxed(&judge_jail, &jargv, &d.judge).await;
-        // Whatever the judge decided, the worker and everything it started end here.
+        // The judge starts its side (workers, channels) and waits at the gate for the lease.
+        jargv.push("--gate".into());
+        let judged = async {
+            let mut sc = self
+                .sandbox
+                .command(&judge_jail, &self.python.executable, &jargv, &d.judge)
+                .map_err(|source| EvalError::Sandbox {
+                    context: "the judge's sandbox",
+                    source,
+                })?;
+            sc.cmd.stdin(std::process::Stdio::piped());
+            let mut child = sc.spawn().map_err(|source| EvalError::Spawn {
+                what: "the judge",
+                source,
+            })?;
+            let out = drain(child.stdout.take(), 8 << 20);
+            let err = drain(child.stderr.take(), 1 << 20);
+            let mut gate = child.stdin.take();
+            let lease = match lease.take() {
+                Some(l) => l,
+                None => Self::lease(slot).await?,
+            };
+            let lease_wait_s = asked.elapsed().as_secs_f64();
+            // A judge that already ended (a verdict before the gate, such as a forbidden
+            // source) has closed its end: nothing to say to it then.
+            if let Some(mut g) = gate.take() {
+                let _ = g.write_all(b"go\n").await;
+                let _ = g.flush().await;
+            }
+            let outcome = child.wait_within(self.cfg.phase_timeout).await;
+            Ok::<_, EvalError>((
+                out.await.unwrap_or_default(),
+                err.await.unwrap_or_default(),
+                outcome,
+                lease_wait_s,
+                lease,
+            ))
+        }
+        .await;
+        // Whatever the judge decided, the worker and everything it started end here, before
+        // the device goes to the next evaluation.
         let _ = worker.kill_all().await;
         let log = {
             let mut log = wout.await.unwrap_or_default();
             log.extend(werr.await.unwrap_or_default());
             tail(&log, 2000)
         };
-        let (out, err, outcome) = judged?;
+        let (out, err, outcome, lease_wait_s, lease) = judged?;
+        drop(lease);
         if outcome.timed_out {
             let v = Verdict::failed(
                 "time_limit",
                 format!("time_limit: the evaluation ran past {secs} s"),
             );
-            return Ok((v, log));
+            return Ok((v, log, lease_wait_s));
         }
         // The judge is trusted code in its own sandbox; the worker cannot reach its stdout.
         let text = String::from_utf8_lossy(&out);
@@ -643,7 +708,7 @@ impl Evaluator {
             .rev()
             .find_map(|l| serde_json::from_str::<Verdict>(l).ok())
         {
-            Some(v) => Ok((v, log)),
+            Some(v) => Ok((v, log, lease_wait_s)),
             None => Err(EvalError::Harness(format!(
                 "the judge gave no verdict ({}): {}",
                 describe_exit(&outcome),
@@ -701,38 +766,65 @@ impl Evaluator {
         hex::encode(h.finalize())[..32].to_string()
     }
 
-    /// Runs `f` holding the least-recently-picked free device slot exclusively.
-    async fn with_lease<F, Fut, T>(&self, f: F) -> Result<T, EvalError>
-    where
-        F: FnOnce(usize) -> Fut,
-        Fut: std::future::Future<Output = Result<T, EvalError>>,
-    {
+    /// The least-recently-picked free device slot's lease, else a wait on the round-robin one.
+    async fn lease_any(&self) -> Result<Lease<'_>, EvalError> {
         let n = self.slots.len();
         let start = self.next_slot.fetch_add(1, Ordering::Relaxed) % n;
-        // Prefer a free slot; otherwise wait on the round-robin one.
-        let mut chosen = None;
         for i in 0..n {
             let slot = &self.slots[(start + i) % n];
-            if let Ok(p) = slot.lock.try_acquire() {
-                chosen = Some((slot, p));
-                break;
+            if let Ok(permit) = slot.lock.try_acquire() {
+                return Ok(Lease::new(slot, permit));
             }
         }
-        let (slot, permit) = match chosen {
-            Some(c) => c,
-            None => {
-                let slot = &self.slots[start];
-                (slot, slot.lock.acquire().await?)
+        Self::lease(&self.slots[start]).await
+    }
+
+    /// `slot`'s lease, waiting for it.
+    async fn lease(slot: &DeviceSlot) -> Result<Lease<'_>, EvalError> {
+        let permit = slot.lock.acquire().await?;
+        Ok(Lease::new(slot, permit))
+    }
+
+    /// The device with the most room for a warm evaluation (round robin among equals).
+    fn pick_slot(&self) -> &DeviceSlot {
+        let n = self.slots.len();
+        let start = self.next_slot.fetch_add(1, Ordering::Relaxed) % n;
+        let room = |s: &DeviceSlot| (s.warm.available_permits(), s.lock.available_permits());
+        let mut best = &self.slots[start];
+        for i in 1..n {
+            let s = &self.slots[(start + i) % n];
+            if room(s) > room(best) {
+                best = s;
             }
-        };
-        let t0 = Instant::now();
+        }
+        best
+    }
+}
+
+/// A device slot held exclusively; its time is added to the slot's `busy_ms` when dropped.
+struct Lease<'a> {
+    slot: &'a DeviceSlot,
+    _permit: tokio::sync::SemaphorePermit<'a>,
+    since: Instant,
+}
+
+impl<'a> Lease<'a> {
+    fn new(slot: &'a DeviceSlot, permit: tokio::sync::SemaphorePermit<'a>) -> Self {
         slot.leases.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(slot = slot.index, "device lease taken");
-        let out = f(slot.index).await;
-        slot.busy_ms
-            .fetch_add(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
-        drop(permit);
-        out
+        Self {
+            slot,
+            _permit: permit,
+            since: Instant::now(),
+        }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        self.slot
+            .busy_ms
+            .fetch_add(self.since.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 }
 

@@ -76,6 +76,9 @@ pub struct ServerConfig {
     pub task_size: Option<String>,
     /// Skip torch.compile baselines.
     pub skip_compile: bool,
+    /// Start the next evaluation's judge and workers while the device still times the last
+    /// one (`None`: on CUDA, not on CPU, where the lease is the whole machine).
+    pub prestart: Option<bool>,
     /// Aten operators candidates may dispatch beyond allocation, views and copies.
     pub allow_ops: Vec<String>,
     /// Largest request body.
@@ -119,6 +122,7 @@ impl Default for ServerConfig {
             limits: ResourceLimits::default(),
             task_size: None,
             skip_compile: false,
+            prestart: None,
             allow_ops: Vec::new(),
             max_body_bytes: 8 << 20,
             http: http::HttpLimits::default(),
@@ -257,6 +261,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             extra_env: extra_env.clone(),
             skip_compile: cfg.skip_compile,
             allow_ops: cfg.allow_ops.clone(),
+            prestart: cfg.prestart.unwrap_or(device == runtime::Device::Cuda),
         },
         sandbox.clone(),
         python.clone(),

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,7 @@ def test_a_broken_candidate_is_a_compile_failure(tmp_path, ext_dir):
 
 BUILD_ERROR = r'''
 import sys
+import time
 from pathlib import Path
 sys.path.append(sys.argv[1])
 import cuda_agent_worker as w
@@ -281,3 +283,65 @@ def test_a_cuda_build_with_the_gpu_hidden(tmp_path, source, built):
         assert "needs the GPU" in r["deferred"], r
     else:
         assert r["rule"] == "compile" and "SyntaxError" in r["reason"], r
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _gated_judge(tmp_path, ext_dir, marker):
+    """A judge started with --gate on a correct candidate whose import leaves `marker`."""
+    cand = tmp_path / "candidate"
+    cand.mkdir(parents=True)
+    (cand / "model_new.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n" + HEADER + CANDIDATES["correct"])
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    p = subprocess.Popen(
+        [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu",
+         "--no-compile", "--budget-s", "0.5", "--gate"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Both workers start before the gate (the server's prestart); give them time to be up.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_children(p.pid)) < 2 and p.poll() is None:
+        time.sleep(0.2)
+    assert len(_children(p.pid)) == 2, "the judge did not start both workers before the gate"
+    time.sleep(8)  # torch imports in the workers: without the gate the candidate would be imported by now
+    return p
+
+
+def test_nothing_of_the_candidate_runs_before_the_gate(tmp_path, ext_dir):
+    marker = tmp_path / "imported"
+    p = _gated_judge(tmp_path, ext_dir, marker)
+    try:
+        assert p.poll() is None, p.communicate()
+        assert not marker.exists(), "candidate code ran before the gate opened"
+        out, err = p.communicate("go\n", timeout=600)
+    finally:
+        p.kill()
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["correct"] is True, (r, err[-2000:])
+    assert marker.exists()
+    stages = r["details"]["stage_s"]
+    assert {"prestart", "lease_wait", "start", "check", "time"} <= set(stages), stages
+
+
+def test_a_closed_gate_ends_the_evaluation_without_running_the_candidate(tmp_path, ext_dir):
+    marker = tmp_path / "imported"
+    p = _gated_judge(tmp_path, ext_dir, marker)
+    try:
+        out, err = p.communicate("", timeout=120)  # end of file: the server gave it up
+    finally:
+        p.kill()
+    assert p.returncode != 0
+    assert "closed the gate" in err, err[-2000:]
+    assert not marker.exists()
+    assert not out.strip()

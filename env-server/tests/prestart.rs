@@ -1,0 +1,56 @@
+//! Evaluations started ahead of their device lease (`prestart`, the CUDA default) on the real
+//! sandbox and torch, CPU device: judged as without it, one lease at a time, and a verdict the
+//! judge reaches before its gate (a forbidden source) ends the evaluation cleanly.
+
+mod common;
+
+use axum::http::StatusCode;
+use common::{call, state_from, test_config};
+use env_server::ServerConfig;
+use serde_json::json;
+use std::sync::atomic::Ordering;
+
+const ADD_CANDIDATE: &str = include_str!("../../tests/cpu_add_candidate.py");
+
+#[tokio::test]
+async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(ServerConfig {
+        prestart: Some(true),
+        ..test_config(dir.path())
+    });
+    // Two distinct sources (two builds), submitted together: one times while the other
+    // waits at its gate with its processes up.
+    let a = json!({"task": "L1/2_Add", "solution": ADD_CANDIDATE});
+    let b = json!({"task": "L1/2_Add", "solution": format!("{ADD_CANDIDATE}\n# the second\n")});
+    let forbidden =
+        json!({"task": "L1/2_Add", "solution": format!("{ADD_CANDIDATE}\nimport torch._dynamo\n")});
+    let (ra, rb, rf) = tokio::join!(
+        call(&s, "POST", "/v1/evaluate", Some(a)),
+        call(&s, "POST", "/v1/evaluate", Some(b)),
+        call(&s, "POST", "/v1/evaluate", Some(forbidden)),
+    );
+    for (st, r) in [&ra, &rb] {
+        assert_eq!(*st, StatusCode::OK, "{r}");
+        assert_eq!(r["correct"], true, "{r}");
+        // The judge ran with the gate: its clock has the prestart and the wait apart.
+        let stages = &r["details"]["check"]["stage_s"];
+        for k in ["prestart", "lease_wait", "start", "check", "time"] {
+            assert!(stages[k].is_number(), "{k} missing in {stages}");
+        }
+    }
+    let (st, r) = rf;
+    assert_eq!(st, StatusCode::OK, "{r}");
+    assert_eq!(r["correct"], false, "{r}");
+    assert_eq!(r["reward"], -1.0, "{r}");
+    assert!(
+        r["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("forbidden_source"),
+        "{r}"
+    );
+    // One device, one lease each (the forbidden one too: its judge answered before the gate
+    // and the lease was taken and given back without waiting on it).
+    assert_eq!(s.evaluator.slots()[0].leases.load(Ordering::Relaxed), 3);
+}
