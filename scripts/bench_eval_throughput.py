@@ -84,6 +84,8 @@ def start_server(args, data):
            args.python, "--device", args.device]
     if args.skip_compile:
         cmd.append("--skip-compile")
+    if args.prestart:
+        cmd += ["--prestart", args.prestart]
     if args.max_builds:
         cmd += ["--max-builds", str(args.max_builds)]
     if args.pch is not None:
@@ -131,6 +133,7 @@ def main():
     ap.add_argument("--max-builds", type=int, default=0)
     ap.add_argument("--pch", default=None, help="the server's --pch (default: its own)")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--prestart", choices=["on", "off"], help="the server's --prestart (default: its own, on with CUDA)")
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
     args = ap.parse_args()
 
@@ -174,9 +177,10 @@ def main():
         for key in ["setup_s", "build_queue_s", "build_s", "lease_wait_s", "judge_s"]:
             m, x = col(key)
             print(row([key, f"{m:.2f}", f"{x:.2f}"], widths))
-        # Inside the device lease: the judge's own stages.
+        # The judge's own stages: its start and the wait at its gate (before the lease, with
+        # prestart), then inside the lease.
         stages = [((r["details"].get("check") or {}).get("stage_s") or {}) for _, _, r in results]
-        for key in ["start", "check", "second_shape", "time"]:
+        for key in ["prestart", "lease_wait", "start", "check", "second_shape", "time"]:
             vals = [s.get(key, 0.0) for s in stages]
             if any(vals):
                 print(row([f"  judge {key}_s", f"{statistics.mean(vals):.2f}", f"{max(vals):.2f}"], widths))
