@@ -5,11 +5,11 @@ sandbox of its own, never from files the agent could touch.
     evaluate.py candidate ... --worker-req FIFO --worker-rep FIFO --worker-pid PID
                               --worker-uid UID --worker-out DIR --inputs-dir DIR --workdir DIR
 
-Without --worker-*, the judge starts the candidate worker itself (tests, local use). With
---gate, it starts its workers and waits for a line on stdin before any device work or candidate
-code (the server starts the next evaluation while the device still times the last one). With them,
+Without --worker-*, the judge starts the candidate worker itself (tests, local use). With them,
 it talks to a worker the server started under another uid. Either way the judge never imports
-candidate code. Prints one JSON object on stdout (and writes it to --out when given).
+candidate code. With --gate, it starts its side and waits for a line on stdin before any device
+work or candidate code (the server starts the next evaluation while the device still times the
+last one). Prints one JSON object on stdout (and writes it to --out when given).
 """
 
 from __future__ import annotations

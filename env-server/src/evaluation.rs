@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use agent_tools::sandbox::{Outcome, ProcessView};
+use agent_tools::sandbox::{Outcome, ProcessView, SandboxedChild};
 use agent_tools::{create_private_dir, Jail, Sandbox};
 use env_api::{
     BuildDetails, EvaluationDetails, EvaluationPhases, EvaluationResult, Speedups, Times,
@@ -578,17 +578,8 @@ impl Evaluator {
         if !self.cfg.allow_ops.is_empty() {
             wargv.extend(["--allow-ops".into(), self.cfg.allow_ops.join(",").into()]);
         }
-        let wcmd = self
-            .sandbox
-            .command(&worker_jail, &self.python.executable, &wargv, &d.candidate)
-            .map_err(|source| EvalError::Sandbox {
-                context: "the worker's sandbox",
-                source,
-            })?;
-        let mut worker = wcmd.spawn().map_err(|source| EvalError::Spawn {
-            what: "the worker",
-            source,
-        })?;
+        let mut worker =
+            self.spawn_jailed(&worker_jail, &wargv, &d.candidate, "the worker", false)?;
         let worker_pid = worker.id().unwrap_or(0);
         // The worker's prints go nowhere the verdict is read from: drained (so it never blocks
         // on a full pipe) and kept as a capped tail for the diagnostics.
@@ -648,18 +639,7 @@ impl Evaluator {
         // The judge starts its side (workers, channels) and waits at the gate for the lease.
         jargv.push("--gate".into());
         let judged = async {
-            let mut sc = self
-                .sandbox
-                .command(&judge_jail, &self.python.executable, &jargv, &d.judge)
-                .map_err(|source| EvalError::Sandbox {
-                    context: "the judge's sandbox",
-                    source,
-                })?;
-            sc.cmd.stdin(std::process::Stdio::piped());
-            let mut child = sc.spawn().map_err(|source| EvalError::Spawn {
-                what: "the judge",
-                source,
-            })?;
+            let mut child = self.spawn_jailed(&judge_jail, &jargv, &d.judge, "the judge", true)?;
             let out = drain(child.stdout.take(), 8 << 20);
             let err = drain(child.stderr.take(), 1 << 20);
             let mut gate = child.stdin.take();
@@ -725,17 +705,7 @@ impl Evaluator {
         argv: &[OsString],
         cwd: &Path,
     ) -> Result<(Vec<u8>, Vec<u8>, Outcome), EvalError> {
-        let sc = self
-            .sandbox
-            .command(jail, &self.python.executable, argv, cwd)
-            .map_err(|source| EvalError::Sandbox {
-                context: "the harness's sandbox",
-                source,
-            })?;
-        let mut child = sc.spawn().map_err(|source| EvalError::Spawn {
-            what: "python",
-            source,
-        })?;
+        let mut child = self.spawn_jailed(jail, argv, cwd, "python", false)?;
         let out = drain(child.stdout.take(), 8 << 20);
         let err = drain(child.stderr.take(), 1 << 20);
         let outcome = child.wait_within(self.cfg.phase_timeout).await;
@@ -744,6 +714,30 @@ impl Evaluator {
             err.await.unwrap_or_default(),
             outcome,
         ))
+    }
+
+    /// Starts the harness's Python in `jail`; `stdin` gives it a pipe (the judge's gate)
+    /// instead of nothing.
+    fn spawn_jailed(
+        &self,
+        jail: &Jail,
+        argv: &[OsString],
+        cwd: &Path,
+        what: &'static str,
+        stdin: bool,
+    ) -> Result<SandboxedChild, EvalError> {
+        let mut sc = self
+            .sandbox
+            .command(jail, &self.python.executable, argv, cwd)
+            .map_err(|source| EvalError::Sandbox {
+                context: what,
+                source,
+            })?;
+        if stdin {
+            sc.cmd.stdin(std::process::Stdio::piped());
+        }
+        sc.spawn()
+            .map_err(|source| EvalError::Spawn { what, source })
     }
 
     fn build_lock(&self, digest: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {
