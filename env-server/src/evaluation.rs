@@ -367,7 +367,7 @@ impl Evaluator {
             .collect();
         let seeds = seeds.join(",");
         let lease_asked = Instant::now();
-        let (verdict, worker_log, lease_wait_s) = self
+        let (verdict, worker_log, leased_at) = self
             .judge_run(
                 &layout,
                 &worker_jail,
@@ -377,8 +377,8 @@ impl Evaluator {
                 tolerance,
             )
             .await?;
-        phases.lease_wait_s = lease_wait_s;
-        phases.judge_s = lease_asked.elapsed().as_secs_f64() - lease_wait_s;
+        phases.lease_wait_s = (leased_at - lease_asked).as_secs_f64();
+        phases.judge_s = leased_at.elapsed().as_secs_f64();
         drop(leases);
         details.elapsed_s = Some(started.elapsed().as_secs_f64());
         details.phases = Some(phases);
@@ -489,6 +489,8 @@ impl Evaluator {
             }))
     }
 
+    /// The check-and-time run: the verdict, the tail of the worker's output, and when the
+    /// device lease was granted (the lease is held from then until the worker is killed).
     #[allow(clippy::too_many_arguments)]
     async fn judge_run(
         &self,
@@ -498,8 +500,7 @@ impl Evaluator {
         worker_owner: Option<(u32, u32)>,
         seeds: &str,
         tolerance: Option<f64>,
-    ) -> Result<(Verdict, String, f64), EvalError> {
-        let asked = Instant::now();
+    ) -> Result<(Verdict, String, Instant), EvalError> {
         // Without prestart the lease comes first (nothing of this evaluation runs beside
         // another's timing); with it, a place among the device's warm evaluations.
         let (slot, mut lease, _warm) = if self.cfg.prestart {
@@ -647,7 +648,7 @@ impl Evaluator {
                 Some(l) => l,
                 None => Self::lease(slot).await?,
             };
-            let lease_wait_s = asked.elapsed().as_secs_f64();
+            let leased_at = Instant::now();
             // A judge that already ended (a verdict before the gate, such as a forbidden
             // source) has closed its end: nothing to say to it then.
             if let Some(mut g) = gate.take() {
@@ -659,7 +660,7 @@ impl Evaluator {
                 out.await.unwrap_or_default(),
                 err.await.unwrap_or_default(),
                 outcome,
-                lease_wait_s,
+                leased_at,
                 lease,
             ))
         }
@@ -672,14 +673,14 @@ impl Evaluator {
             log.extend(werr.await.unwrap_or_default());
             tail(&log, 2000)
         };
-        let (out, err, outcome, lease_wait_s, lease) = judged?;
+        let (out, err, outcome, leased_at, lease) = judged?;
         drop(lease);
         if outcome.timed_out {
             let v = Verdict::failed(
                 "time_limit",
                 format!("time_limit: the evaluation ran past {secs} s"),
             );
-            return Ok((v, log, lease_wait_s));
+            return Ok((v, log, leased_at));
         }
         // The judge is trusted code in its own sandbox; the worker cannot reach its stdout.
         let text = String::from_utf8_lossy(&out);
@@ -688,7 +689,7 @@ impl Evaluator {
             .rev()
             .find_map(|l| serde_json::from_str::<Verdict>(l).ok())
         {
-            Some(v) => Ok((v, log, lease_wait_s)),
+            Some(v) => Ok((v, log, leased_at)),
             None => Err(EvalError::Harness(format!(
                 "the judge gave no verdict ({}): {}",
                 describe_exit(&outcome),
