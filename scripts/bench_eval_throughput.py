@@ -8,8 +8,15 @@ evaluation and the device-seconds per evaluation. Candidates are variants of the
 examples: each gets its own comment, so every one is a fresh build (no cache hits); then one
 unchanged resubmission and one one-line change show a cache hit and a rebuild.
 
+With --warm-builds each distinct example is built once first (not counted) and the N
+evaluations resubmit those sources unchanged: every one is still judged in full (the server
+keeps no verdicts), so this measures what the device side sustains once builds run ahead of the
+lease, as they do in a steady stream of episodes. --data-dir keeps the server's data (its build
+cache) between runs, so a second run (say --prestart off after on) builds nothing.
+
     scripts/bench_eval_throughput.py --device cpu --n 8 --concurrency 2
     scripts/bench_eval_throughput.py --device cuda --n 32 --concurrency 32
+    scripts/bench_eval_throughput.py --device cuda --n 16 --concurrency 16 --warm-builds --data-dir /tmp/d
     scripts/bench_eval_throughput.py --device cpu --pch=none        # without precompiled headers
     scripts/bench_eval_throughput.py --device cpu --pch="-O3"       # one variant (the default: all)
 
@@ -135,9 +142,18 @@ def main():
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--prestart", choices=["on", "off"], help="the server's --prestart (default: its own, on with CUDA)")
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
+    ap.add_argument("--warm-builds", action="store_true",
+                    help="build each example once first; the N evaluations are build-cache hits")
+    ap.add_argument("--data-dir", help="the server's data directory, kept (its build cache is reused)")
     args = ap.parse_args()
 
-    tmp = tempfile.mkdtemp(prefix="cuda-agent-throughput.")
+    if args.data_dir:
+        # The server's data directory must be traversable by the sandboxed uids beneath it.
+        tmp = os.path.abspath(args.data_dir)
+        os.makedirs(tmp, exist_ok=True)
+        args.keep = True
+    else:
+        tmp = tempfile.mkdtemp(prefix="cuda-agent-throughput.")
     os.chmod(tmp, 0o711)
     data = os.path.join(tmp, "data")
     proc, url, info = start_server(args, data)
@@ -145,19 +161,32 @@ def main():
         pch_wait = wait_pch(data, info, 1800)
         pool = candidates(args.device)
         nonce = os.getpid()
-        jobs = [(pool[i % len(pool)][0], variant(pool[i % len(pool)][1], i, nonce))
-                for i in range(args.n)]
+        if args.warm_builds:
+            jobs = [pool[i % len(pool)] for i in range(args.n)]
+        else:
+            jobs = [(pool[i % len(pool)][0], variant(pool[i % len(pool)][1], i, nonce))
+                    for i in range(args.n)]
         print(f"server: device={info['device']} torch={info['torch']} "
               f"max_builds={info['capacity']['max_builds']} build={json.dumps(info.get('build'))}")
         if pch_wait:
             print(f"precompiled headers ready after {pch_wait:.0f} s (not counted below)")
-        print(f"{args.n} distinct candidates over {len(pool)} task(s), {args.concurrency} in flight")
 
         def one(job):
             task, src = job
             t = time.time()
             r = post(url + "/v1/evaluate", {"task": task, "solution": src}, timeout=3600)
             return task, time.time() - t, r
+
+        if args.warm_builds:
+            t = time.time()
+            with ThreadPoolExecutor(len(pool)) as ex:
+                warm = list(ex.map(one, pool))
+            built = sum(1 for _, _, r in warm if not r["details"].get("build_cache_hit"))
+            print(f"warm-up: {len(pool)} sources, {built} built, {time.time() - t:.0f} s (not counted)")
+            print(f"{args.n} evaluations of {len(pool)} built sources (build-cache hits), "
+                  f"{args.concurrency} in flight")
+        else:
+            print(f"{args.n} distinct candidates over {len(pool)} task(s), {args.concurrency} in flight")
 
         cpu0, t0 = cpu_seconds(), time.time()
         with ThreadPoolExecutor(args.concurrency) as ex:
@@ -193,6 +222,11 @@ def main():
         print(row(["core-s per evaluation", f"{cores / args.n:.1f}"], [28, 10]))  # the whole machine
         print(row(["device-s per evaluation", f"{device_s / args.n:.1f}"], [28, 10]))
 
+        bad = [(t, r.get("reason")) for t, _, r in results if not r.get("correct")]
+        for t, reason in bad[:5]:
+            print(f"not correct: {t}: {(reason or '')[:300]}")
+        if args.warm_builds:
+            return
         # The agent's loop: the same sources again (a cache hit), then a one-line change.
         task, src = jobs[0]
         _, hit_s, hit = one((task, src))
@@ -203,9 +237,6 @@ def main():
         print(row(["  of which build (s)", f"{hit['details'].get('phases', {}).get('build_s', 0):.2f}"], [34, 8]))
         print(row(["one-line change: total (s)", f"{re_s:.1f}"], [34, 8]))
         print(row(["  of which build (s)", f"{re['details'].get('phases', {}).get('build_s', 0):.2f}"], [34, 8]))
-        bad = [(t, r.get("reason")) for t, _, r in results if not r.get("correct")]
-        for t, reason in bad[:5]:
-            print(f"not correct: {t}: {(reason or '')[:300]}")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -302,9 +302,13 @@ impl Evaluator {
 
         // Build: off the device, bounded, as the worker's uid. Extensions build into a
         // directory keyed by the solution's hash, the same path every time, so a rebuild of
-        // the same sources is a no-op for ninja; builds of one hash are serialised (torch's own
-        // lock file would otherwise be left stale by a build killed at its time limit).
+        // the same sources is a no-op for ninja. Evaluations of one hash are serialised from
+        // here to their end: the entry belongs to one evaluation's worker uid at a time (torch
+        // takes a lock file in it on every load, so a second uid taking it over mid-evaluation
+        // fails the first's load; and a build killed at its time limit leaves that lock stale).
         let digest = self.build_digest(files);
+        let digest_lock = self.build_lock(&digest);
+        let _same_sources = digest_lock.lock().await;
         let ext = self.cfg.data_dir.join("build-cache").join(&digest);
         let built_mark = self.cfg.data_dir.join("build-ok").join(&digest);
         let worker_jail = self.worker_jail(&layout, &ext, worker_owner);
@@ -313,8 +317,6 @@ impl Evaluator {
             ..EvaluationPhases::default()
         };
         let (build, cache_hit) = {
-            let digest_lock = self.build_lock(&digest);
-            let _same_sources = digest_lock.lock().await;
             prepare_build_dir(&ext, worker_owner).map_err(|e| io_err(&ext, e))?;
             // Least recently used entries are pruned first (retention.rs).
             let _ = crate::retention::touch(&ext);

@@ -151,3 +151,26 @@ def _siblings():
 _attempt("siblings", _siblings)
 print("ATTEMPTS", _tried, flush=True)
 "#;
+
+/// The same sources submitted twice at once (an RL batch often samples one kernel twice): one
+/// build, and both evaluations judged. The build-cache entry used to be handed to the second
+/// evaluation's uid while the first's worker was loading from it: torch's lock file could not
+/// be created and a correct candidate got a compile error.
+#[tokio::test]
+async fn identical_sources_submitted_together_are_both_judged() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(test_config(dir.path()));
+    let body = json!({"task": "L1/2_Add", "solution": ADD_CANDIDATE});
+    let (a, b) = tokio::join!(
+        call(&s, "POST", "/v1/evaluate", Some(body.clone())),
+        call(&s, "POST", "/v1/evaluate", Some(body)),
+    );
+    let mut hits = Vec::new();
+    for (st, r) in [&a, &b] {
+        assert_eq!(*st, StatusCode::OK, "{r}");
+        assert_eq!(r["correct"], true, "{r}");
+        hits.push(r["details"]["build_cache_hit"].as_bool().unwrap());
+    }
+    hits.sort();
+    assert_eq!(hits, [false, true], "one build, one cache hit");
+}
