@@ -145,6 +145,8 @@ def main():
     ap.add_argument("--warm-builds", action="store_true",
                     help="build each example once first; the N evaluations are build-cache hits")
     ap.add_argument("--data-dir", help="the server's data directory, kept (its build cache is reused)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="with --warm-builds: the data directory's builds are already there")
     args = ap.parse_args()
 
     if args.data_dir:
@@ -177,12 +179,13 @@ def main():
             r = post(url + "/v1/evaluate", {"task": task, "solution": src}, timeout=3600)
             return task, time.time() - t, r
 
-        if args.warm_builds:
+        if args.warm_builds and not args.no_warm_up:
             t = time.time()
             with ThreadPoolExecutor(len(pool)) as ex:
                 warm = list(ex.map(one, pool))
             built = sum(1 for _, _, r in warm if not r["details"].get("build_cache_hit"))
             print(f"warm-up: {len(pool)} sources, {built} built, {time.time() - t:.0f} s (not counted)")
+        if args.warm_builds:
             print(f"{args.n} evaluations of {len(pool)} built sources (build-cache hits), "
                   f"{args.concurrency} in flight")
         else:
