@@ -25,7 +25,7 @@ left() { echo $((total - ($(date +%s) - t0))); }
 phases=${PHASES:-1 2 3}
 want() { [[ " $phases " == *" $1 "* ]]; }
 # A phase's share of the time: all that is left when it is the last one asked for.
-share() { if [ "$2" = last ]; then left; else echo $(($(left) * $1 / 100)); fi; }
+share() { if [ "${2:-}" = last ]; then left; else echo $(($(left) * $1 / 100)); fi; }
 
 if want 1; then
 last=; want 2 || want 3 || last=last

@@ -157,6 +157,12 @@ def test_a_correct_candidate_passes_and_is_timed(tmp_path, ext_dir):
     assert r["details"]["timed_calls_checked"] >= r["timing"]["candidate"]["trials"]
     lo, hi = r["noise_band"]["eager"]
     assert lo <= r["speedup"]["eager"] <= hi
+    # The late-work allowance's control: the reference worker, tracked between its own calls
+    # in the same window. On CPU an idle worker costs microseconds a gap, so the allowance
+    # stays near its fixed 1 ms (a control that counted the judge or the candidate would not).
+    d = r["details"]
+    assert d["gaps_between_calls"] >= d["rounds"] and d["reference_gaps_between_calls"] >= d["rounds"], d
+    assert 0.0 <= d["reference_cpu_between_calls_ms"] < 2.0, d
 
 
 def test_a_wrong_candidate_names_the_input_set(tmp_path, ext_dir):
