@@ -581,6 +581,8 @@ class Worker:
 
     def handle(self, msg: dict) -> dict:
         op = msg.get("op")
+        if op == "ready":
+            return {"ok": True}  # imports and the task are done: nothing else runs here
         if op == "hello":
             return self.hello()
         if op == "model":

@@ -315,13 +315,27 @@ def _gated_judge(tmp_path, ext_dir, marker):
         [sys.executable, str(EVALUATE), "candidate", "--task", str(TASK), "--candidate", str(cand), "--device", "cpu",
          "--no-compile", "--budget-s", "0.5", "--gate"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    # Both workers start before the gate (the server's prestart); give them time to be up.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_children(p.pid)) < 2 and p.poll() is None:
-        time.sleep(0.2)
-    assert len(_children(p.pid)) == 2, "the judge did not start both workers before the gate"
-    time.sleep(8)  # torch imports in the workers: without the gate the candidate would be imported by now
+    # The judge reaches its gate (blocked reading stdin) only once both workers are ready:
+    # torch imported and the task loaded, so that none of it is left for the device lease.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and p.poll() is None and not _reading_a_pipe(p.pid):
+        time.sleep(0.1)
+    assert _reading_a_pipe(p.pid), "the judge never waited at its gate"
+    workers = _children(p.pid)
+    assert len(workers) == 2, "the judge did not start both workers before the gate"
+    for w in workers:
+        assert "libtorch_cpu.so" in Path(f"/proc/{w}/maps").read_text(), "a worker was still importing torch at the gate"
+    time.sleep(1)  # a gate that did not hold would import the candidate now
     return p
+
+
+def _reading_a_pipe(pid: int) -> bool:
+    """Whether `pid` sleeps in a read of a pipe (the judge's gate is its stdin; its workers'
+    replies are awaited in select, never in a blocking read)."""
+    try:
+        return "pipe_read" in Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return False
 
 
 def test_nothing_of_the_candidate_runs_before_the_gate(tmp_path, ext_dir):
