@@ -216,6 +216,10 @@ def main():
             vals = [s.get(key, 0.0) for s in stages]
             if any(vals):
                 print(row([f"  judge {key}_s", f"{statistics.mean(vals):.2f}", f"{max(vals):.2f}"], widths))
+        # Of the time stage: torch.compile's first call (its compilation, or its cache's load).
+        first = [((r["details"].get("check") or {}).get("compile_first_call_s") or 0.0) for _, _, r in results]
+        if any(first):
+            print(row(["    of which compile's 1st call", f"{statistics.mean(first):.2f}", f"{max(first):.2f}"], widths))
         device_s = sum(p.get("judge_s", 0.0) for p in phases)
         print()
         print(row(["evaluations", args.n], [28, 10]))

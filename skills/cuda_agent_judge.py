@@ -700,6 +700,7 @@ class Judge:
         eager output of the same round, and its output fingerprint is re-read at the end of
         the round (a change means work after the reply)."""
         names = ["eager"] + (["compile"] if compile_too else []) + ["candidate"]
+        compile_first_call_s = None
         self.ref.request({"op": "model", "name": "eager", "kind": "eager", "seed": seed}, self.call_timeout)
         if compile_too:
             self.ref.request({"op": "model", "name": "compile", "kind": "compile", "seed": seed}, self.call_timeout)
@@ -710,11 +711,13 @@ class Judge:
             # before the candidate's CPU is tracked, since its idle threads (the CUDA driver's
             # own) add up over such a wait and a legitimate candidate would fail late_work.
             self.set_stage("time, compiling the torch.compile baseline")
+            t = time.perf_counter()
             inputs = h.seeded_inputs(self.task.get_inputs, self.rng.getrandbits(62), self.device)
             self.give_inputs(inputs, "main", cand_dir, ref_dir)
             del inputs
             self.ref.request({"op": "run", "model": "compile"}, self.call_timeout)
             self.release()
+            compile_first_call_s = time.perf_counter() - t
         flush = L2Flusher(self.device)
         times: dict = {n: [] for n in names}
         checked = 0
@@ -789,6 +792,7 @@ class Judge:
             "timed_calls_checked": checked,
             "cpu_between_calls_ms": gap_cpu_ns / 1e6 if self.cand.cpu.available else None,
             "gaps_between_calls": self.cand.gap.gaps,
+            "compile_first_call_s": compile_first_call_s,
             "reference_cpu_between_calls_ms": control_ms if self.ref.cpu.available else None,
             "reference_gaps_between_calls": self.ref.gap.gaps,
             "samples_ms": times,
