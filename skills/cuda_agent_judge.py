@@ -701,6 +701,10 @@ class Judge:
         the round (a change means work after the reply)."""
         names = ["eager"] + (["compile"] if compile_too else []) + ["candidate"]
         compile_first_call_s = None
+        # The checked models and their last outputs are done with: freed before the timed
+        # models exist, so that no worker holds a third output through the rounds.
+        for link in (self.ref, self.cand):
+            link.request({"op": "drop", "name": "check"}, self.call_timeout)
         self.ref.request({"op": "model", "name": "eager", "kind": "eager", "seed": seed}, self.call_timeout)
         if compile_too:
             self.ref.request({"op": "model", "name": "compile", "kind": "compile", "seed": seed}, self.call_timeout)

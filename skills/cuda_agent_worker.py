@@ -484,6 +484,19 @@ class Worker:
         self.last_out.pop(name, None)
         return {"ok": True}
 
+    def drop(self, name: str) -> dict:
+        """Frees a model the judge is done with, and its last output (the checked models
+        before timing: otherwise each worker holds one more output through the timing rounds,
+        2 GiB of a 16 GiB bound on a full-size softmax)."""
+        self.models.pop(name, None)
+        self.last_out.pop(name, None)
+        f = self.out_files.pop(name, None)
+        if f is not None:
+            f.close()
+            f.path.unlink(missing_ok=True)
+        gc.collect()  # before the reply, never after one
+        return {"ok": True}
+
     def slot(self, msg: dict) -> dict:
         old = self.slots.pop(msg["id"], None)
         if old is not None:
@@ -595,6 +608,8 @@ class Worker:
             return self.run(msg)
         if op == "stats":
             return {"ok": True, **memory_stats(self.device)}
+        if op == "drop":
+            return self.drop(msg["name"])
         raise ValueError(f"unknown op {op!r}")
 
 
