@@ -98,7 +98,7 @@ def start_server(args, data):
     if args.pch is not None:
         cmd += ["--pch", args.pch]
     log = open(os.path.join(os.path.dirname(data), "server.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # its log is on stdout
     url = f"http://127.0.0.1:{args.port}"
     for _ in range(600):
         try:
