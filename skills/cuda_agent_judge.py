@@ -426,7 +426,6 @@ class Judge:
         self.workdir = workdir
         self.atol, self.rtol = atol, rtol
         self.call_timeout = call_timeout
-        self.ref_ready = False  # the reference worker's hello done (before a gate)
         self.rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self.regions: dict = {}
         self.ref: WorkerLink | None = None
@@ -441,19 +440,16 @@ class Judge:
 
     def ready(self, setup_timeout: float) -> None:
         """Waits until both workers have imported torch and loaded the task (they start side
-        by side), with no candidate code run and no device work: what a gated evaluation does
+        by side), with no candidate code run and no device work: all a gated evaluation does
         before its lease. The reference worker's hello is all of its setup."""
         self.set_stage("start of the workers")
         self.ref.request({"op": "hello"}, setup_timeout)
-        self.ref_ready = True
         self.cand.request({"op": "ready"}, setup_timeout)
 
     def hello(self, setup_timeout: float) -> dict:
-        """Imports the candidate's model_new.py (and the reference worker's setup, where
-        `ready` did not do it); the candidate's answer carries its build report."""
+        """Imports the candidate's model_new.py (after `ready`); the answer carries its
+        build report."""
         self.set_stage("build and import of model_new.py")
-        if not self.ref_ready:
-            self.ref.request({"op": "hello"}, setup_timeout)
         return self.cand.request({"op": "hello"}, setup_timeout)
 
     def region(self, link: WorkerLink, key: str, nbytes: int, where: Path) -> "h.FileRegion | h.CudaRegion":
@@ -916,10 +912,10 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
             cand_in = cdir
         else:
             judge.cand, cand_in = attach()
+        # Everything that needs neither the device nor the candidate's code comes before the
+        # gate: the imports and the task's load in both workers.
+        judge.ready(opts.setup_timeout)
         if gate is not None:
-            # Everything that needs neither the device nor the candidate's code happens before
-            # the gate: the imports and the task's load in both workers.
-            judge.ready(opts.setup_timeout)
             lap("prestart")
             gate()
             lap("lease_wait")
