@@ -13,12 +13,15 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "skills"))
 import cuda_agent_harness as h  # noqa: E402
 
 
-def exact_verdict(r: torch.Tensor, n: torch.Tensor, atol: float, rtol: float) -> bool:
-    """The rule written out plainly, in float64 (complex128): what every verdict must agree with."""
+def exact_verdict(r: torch.Tensor, n: torch.Tensor, atol: float, rtol: float, floor: float | None = None) -> bool:
+    """The rule written out plainly, in float64 (complex128): what every verdict must agree with.
+    `floor` is the output's typical magnitude (the judge's own by default; 0 is the plain
+    elementwise rule)."""
+    floor = h.typical_magnitude(r) if floor is None else floor
     wide = torch.complex128 if r.is_complex() else torch.float64
     rd, nd = r.to(wide), n.to(wide)
     diff = (nd - rd).abs()
-    ok = ((diff <= atol + rtol * rd.abs()) & torch.isfinite(diff)) | (torch.isnan(rd) & torch.isnan(nd)) | (torch.isinf(rd) & (rd == nd))
+    ok = ((diff <= atol + rtol * rd.abs().clamp_min(floor)) & torch.isfinite(diff)) | (torch.isnan(rd) & torch.isnan(nd)) | (torch.isinf(rd) & (rd == nd))
     return bool(ok.all())
 
 
@@ -60,7 +63,7 @@ def test_the_verdict_at_the_tolerance_bound_is_the_float64_rule(dtype):
     atol, rtol = h.TOLERANCE[dtype]
     g = torch.Generator().manual_seed(7)
     r = (torch.randn(4096, generator=g, dtype=torch.float64) * 10).to(dtype)
-    bound = atol + rtol * r.to(torch.float64).abs()
+    bound = atol + rtol * r.to(torch.float64).abs().clamp_min(h.typical_magnitude(r))
     for factor in (0.5, 0.999999, 1.0, 1.000001, 1.01, 2.0):
         n = (r.to(torch.float64) + factor * bound).to(dtype)
         assert verdict(r, n) == exact_verdict(r, n, atol, rtol), factor
@@ -70,7 +73,7 @@ def test_random_near_misses_agree_with_the_float64_rule():
     g = torch.Generator().manual_seed(11)
     for trial in range(40):
         r = torch.randn(2048, generator=g) * float(10 ** torch.randint(-3, 4, (1,), generator=g))
-        bound = 1e-4 + 1e-4 * r.abs()
+        bound = 1e-4 + 1e-4 * r.abs().clamp_min(h.typical_magnitude(r))
         # Most elements well inside, a few scattered around the bound.
         n = r + bound * (torch.rand(2048, generator=g) * 0.5)
         idx = torch.randint(0, 2048, (3,), generator=g)
@@ -108,9 +111,10 @@ def test_integer_outputs_must_be_equal():
 def test_a_correct_long_sum_on_moved_inputs_passes_at_the_off_distribution_tolerance():
     """A float32 matmul accumulated in another order than the reference's (a naive kernel's
     loop over k) on inputs moved as far as the off-distribution set moves them (scaled by 2,
-    shifted by half a standard deviation): the task's own tolerance rejects most such outputs
-    at some element near zero, the off-distribution set's does not. On the task's own
-    distribution the same kernel passes at the task's tolerance."""
+    shifted by half a standard deviation): a plain elementwise bound rejects most such outputs
+    at some element near zero; the judge's bound (relative to the output's typical magnitude
+    there) passes them, at the task's tolerance and at the off-distribution set's. On the
+    task's own distribution the same kernel passes too."""
     import cuda_agent_judge as judge
 
     def case(seed: int, move: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +136,48 @@ def test_a_correct_long_sum_on_moved_inputs_passes_at_the_off_distribution_toler
             return False
 
     moved = [case(seed, True) for seed in range(6)]
-    assert not all(passes(w, g, 1.0) for w, g in moved), "the moved inputs no longer stress the rounding: this test says nothing"
+    assert not all(exact_verdict(w, g, 1e-4, 1e-4, floor=0.0) for w, g in moved), "the moved inputs no longer stress the rounding: this test says nothing"
+    assert all(passes(w, g, 1.0) for w, g in moved)
     assert all(passes(w, g, judge.OFF_DISTRIBUTION_TOLERANCE) for w, g in moved)
     assert all(passes(*case(seed, False), 1.0) for seed in range(6))
+
+
+def _round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """x with 10 mantissa bits (round to nearest), as TF32 tensor cores read float32."""
+    i = x.contiguous().view(torch.int32)
+    return ((i + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def test_a_matvec_summed_in_another_order_passes_and_lower_precision_does_not():
+    """A correct float32 matvec over 16384 terms (the full-size task's K) summed in another
+    order than the reference's: a few outputs near zero, where the long sums cancel, miss the
+    plain elementwise bound (the H100 run judged such a kernel -1) and must pass. The same
+    product with its operands rounded to TF32 or bfloat16 must still fail."""
+    g = torch.Generator().manual_seed(0)
+    a, v = torch.randn(2048, 16384, generator=g), torch.randn(16384, generator=g)
+    want = torch.mv(a, v)
+    reordered = torch.mv(a.flip(1).contiguous(), v.flip(0).contiguous())
+    blocked = (a.view(2048, 8, 2048) * v.view(8, 2048)).sum(2).sum(1)
+    for got in (reordered, blocked):
+        assert not exact_verdict(want, got, 1e-4, 1e-4, floor=0.0), "no output missed the plain bound: this test says nothing"
+        assert verdict(want, got)
+    assert not verdict(want, torch.mv(_round_to_tf32(a), _round_to_tf32(v)))
+    assert not verdict(want, torch.mv(a.bfloat16().float(), v.bfloat16().float()))
+
+
+def test_the_typical_magnitude_ignores_a_few_huge_outputs_and_integer_outputs():
+    """A handful of huge expected values must not loosen the bound for the rest (an attacker
+    cannot choose the expected outputs, but a task can have heavy tails)."""
+    r = torch.ones(1_000_000)
+    r[:500] = 1e30
+    assert h.typical_magnitude(r) == pytest.approx(1.0)
+    assert h.typical_magnitude(torch.arange(10)) == 0.0
+    assert h.typical_magnitude(torch.full((4,), float("nan"))) == 0.0
+    assert h.typical_magnitude(torch.tensor([-3.0])) == pytest.approx(3.0)
+    # Elementwise outputs keep their precision below the typical size: an error of 1e-3 of it
+    # on the small elements of an exp is wrong.
+    x = torch.exp(torch.randn(100_000, generator=torch.Generator().manual_seed(3)))
+    got = x.clone()
+    small = x < 0.5
+    got[small] += 1e-3 * h.typical_magnitude(x)
+    assert not verdict(x, got)
