@@ -613,15 +613,20 @@ class Worker:
         raise ValueError(f"unknown op {op!r}")
 
 
+# What the vector-ISA probe memo did in this process (see settle_cpu_vec_isa): probes run,
+# probes answered from the record.
+VEC_ISA_PROBES = {"ran": 0, "remembered": 0}
+
+
 def settle_cpu_vec_isa() -> str:
     """torch.compile on CPU first finds which vector ISAs the compiler can build for: per ISA
-    the CPU claims, a probe compiled once (cached on disk) and loaded by a fresh Python that
-    imports torch (not cached: about 10 s of every process's first compile on a 2-core
-    machine). The answer is kept here, beside inductor's own cache, keyed by what decides it
-    (torch, the Python, the compiler, the ISAs the CPU claims). Where every claimed ISA passed,
-    later processes tell inductor so through its own setting (`cpp.vec_isa_ok`) and skip the
-    probes: the list they get is the one a full check gives. Anything unexpected leaves
-    inductor to check as it always does. Returns what it did, for tests."""
+    the CPU claims (and again for AVX-512 BF16 and VNNI), a probe compiled once (cached on
+    disk) and then loaded by a fresh Python that imports torch, which is not cached: 4-8 s of
+    every process's first compile on a 2-core machine, the most of a warm-cache compile
+    baseline. Each probe that passed is remembered beside inductor's cache, keyed by what
+    decides it (torch, the Python, the compilers, the ISA's flags, the probe's code); later
+    processes answer those probes from the record and run the rest as inductor does. A probe
+    that failed is never recorded: it runs again. Returns what it did, for tests."""
     import platform
     import shutil
 
@@ -629,32 +634,38 @@ def settle_cpu_vec_isa() -> str:
         from torch._inductor import config, cpu_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        if config.cpp.vec_isa_ok is not None:
-            return "set by the environment"
         if platform.machine() not in ("x86_64", "AMD64"):
             return "not x86"
-        flags = cpu_vec_isa.x86_isa_checker()
-        claimed = sorted(str(i) for i in cpu_vec_isa.supported_vec_isa_list if str(i).split() and all(f in flags for f in str(i).split()))
+        if getattr(cpu_vec_isa.VecISA.check_build, "_cuda_agent_memo", False):
+            return "already settled"
         compilers = []
         for c in config.cpp.cxx:
             path = shutil.which(c) if c else None
             if path:
                 st = os.stat(path)
                 compilers.append(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}")
-        key = hashlib.sha256(json.dumps([torch.__version__, sys.executable, claimed, compilers]).encode()).hexdigest()[:24]
-        record = Path(cache_dir()) / "cuda-agent-vec-isa" / f"{key}.json"
-        if record.is_file():
-            seen = json.loads(record.read_text())
-            if seen.get("claimed") == claimed and seen.get("valid") == claimed:
-                config.cpp.vec_isa_ok = True
-                return "every claimed ISA passed before"
-            return "checked before: not every claimed ISA passed"
-        valid = sorted(str(i) for i in cpu_vec_isa.valid_vec_isa_list())  # the probes, once
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"claimed": claimed, "valid": valid}))
-        os.replace(tmp, record)
-        return "checked"
+        machine = json.dumps([torch.__version__, sys.executable, compilers])
+        records = Path(cache_dir()) / "cuda-agent-vec-isa"
+        probe = cpu_vec_isa.VecISA.check_build
+
+        def check_build(isa, code: str) -> bool:
+            key = hashlib.sha256(json.dumps([machine, str(isa._arch_flags), code]).encode()).hexdigest()[:32]
+            record = records / f"{key}.passed"
+            if record.is_file():
+                VEC_ISA_PROBES["remembered"] += 1
+                return True
+            VEC_ISA_PROBES["ran"] += 1
+            ok = probe(isa, code)
+            if ok:
+                records.mkdir(parents=True, exist_ok=True)
+                tmp = record.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(str(isa))
+                os.replace(tmp, record)
+            return ok
+
+        check_build._cuda_agent_memo = True
+        cpu_vec_isa.VecISA.check_build = check_build
+        return "probes remembered"
     except Exception:  # noqa: BLE001 - an internal of torch moved: inductor checks by itself
         return "left to inductor"
 

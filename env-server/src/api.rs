@@ -108,6 +108,7 @@ impl From<EpisodeError> for ApiError {
             }
             EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
             EpisodeError::Internal(_) => {
+                tracing::error!(error = %msg, "episode request failed inside the server");
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg)
             }
         }
@@ -126,7 +127,11 @@ impl From<EvalError> for ApiError {
         match e {
             EvalError::BadSolution(_) => Self::new(StatusCode::BAD_REQUEST, "bad_solution", msg),
             EvalError::QueueFull(_) => Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", msg),
-            _ => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "harness_error", msg),
+            _ => {
+                // The operator's only record of it: the client may not keep the body.
+                tracing::error!(error = %msg, "evaluation failed in the harness");
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "harness_error", msg)
+            }
         }
     }
 }
