@@ -630,10 +630,15 @@ def settle_cpu_vec_isa() -> str:
     import platform
     import shutil
 
+    # Only a moved internal is left to inductor; any other failure of the import (a cache
+    # directory it cannot write) is the real error, and torch.compile's own import would
+    # hide it behind a half-imported module.
     try:
         from torch._inductor import config, cpu_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-
+    except ImportError:
+        return "left to inductor"
+    try:
         if platform.machine() not in ("x86_64", "AMD64"):
             return "not x86"
         if getattr(cpu_vec_isa.VecISA.check_build, "_cuda_agent_memo", False):

@@ -524,14 +524,18 @@ impl Evaluator {
             judge_owner,
         );
         // torch.compile's caches persist across evaluations, so the compile baseline's
-        // compilation is paid once per task and device. One directory per device slot: the
-        // slot's lease serialises its judges, and only judges (never a worker) can write it.
+        // compilation is paid once per task and device. One directory per device slot, only
+        // judges (never a worker) can write it, and it belongs to the judge that holds the
+        // slot's lease: handed over when the lease is granted, not when the judge starts. With
+        // prestart several judges wait at their gates at once, and a hand-over at start gave
+        // the directory to the last one started while another timed: that one's torch.compile
+        // could not write its cache (the evaluation failed with a harness error).
         let compile_cache = self
             .cfg
             .data_dir
             .join("judge-cache")
             .join(format!("slot{slot_index}"));
-        hand_over(&compile_cache, judge_owner).map_err(|e| io_err(&compile_cache, e))?;
+        std::fs::create_dir_all(&compile_cache).map_err(|e| io_err(&compile_cache, e))?;
         judge_jail.env.push((
             "TORCHINDUCTOR_CACHE_DIR".into(),
             compile_cache.join("inductor").into(),
@@ -651,6 +655,11 @@ impl Evaluator {
                 None => Self::lease(slot).await?,
             };
             let leased_at = Instant::now();
+            let cache = compile_cache.clone();
+            tokio::task::spawn_blocking(move || {
+                hand_over(&cache, judge_owner).map_err(|e| io_err(&cache, e))
+            })
+            .await??;
             // A judge that already ended (a verdict before the gate, such as a forbidden
             // source) has closed its end: nothing to say to it then.
             if let Some(mut g) = gate.take() {

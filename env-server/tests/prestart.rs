@@ -15,8 +15,12 @@ const ADD_CANDIDATE: &str = include_str!("../../tests/cpu_add_candidate.py");
 #[tokio::test]
 async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
     let dir = tempfile::tempdir().unwrap();
+    // torch.compile on: the compile baseline's cache directory is shared by the device's
+    // judges, and belongs to whichever holds the lease (handed over at start, it went to the
+    // last judge started and the one timing could not write it: a harness error).
     let s = state_from(ServerConfig {
         prestart: Some(true),
+        skip_compile: false,
         ..test_config(dir.path())
     });
     // Two distinct sources (two builds), submitted together: one times while the other
@@ -38,6 +42,7 @@ async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
         for k in ["prestart", "lease_wait", "start", "check", "time"] {
             assert!(stages[k].is_number(), "{k} missing in {stages}");
         }
+        assert!(r["times_ms"]["compile"].is_number(), "{r}");
     }
     let (st, r) = rf;
     assert_eq!(st, StatusCode::OK, "{r}");
