@@ -453,12 +453,13 @@ class Judge:
         d.mkdir(mode=0o700, exist_ok=True)
         self.ref = spawn_worker("reference", self.task_path, self.device.type, d / "out", d / "worker.log")
 
-    def ready(self, setup_timeout: float) -> None:
+    def ready(self, setup_timeout: float, compile_too: bool = False) -> None:
         """Waits until both workers have imported torch and loaded the task (they start side
         by side), with no candidate code run and no device work: all a gated evaluation does
-        before its lease. The reference worker's hello is all of its setup."""
+        before its lease. The reference worker's hello is all of its setup (torch.compile's
+        imports included when the baseline is wanted)."""
         self.set_stage("start of the workers")
-        self.ref.request({"op": "hello"}, setup_timeout)
+        self.ref.request({"op": "hello", "compile": bool(compile_too)}, setup_timeout)
         self.cand.request({"op": "ready"}, setup_timeout)
 
     def hello(self, setup_timeout: float) -> dict:
@@ -935,7 +936,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
             judge.cand, cand_in = attach()
         # Everything that needs neither the device nor the candidate's code comes before the
         # gate: the imports and the task's load in both workers.
-        judge.ready(opts.setup_timeout)
+        judge.ready(opts.setup_timeout, opts.time and opts.compile)
         if gate is not None:
             lap("prestart")
             gate()
@@ -943,6 +944,9 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         hello = judge.hello(opts.setup_timeout)
         lap("start")
         details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions"), "stage_s": stage_s}
+        steps = hello.get("steps_s")
+        if isinstance(steps, dict):  # the worker's own account of its start: informational
+            details["worker_start_s"] = {str(k)[:32]: v for k, v in list(steps.items())[:8] if isinstance(v, (int, float))}
         details.update(judge.check(opts.seeds, cand_in, ref_dir))
         details["off_distribution"] = judge.check_off_distribution(opts.seeds[-1] ^ 0x5EED, cand_in, ref_dir)
         lap("check")

@@ -535,7 +535,8 @@ impl Evaluator {
             .data_dir
             .join("judge-cache")
             .join(format!("slot{slot_index}"));
-        std::fs::create_dir_all(&compile_cache).map_err(|e| io_err(&compile_cache, e))?;
+        let cache_parts =
+            compile_cache_parts(&compile_cache).map_err(|e| io_err(&compile_cache, e))?;
         judge_jail.env.push((
             "TORCHINDUCTOR_CACHE_DIR".into(),
             compile_cache.join("inductor").into(),
@@ -655,9 +656,11 @@ impl Evaluator {
                 None => Self::lease(slot).await?,
             };
             let leased_at = Instant::now();
-            let cache = compile_cache.clone();
+            let parts = cache_parts.clone();
             tokio::task::spawn_blocking(move || {
-                hand_over(&cache, judge_owner).map_err(|e| io_err(&cache, e))
+                parts
+                    .iter()
+                    .try_for_each(|p| hand_over(p, judge_owner).map_err(|e| io_err(p, e)))
             })
             .await??;
             // A judge that already ended (a verdict before the gate, such as a forbidden
@@ -1043,6 +1046,35 @@ fn describe_exit(o: &Outcome) -> String {
 
 /// Gives a directory tree the judges share to this evaluation's judge uid (links are
 /// changed, never followed; only judges ever write there).
+/// The compile cache of one device slot: the slot directory (root's, searchable by all, so
+/// that a judge waiting at its gate can import torch.compile's modules, which only check that
+/// their directory exists) and its `inductor` and `triton` parts, which are handed to the judge
+/// holding the lease. A part that is not a plain directory (a link left by an older layout,
+/// where judges owned the slot directory) is removed, never followed.
+fn compile_cache_parts(slot_dir: &Path) -> std::io::Result<[PathBuf; 2]> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(slot_dir)?;
+    // The server's own again (judges owned it in the older layout).
+    // SAFETY: geteuid and getegid only read the calling process's ids.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    std::os::unix::fs::lchown(slot_dir, Some(uid), Some(gid))?;
+    std::fs::set_permissions(slot_dir, std::fs::Permissions::from_mode(0o711))?;
+    let parts = [slot_dir.join("inductor"), slot_dir.join("triton")];
+    for p in &parts {
+        match std::fs::symlink_metadata(p) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => std::fs::remove_file(p)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        if !p.exists() {
+            std::fs::create_dir(p)?;
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))?;
+        }
+    }
+    Ok(parts)
+}
+
 fn hand_over(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
@@ -1100,4 +1132,35 @@ pub fn random_u64() -> u64 {
     // SAFETY: getrandom writes at most 8 bytes into b.
     unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
     u64::from_le_bytes(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Attack: a judge of the older layout owned the slot directory and left `inductor` as a
+    /// link to a directory of its choosing; the server must not chmod or chown through it.
+    #[test]
+    fn a_cache_part_that_is_a_link_is_replaced_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let slot = dir.path().join("judge-cache").join("slot0");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(&slot).unwrap();
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::set_permissions(&outside, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::symlink(&outside, slot.join("inductor")).unwrap();
+        let parts = compile_cache_parts(&slot).unwrap();
+        for p in &parts {
+            let m = std::fs::symlink_metadata(p).unwrap();
+            assert!(m.is_dir() && !m.file_type().is_symlink(), "{p:?}");
+            hand_over(p, None).unwrap();
+        }
+        let mode = std::fs::metadata(&outside).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755, "the link's target was changed");
+        // The slot directory stays searchable, so a judge at its gate can import
+        // torch.compile's modules (they only check that their directory exists).
+        let mode = std::fs::metadata(&slot).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o711);
+    }
 }
