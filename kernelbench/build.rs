@@ -3,7 +3,10 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tasks");
+    // Read when the script runs, not when it was compiled: a target directory shared by two
+    // checkouts of the same sources reuses the compiled script for both.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let root = Path::new(&manifest).join("tasks");
     println!("cargo:rerun-if-changed={}", root.display());
     let mut files = Vec::new();
     for level in std::fs::read_dir(&root).expect("tasks/ exists") {

@@ -445,7 +445,7 @@ class Worker:
             torch.zeros(2).add_(1)
         return {"ok": True}
 
-    def hello(self, msg: dict | None = None) -> dict:
+    def hello(self, msg: dict) -> dict:
         # Where this step's time goes, for throughput work (the worker's own account: shown,
         # it decides nothing). On an H100 the candidate's hello took 7-10 s inside the lease.
         steps: dict = {}
@@ -469,7 +469,7 @@ class Worker:
                 raise h.RuleBreak("compile", describe_build_error(e, cdir) + candidate_traceback(e, cdir)) from e
             self.build_s = time.perf_counter() - start
             lap("import")
-        elif (msg or {}).get("compile"):
+        elif msg.get("compile"):
             # torch.compile's own modules (2-3 s of imports), before the gate where the
             # reference's hello runs: not inside the lease. They read their cache directory's
             # path only; it is written once the lease hands it to this judge.

@@ -1044,8 +1044,6 @@ fn describe_exit(o: &Outcome) -> String {
     }
 }
 
-/// Gives a directory tree the judges share to this evaluation's judge uid (links are
-/// changed, never followed; only judges ever write there).
 /// The compile cache of one device slot: the slot directory (root's, searchable by all, so
 /// that a judge waiting at its gate can import torch.compile's modules, which only check that
 /// their directory exists) and its `inductor` and `triton` parts, which are handed to the judge
@@ -1062,19 +1060,19 @@ fn compile_cache_parts(slot_dir: &Path) -> std::io::Result<[PathBuf; 2]> {
     let parts = [slot_dir.join("inductor"), slot_dir.join("triton")];
     for p in &parts {
         match std::fs::symlink_metadata(p) {
-            Ok(m) if m.is_dir() => {}
+            Ok(m) if m.is_dir() => continue,
             Ok(_) => std::fs::remove_file(p)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
-        if !p.exists() {
-            std::fs::create_dir(p)?;
-            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))?;
-        }
+        std::fs::create_dir(p)?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))?;
     }
     Ok(parts)
 }
 
+/// Gives a directory tree the judges share to this evaluation's judge uid (links are
+/// changed, never followed; only judges ever write there).
 fn hand_over(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
