@@ -415,7 +415,7 @@ impl Pch {
             source,
         };
         // Written beside the directory gcc reads, then renamed in: never seen half made.
-        let tmp = self.dir.join(format!("torch/{}.tmp", std::process::id()));
+        let tmp = self.dir.join("torch").join(scratch_name("variant", "tmp"));
         let run = self
             .compiler(flags, path)
             .args(["-x", "c++-header"])
@@ -447,7 +447,7 @@ impl Pch {
     /// Whether the compiler, given this directory on `CPATH`, loads a precompiled header for
     /// a translation unit shaped like `load_inline`'s (`-H` marks a used one with `!`).
     pub fn used_for(&self, flags: &str, path: &std::ffi::OsStr) -> Result<bool, PchError> {
-        let src = self.dir.join(format!("probe-{}.cpp", std::process::id()));
+        let src = self.dir.join(scratch_name("probe", "cpp"));
         std::fs::write(
             &src,
             "#include <torch/extension.h>\nint cuda_agent_pch_probe;\n",
@@ -472,6 +472,15 @@ impl Pch {
             .lines()
             .any(|l| l.starts_with("! ") && l.contains("extension.h.gch")))
     }
+}
+
+/// A file name no other call in any process shares: the server checks a variant it has just
+/// made while another caller in the same process (a test) may check the same one, and each
+/// removes its probe when done.
+fn scratch_name(stem: &str, ext: &str) -> String {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{stem}-{}-{n}.{ext}", std::process::id())
 }
 
 fn last_lines(bytes: &[u8], n: usize) -> String {

@@ -53,7 +53,21 @@ async fn precompiled_headers_are_checked_and_builds_use_them() {
     let path = std::env::join_paths(python.path_dirs()).unwrap();
     let pch = Pch::layout(&dir.path().join("pch"), &python, Device::Cpu, &path, &[]).unwrap();
     assert!(pch.has("-O3"));
-    assert!(pch.used_for("-O3", &path).unwrap());
+    // Checks overlapping in one process (the server checks each variant it makes while
+    // callers may check it too) each see the header used: they once shared a probe file that
+    // the first to finish removed or the next rewrote under the compiler reading it.
+    let checks: Vec<_> = (0..3)
+        .map(|i| {
+            let (pch, path) = (pch.clone(), path.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(150 * i));
+                pch.used_for("-O3", &path).unwrap()
+            })
+        })
+        .collect();
+    for c in checks {
+        assert!(c.join().unwrap(), "an overlapping check did not see the header used");
+    }
     assert!(pch.used_for("-O2", &path).unwrap());
     assert!(!pch.used_for("", &path).unwrap());
 
