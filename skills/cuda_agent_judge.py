@@ -194,6 +194,9 @@ class WorkerLink:
     stage: str = ""
     # The candidate worker's own account of the weights it took (advisory: shown, never believed).
     weights: dict | None = None
+    # Every forward asked of this worker: (model, sent, replied) in CLOCK_MONOTONIC ns, the
+    # clock of the server's outside observation of the worker's CPU.
+    runs: list = field(default_factory=list)
 
     def __post_init__(self):
         try:
@@ -245,6 +248,7 @@ class WorkerLink:
                 self.gap.add(self.last_reply_cpu, before)
         self.seq += 1
         msg = dict(msg, seq=self.seq)
+        run_started = time.monotonic_ns()
         try:
             self.sent_at = time.perf_counter()
             self.channel.send(msg)
@@ -269,6 +273,8 @@ class WorkerLink:
         try:
             reply = self.channel.recv(timeout=max(1.0, deadline - time.monotonic()))
             self.replied_at = time.perf_counter()
+            if msg["op"] == "run":
+                self.runs.append((msg.get("model"), run_started, time.monotonic_ns()))
         except h.ChannelClosed as e:
             if self.popen is not None:
                 try:  # a worker that just crashed: let it be reaped, so its signal is known
@@ -980,6 +986,12 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
             if floor is not None and st["candidate"]["median_ms"] < 0.9 * floor:
                 raise h.RuleBreak("impossible_time", f"median {st['candidate']['median_ms']:.4f} ms is below the {floor:.4f} ms it takes to read the inputs at peak bandwidth")
         details["memory"] = judge.memory()
+        # For the server's outside observation: when each worker ran a forward of the
+        # candidate, or of the eager reference.
+        result["run_windows"] = {
+            "candidate": [[a, b] for _, a, b in judge.cand.runs],
+            "reference": [[a, b] for m, a, b in judge.ref.runs if m in ("check", "eager")],
+        }
     except h.RuleBreak as e:
         result = {"correct": False, "rule": e.rule, "reason": f"{e.rule}: {e}"}
     except ReferenceFailure as e:

@@ -531,6 +531,57 @@ pub struct EvaluationDetails {
     /// The server, not the candidate, failed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub server_error: bool,
+    /// Where the forwards' CPU time went, sampled by the kernel from outside the workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed: Option<ObservedCompute>,
+}
+
+/// What the server saw of the workers' CPU from outside their processes while they ran
+/// forwards: the share of samples in PyTorch's own compute library (`libtorch_cpu.so`) and in
+/// the code of the reference's own kernels there, for the candidate and for the eager
+/// reference. A candidate whose time is where the reference's is computed with PyTorch
+/// (`pytorch_compute`), whatever its own trace said.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ObservedCompute {
+    /// The kernel let the server observe; where not, `reason` says why and no rule rests on it.
+    pub available: bool,
+    /// Why the observation is missing or decided nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Samples inside the candidate's forwards.
+    pub candidate_samples: u64,
+    /// Their share in PyTorch's compute library (OpenMP's idle spinning left out).
+    pub candidate_torch_share: f64,
+    /// Samples inside the eager reference's forwards.
+    pub reference_samples: u64,
+    /// Their share in PyTorch's compute library.
+    pub reference_torch_share: f64,
+    /// The candidate's share in the code of the reference's own kernels (the pages of
+    /// `libtorch_cpu.so` where the reference's forwards spent their time there).
+    pub candidate_kernel_share: f64,
+    /// The reference's share in that code.
+    pub reference_kernel_share: f64,
+    /// `candidate_kernel_share` at or above this breaks `pytorch_compute`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_threshold: Option<f64>,
+    /// `candidate_torch_share` at or above this breaks `pytorch_compute`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub library_threshold: Option<f64>,
+    /// The libraries where the candidate's forwards spent the most samples.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidate_top: Vec<LibraryShare>,
+    /// Samples the kernel could not record (a full ring buffer).
+    #[serde(default)]
+    pub lost: u64,
+}
+
+/// One library's share of a set of samples.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct LibraryShare {
+    /// The library's file name.
+    pub library: String,
+    /// Its share of the samples.
+    pub share: f64,
 }
 
 /// What the build step of an evaluation reported.

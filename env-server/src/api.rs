@@ -654,6 +654,8 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         EvaluationResult,
         Times,
         Speedups,
+        env_api::ObservedCompute,
+        env_api::LibraryShare,
         ErrorBody,
         ErrorDetail,
         TaskList,

@@ -369,7 +369,7 @@ impl Evaluator {
             .collect();
         let seeds = seeds.join(",");
         let lease_asked = Instant::now();
-        let (verdict, worker_log, leased_at) = self
+        let (verdict, worker_log, leased_at, observed) = self
             .judge_run(
                 &layout,
                 &worker_jail,
@@ -397,6 +397,14 @@ impl Evaluator {
             details.rule = verdict.rule.clone();
             let reason = verdict.reason.unwrap_or_else(|| "evaluation failed".into());
             return Ok(fail(reason, details));
+        }
+        if let Some(observed) = observed {
+            let (summary, broken) = observed.judge(verdict.run_windows.as_ref());
+            details.observed = Some(summary);
+            if let Some(reason) = broken {
+                details.rule = Some("pytorch_compute".into());
+                return Ok(fail(format!("pytorch_compute: {reason}"), details));
+            }
         }
         let times = verdict.times_ms.unwrap_or_default();
         let ratio = |b: Option<f64>| match (b, times.candidate) {
@@ -502,7 +510,7 @@ impl Evaluator {
         worker_owner: Option<(u32, u32)>,
         seeds: &str,
         tolerance: Option<f64>,
-    ) -> Result<(Verdict, String, Instant), EvalError> {
+    ) -> Result<(Verdict, String, Instant, Option<Observed>), EvalError> {
         // Without prestart the lease comes first (nothing of this evaluation runs beside
         // another's timing); with it, a place among the device's warm evaluations.
         let (slot, mut lease, _warm) = if self.cfg.prestart {
@@ -646,6 +654,9 @@ impl Evaluator {
         }
         // The judge starts its side (workers, channels) and waits at the gate for the lease.
         jargv.push("--gate".into());
+        // The outside observation decides only on the CPU: on a GPU the forwards' host time
+        // is launches and waits, whoever wrote the kernels.
+        let observe = self.cfg.device == Device::Cpu;
         let judged = async {
             let mut child = self.spawn_jailed(&judge_jail, &jargv, &d.judge, "the judge", true)?;
             let out = drain(child.stdout.take(), 8 << 20);
@@ -663,6 +674,23 @@ impl Evaluator {
                     .try_for_each(|p| hand_over(p, judge_owner).map_err(|e| io_err(p, e)))
             })
             .await??;
+            // On the CPU the workers' forwards are observed from outside from here on: both
+            // trees are quiet at the gate (imports done, nothing of the candidate's loaded).
+            let observers = if observe {
+                let judge_pid = child.id().unwrap_or(0);
+                Some(
+                    tokio::task::spawn_blocking(move || {
+                        let attach = |pid: u32| {
+                            crate::observe::Observer::attach(pid).map_err(|e| e.to_string())
+                        };
+                        (attach(worker_pid), attach(judge_pid))
+                    })
+                    .await
+                    .map_err(|e| EvalError::Harness(format!("observer: {e}")))?,
+                )
+            } else {
+                None
+            };
             // A judge that already ended (a verdict before the gate, such as a forbidden
             // source) has closed its end: nothing to say to it then.
             if let Some(mut g) = gate.take() {
@@ -670,12 +698,24 @@ impl Evaluator {
                 let _ = g.flush().await;
             }
             let outcome = child.wait_within(self.cfg.phase_timeout).await;
+            let observed = match observers {
+                Some((cand, judge)) => Some(
+                    tokio::task::spawn_blocking(move || Observed {
+                        candidate: cand.map(crate::observe::Observer::finish),
+                        reference: judge.map(crate::observe::Observer::finish),
+                    })
+                    .await
+                    .map_err(|e| EvalError::Harness(format!("observer: {e}")))?,
+                ),
+                None => None,
+            };
             Ok::<_, EvalError>((
                 out.await.unwrap_or_default(),
                 err.await.unwrap_or_default(),
                 outcome,
                 leased_at,
                 lease,
+                observed,
             ))
         }
         .await;
@@ -687,14 +727,14 @@ impl Evaluator {
             log.extend(werr.await.unwrap_or_default());
             tail(&log, 2000)
         };
-        let (out, err, outcome, leased_at, lease) = judged?;
+        let (out, err, outcome, leased_at, lease, observed) = judged?;
         drop(lease);
         if outcome.timed_out {
             let v = Verdict::failed(
                 "time_limit",
                 format!("time_limit: the evaluation ran past {secs} s"),
             );
-            return Ok((v, log, leased_at));
+            return Ok((v, log, leased_at, None));
         }
         // The judge is trusted code in its own sandbox; the worker cannot reach its stdout.
         let text = String::from_utf8_lossy(&out);
@@ -703,7 +743,7 @@ impl Evaluator {
             .rev()
             .find_map(|l| serde_json::from_str::<Verdict>(l).ok())
         {
-            Some(v) => Ok((v, log, leased_at)),
+            Some(v) => Ok((v, log, leased_at, observed)),
             None => Err(EvalError::Harness(format!(
                 "the judge gave no verdict ({}): {}",
                 describe_exit(&outcome),
@@ -892,6 +932,87 @@ struct Verdict {
     details: Option<Value>,
     #[serde(default)]
     env: Option<Value>,
+    #[serde(default)]
+    run_windows: Option<RunWindows>,
+}
+
+/// When each worker ran a forward, in `CLOCK_MONOTONIC` nanoseconds (the judge's clock, and
+/// the observer's).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+struct RunWindows {
+    candidate: Vec<[u64; 2]>,
+    reference: Vec<[u64; 2]>,
+}
+
+/// What the server recorded of the two trees' CPU from outside: the candidate worker's, and
+/// the judge's with the reference worker in it.
+struct Observed {
+    candidate: Result<crate::observe::Recording, String>,
+    reference: Result<crate::observe::Recording, String>,
+}
+
+impl Observed {
+    /// The summary for the details and, where the candidate's forwards spent about as much of
+    /// their time in PyTorch's compute library as the reference's did, why that breaks
+    /// `pytorch_compute`.
+    fn judge(&self, windows: Option<&RunWindows>) -> (env_api::ObservedCompute, Option<String>) {
+        use crate::observe::{pytorch_compute, Finding};
+        let mut s = env_api::ObservedCompute::default();
+        let (cand, reference, windows) = match (&self.candidate, &self.reference, windows) {
+            (Ok(c), Ok(r), Some(w)) => (c, r, w),
+            (Err(e), _, _) | (_, Err(e), _) => {
+                s.reason = Some(format!("not observed: {e}"));
+                return (s, None);
+            }
+            (_, _, None) => {
+                s.reason = Some("the judge reported no forwards".into());
+                return (s, None);
+            }
+        };
+        s.available = true;
+        s.lost = cand.lost + reference.lost;
+        let (c, r) = (
+            cand.profile(&windows.candidate),
+            reference.profile(&windows.reference),
+        );
+        let finding = pytorch_compute(&c, &r);
+        s.candidate_samples = c.samples;
+        s.reference_samples = r.samples;
+        s.candidate_torch_share = finding.candidate_share;
+        s.reference_torch_share = finding.reference_share;
+        s.candidate_kernel_share = finding.candidate_kernel_share;
+        s.reference_kernel_share = finding.reference_kernel_share;
+        s.candidate_top = c
+            .top(5)
+            .into_iter()
+            .map(|(library, share)| env_api::LibraryShare { library, share })
+            .collect();
+        match finding.outcome {
+            Finding::Inconclusive(why) => {
+                s.reason = Some(why);
+                (s, None)
+            }
+            Finding::Clear => {
+                s.kernel_threshold = Some(finding.kernel_threshold);
+                s.library_threshold = Some(finding.library_threshold);
+                (s, None)
+            }
+            Finding::Broken => {
+                s.kernel_threshold = Some(finding.kernel_threshold);
+                s.library_threshold = Some(finding.library_threshold);
+                let why = format!(
+                    "observed from outside the worker, the candidate's forwards spent {:.0}% of their CPU time in the code of the eager reference's own PyTorch kernels (the reference {:.0}%; {:.0}% breaks the rule) and {:.0}% in PyTorch's compute library libtorch_cpu.so (the reference {:.0}%; {:.0}% breaks it): the forward computes with PyTorch",
+                    100.0 * finding.candidate_kernel_share,
+                    100.0 * finding.reference_kernel_share,
+                    100.0 * finding.kernel_threshold,
+                    100.0 * finding.candidate_share,
+                    100.0 * finding.reference_share,
+                    100.0 * finding.library_threshold,
+                );
+                (s, Some(why))
+            }
+        }
+    }
 }
 
 impl Verdict {

@@ -20,6 +20,7 @@ pub mod episode;
 pub mod evaluation;
 pub mod http;
 pub mod mcp;
+pub mod observe;
 pub mod retention;
 pub mod reward;
 pub mod runtime;

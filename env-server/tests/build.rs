@@ -66,7 +66,10 @@ async fn precompiled_headers_are_checked_and_builds_use_them() {
         })
         .collect();
     for c in checks {
-        assert!(c.join().unwrap(), "an overlapping check did not see the header used");
+        assert!(
+            c.join().unwrap(),
+            "an overlapping check did not see the header used"
+        );
     }
     assert!(pch.used_for("-O2", &path).unwrap());
     assert!(!pch.used_for("", &path).unwrap());

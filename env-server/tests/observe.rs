@@ -1,0 +1,153 @@
+//! The outside observer against real processes: samples resolve to the library a thread was
+//! executing, through threads and children started after it attached and programs they exec;
+//! windows select samples by time.
+
+use std::process::{Command, Stdio};
+
+use env_server::observe::{pytorch_compute, Finding, ObserveError, Observer, Profile};
+
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Attaches, or says why this machine cannot observe (not root, no perf events): the
+/// evaluation then reports the observation missing, which `observation_missing_is_said`
+/// covers.
+fn attach_or_skip(pid: u32) -> Option<Observer> {
+    match Observer::attach(pid) {
+        Ok(o) => Some(o),
+        Err(e @ ObserveError::Open { .. }) => {
+            eprintln!("SKIPPED: this machine does not let the server observe: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn samples_follow_children_and_execs_started_after_attaching() {
+    // The root sleeps while the observer attaches; then it forks a child that execs md5sum
+    // (its work is in md5sum's own code) and itself spins in the shell.
+    let mut root = Command::new("sh")
+        .args([
+            "-c",
+            "sleep 0.5; timeout 1.5 md5sum /dev/zero & \
+             end=$(($(date +%s) + 2)); while [ $(date +%s) -lt $end ]; do :; done; wait",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let Some(obs) = attach_or_skip(root.id()) else {
+        let _ = root.kill();
+        let _ = root.wait();
+        return;
+    };
+    let start = now_ns();
+    root.wait().unwrap();
+    let end = now_ns();
+    let rec = obs.finish();
+    let all = rec.profile(&[[start, end]]);
+    println!("{all:?} lost {}", rec.lost);
+    assert!(all.samples > 500, "{all:?}");
+    let md5 = all.by_library.get("md5sum").copied().unwrap_or(0);
+    assert!(
+        md5 as f64 > 0.25 * all.samples as f64,
+        "the exec'd child's samples resolve to its program: {all:?}"
+    );
+    let unknown = all.by_library.get("[unknown]").copied().unwrap_or(0);
+    assert!(
+        (unknown as f64) < 0.05 * all.samples as f64,
+        "nearly every address resolves: {all:?}"
+    );
+    // A window before anything ran holds nothing; windows cover only their own time.
+    assert_eq!(rec.profile(&[[start - 10, start - 5]]).samples, 0);
+    let half = rec.profile(&[[start, start + (end - start) / 2]]).samples;
+    assert!(half > 0 && half < all.samples, "{half} of {}", all.samples);
+}
+
+#[test]
+fn threads_started_later_are_observed() {
+    // A Python whose main thread waits while the observer attaches, then spins in two new
+    // threads inside the C library (memset through ctypes, which releases the GIL).
+    let code = "import ctypes, threading, time\n\
+                time.sleep(0.5)\n\
+                buf = ctypes.create_string_buffer(1 << 22)\n\
+                def spin():\n    t = time.time()\n    while time.time() - t < 1.0:\n        ctypes.memset(buf, 1, len(buf))\n\
+                ts = [threading.Thread(target=spin) for _ in range(2)]\n\
+                [t.start() for t in ts]\n[t.join() for t in ts]\n";
+    let python = std::env::var("CUDA_AGENT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut root = Command::new(python).args(["-c", code]).spawn().unwrap();
+    let Some(obs) = attach_or_skip(root.id()) else {
+        let _ = root.kill();
+        let _ = root.wait();
+        return;
+    };
+    root.wait().unwrap();
+    let rec = obs.finish();
+    let p = rec.profile(&[[0, u64::MAX]]);
+    println!("{p:?}");
+    let libc_share = p.share(|l| l.starts_with("libc.so"));
+    assert!(libc_share > 0.5, "the new threads' memset: {p:?}");
+}
+
+/// A profile with `torch` samples in PyTorch's compute library (on `pages`, spread evenly)
+/// and `other` in an extension.
+fn profile(pages: &[u64], torch: u64, other: u64) -> Profile {
+    let mut p = Profile {
+        samples: torch + other,
+        by_library: [
+            ("libtorch_cpu.so".to_string(), torch),
+            ("ext.so".to_string(), other),
+        ]
+        .into_iter()
+        .collect(),
+        ..Profile::default()
+    };
+    for (i, page) in pages.iter().enumerate() {
+        let n = torch / pages.len() as u64 + u64::from((i as u64) < torch % pages.len() as u64);
+        p.torch_pages.insert(*page, n);
+    }
+    p
+}
+
+#[test]
+fn the_rule_looks_where_the_reference_computes() {
+    // The eager reference of an elementwise task: 55% in its kernel's pages 10-11, the rest
+    // the worker's own copy of the output.
+    let reference = profile(&[10, 11], 55, 45);
+    // An honest candidate: its extension does the work; the dispatcher for its output is 1%.
+    let honest = pytorch_compute(&profile(&[3], 1, 99), &reference);
+    assert_eq!(honest.outcome, Finding::Clear, "{honest:?}");
+    // One that also clones its inputs and zero-fills a buffer: a third of its time in
+    // PyTorch, in the copy and fill kernels' pages, none in the task's kernel.
+    let copies = pytorch_compute(&profile(&[40, 41, 60], 35, 65), &reference);
+    assert_eq!(copies.outcome, Finding::Clear, "{copies:?}");
+    // PyTorch's own kernel under any disguise: the reference's pages.
+    let hidden = pytorch_compute(&profile(&[10, 11], 35, 65), &reference);
+    assert_eq!(hidden.outcome, Finding::Broken, "{hidden:?}");
+    assert!((hidden.kernel_threshold - 0.275).abs() < 1e-9);
+    // Other kernels of PyTorch doing all the work.
+    let other = pytorch_compute(&profile(&[70, 71], 70, 30), &reference);
+    assert_eq!(other.outcome, Finding::Broken, "{other:?}");
+    // Too few samples, or a reference whose compute did not show: nothing is decided.
+    assert!(matches!(
+        pytorch_compute(&profile(&[10], 20, 0), &reference).outcome,
+        Finding::Inconclusive(_)
+    ));
+    assert!(matches!(
+        pytorch_compute(&profile(&[10], 90, 10), &profile(&[10], 10, 90)).outcome,
+        Finding::Inconclusive(_)
+    ));
+    // OpenMP's idle spinning counts for neither side.
+    let mut spun = profile(&[10], 50, 50);
+    spun.by_library.insert("libgomp-a34b3233.so.1".into(), 100);
+    spun.samples += 100;
+    assert!((spun.share(env_server::observe::is_torch_compute) - 0.5).abs() < 1e-9);
+}

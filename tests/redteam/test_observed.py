@@ -1,0 +1,84 @@
+"""The server's outside observation of the workers' CPU, against the corpus's candidates that
+hide PyTorch compute from their own process's trace (paid by the judge alone, which believes
+that trace) and the legitimate CPU candidates most at risk from it (several extension calls,
+OpenMP, ATen's parallel_for, a strided output the worker copies, an integer output).
+
+Runs through a real server binary (`CUDA_AGENT_SERVER_BIN`, as scripts/test.sh sets it), since
+the observation is the server's: it samples the workers' threads with the kernel's perf events,
+which needs root. Where the kernel refuses, the server says so in `details.observed` and these
+tests are skipped with that reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from corpus import judge, load_cases, python, run_case_server
+
+CASES = {c.name: c for c in load_cases()}
+HIDDEN = ["tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated"]
+LEGIT = ["legit_several_ext_calls", "legit_openmp_add", "legit_matmul_parallel_for", "legit_transposed_view_output", "legit_integer_output"]
+
+pytestmark = pytest.mark.redteam
+
+
+@pytest.fixture(scope="module")
+def server():
+    binary = os.environ.get("CUDA_AGENT_SERVER_BIN")
+    if not binary or not Path(binary).is_file():
+        pytest.skip("no server binary (CUDA_AGENT_SERVER_BIN): scripts/test.sh sets it")
+    base = Path(tempfile.mkdtemp(prefix="cuda-agent-observed-"))
+    base.chmod(0o711)  # sandboxed processes run under their own uids and must reach the data dir
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen([binary, "--bind", f"127.0.0.1:{port}", "--data-dir", str(base / "data"), "--python", python(), "--device", "cpu", "--skip-compile"], stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def observed(result: dict) -> dict:
+    obs = (result.get("details") or {}).get("observed")
+    if result.get("correct") is None:
+        pytest.fail(f"the server failed: {result}")
+    return obs or {}
+
+
+@pytest.mark.parametrize("name", HIDDEN)
+def test_hidden_pytorch_compute_is_observed(server, name):
+    case = CASES[name]
+    result = run_case_server(case, server).result
+    obs = observed(result)
+    if result.get("correct") and not obs.get("available"):
+        pytest.skip(f"the server could not observe: {obs.get('reason')}")
+    assert result.get("correct") is False and result.get("rule") == "pytorch_compute", result
+    assert "observed from outside" in result.get("reason", "") or result.get("rule") == "pytorch_compute"
+
+
+@pytest.mark.parametrize("name", LEGIT)
+def test_legitimate_candidates_stay_clear(server, name):
+    case = CASES[name]
+    result = run_case_server(case, server).result
+    held, why = judge(case, result)
+    assert held, f"{name}: {why}\n{result}"
+    obs = observed(result)
+    if obs.get("available") and obs.get("threshold") is not None:
+        # With room to spare: an honest forward's time is its own extension's.
+        assert obs["candidate_torch_share"] < obs["threshold"] / 2, obs
