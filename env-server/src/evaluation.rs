@@ -113,6 +113,9 @@ pub struct EvaluatorConfig {
     /// module's docs). Off on CPU by default: there the lease is the whole machine, and
     /// importing PyTorch beside a timing run would disturb it.
     pub prestart: bool,
+    /// Observe the workers' forwards from outside on the CPU (`observe.rs`), where the kernel
+    /// lets the server.
+    pub observe: bool,
 }
 
 /// Evaluations per device whose judge and workers are alive at once with `prestart`: the one
@@ -399,7 +402,11 @@ impl Evaluator {
             return Ok(fail(reason, details));
         }
         if let Some(observed) = observed {
-            let (summary, broken) = observed.judge(verdict.run_windows.as_ref());
+            let (summary, broken) = observed.judge(
+                verdict.run_windows.as_ref(),
+                !self.cfg.allow_ops.is_empty(),
+                self.cfg.device,
+            );
             details.observed = Some(summary);
             if let Some(reason) = broken {
                 details.rule = Some("pytorch_compute".into());
@@ -654,9 +661,7 @@ impl Evaluator {
         }
         // The judge starts its side (workers, channels) and waits at the gate for the lease.
         jargv.push("--gate".into());
-        // The outside observation decides only on the CPU: on a GPU the forwards' host time
-        // is launches and waits, whoever wrote the kernels.
-        let observe = self.cfg.device == Device::Cpu;
+        let observe = self.cfg.observe;
         let judged = async {
             let mut child = self.spawn_jailed(&judge_jail, &jargv, &d.judge, "the judge", true)?;
             let out = drain(child.stdout.take(), 8 << 20);
@@ -955,7 +960,12 @@ impl Observed {
     /// The summary for the details and, where the candidate's forwards spent about as much of
     /// their time in PyTorch's compute library as the reference's did, why that breaks
     /// `pytorch_compute`.
-    fn judge(&self, windows: Option<&RunWindows>) -> (env_api::ObservedCompute, Option<String>) {
+    fn judge(
+        &self,
+        windows: Option<&RunWindows>,
+        compute_allowed: bool,
+        device: Device,
+    ) -> (env_api::ObservedCompute, Option<String>) {
         use crate::observe::{pytorch_compute, Finding};
         let mut s = env_api::ObservedCompute::default();
         let (cand, reference, windows) = match (&self.candidate, &self.reference, windows) {
@@ -988,6 +998,22 @@ impl Observed {
             .map(|(library, share)| env_api::LibraryShare { library, share })
             .collect();
         match finding.outcome {
+            // Operators the server allows (`--allow-ops`) run PyTorch's kernels by right.
+            Finding::Broken if compute_allowed => {
+                s.reason = Some(
+                    "the server allows PyTorch compute operators (--allow-ops): reported, not judged"
+                        .into(),
+                );
+                (s, None)
+            }
+            // On a GPU the host's samples are launches and waits: what they say of who wrote
+            // the kernels is measured, not yet believed.
+            Finding::Broken | Finding::Clear if device == Device::Cuda => {
+                s.kernel_threshold = Some(finding.kernel_threshold);
+                s.library_threshold = Some(finding.library_threshold);
+                s.reason = Some("on a GPU the observation is reported, not judged".into());
+                (s, None)
+            }
             Finding::Inconclusive(why) => {
                 s.reason = Some(why);
                 (s, None)

@@ -77,6 +77,8 @@ pub struct ServerConfig {
     pub task_size: Option<String>,
     /// Skip torch.compile baselines.
     pub skip_compile: bool,
+    /// Observe the workers' forwards from outside on the CPU (perf events; needs root).
+    pub observe: bool,
     /// Start the next evaluation's judge and workers while the device still times the last
     /// one (`None`: on CUDA, not on CPU, where the lease is the whole machine).
     pub prestart: Option<bool>,
@@ -123,6 +125,7 @@ impl Default for ServerConfig {
             limits: ResourceLimits::default(),
             task_size: None,
             skip_compile: false,
+            observe: true,
             prestart: None,
             allow_ops: Vec::new(),
             max_body_bytes: 8 << 20,
@@ -218,6 +221,16 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     // before anything new starts.
     sandbox.sweep_leftovers();
     let status = sandbox.status();
+    // Whether the kernel lets the server observe workers from outside (the CPU's
+    // pytorch_compute check): found out now, and said, rather than at the first evaluation.
+    let observer = if cfg.observe {
+        observe::probe().map_err(|e| e.to_string())
+    } else {
+        Ok(())
+    };
+    if let Err(e) = &observer {
+        tracing::warn!(error = %e, "cannot observe the workers from outside: pytorch_compute rests on the workers' own traces");
+    }
     if !status.confined {
         tracing::warn!(?status, "running UNCONFINED: results are marked unconfined");
     }
@@ -263,6 +276,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             skip_compile: cfg.skip_compile,
             allow_ops: cfg.allow_ops.clone(),
             prestart: cfg.prestart.unwrap_or(device == runtime::Device::Cuda),
+            observe: cfg.observe && observer.is_ok(),
         },
         sandbox.clone(),
         python.clone(),
@@ -342,6 +356,12 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             "max_log_bytes": cfg.max_log_bytes,
         },
         "sandbox": status,
+        "observer": match &observer {
+            Err(e) => json!({"on": false, "judged": false, "reason": e}),
+            Ok(()) if !cfg.observe => json!({"on": false, "judged": false, "reason": "turned off (--no-observe)"}),
+            Ok(()) if device != runtime::Device::Cpu => json!({"on": true, "judged": false, "reason": "on a GPU the observation is reported, not judged"}),
+            Ok(()) => json!({"on": true, "judged": true}),
+        },
         "auth": cfg.api_key.is_some(),
     });
     Ok(Arc::new(AppState {

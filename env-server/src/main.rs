@@ -77,6 +77,11 @@ struct Args {
     /// Skip torch.compile baselines (the compile milestone is then never reached).
     #[arg(long)]
     skip_compile: bool,
+    /// Do not observe the workers' forwards from outside (on the CPU the server samples their
+    /// threads with perf events, where the kernel lets it, to catch PyTorch compute hidden
+    /// from the worker's own trace).
+    #[arg(long)]
+    no_observe: bool,
     /// Start the next evaluation's judge and workers (imports and channels only: no candidate
     /// code, no device work) while the device still times the last one: `on` or `off`
     /// (default: on with CUDA, off on CPU, where timing has the whole machine).
@@ -255,6 +260,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         eval_timeout: Duration::from_secs(args.eval_timeout_s),
         task_size: args.task_size,
         skip_compile: args.skip_compile,
+        observe: !args.no_observe,
         prestart: args.prestart.as_deref().map(|v| v == "on"),
         allow_ops: args.allow_ops,
         max_body_bytes: args.max_body_bytes,

@@ -36,6 +36,23 @@ pub enum ObserveError {
     /// The tree's root is gone.
     #[error("process {0} is gone")]
     Gone(u32),
+    /// The probe's own process could not start.
+    #[error("starting the probe's process: {0}")]
+    Probe(#[source] std::io::Error),
+}
+
+/// Observes a short-lived process of the server's own: whether this machine lets the server
+/// observe at all (root, perf events, no filter in the way).
+pub fn probe() -> Result<(), ObserveError> {
+    let mut child = std::process::Command::new("sleep")
+        .arg("5")
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .map_err(ObserveError::Probe)?;
+    let attached = Observer::attach(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    attached.map(|o| drop(o.finish()))
 }
 
 /// Samples per second of CPU time of each observed thread.
@@ -260,14 +277,14 @@ pub struct Profile {
     pub samples: u64,
     /// Samples per library file name (`[unknown]` for addresses outside any file mapping).
     pub by_library: BTreeMap<String, u64>,
-    /// Samples per page of PyTorch's compute library file.
-    pub torch_pages: BTreeMap<u64, u64>,
+    /// Samples per (library file name, page of the file) in PyTorch's compute libraries.
+    pub torch_pages: BTreeMap<(String, u64), u64>,
 }
 
 impl Profile {
     /// The share of samples in libraries whose file name `is` picks, out of all samples but
-    /// those in OpenMP's runtime (idle worker threads spin there after a parallel region, in
-    /// PyTorch's forwards and in candidates' alike).
+    /// those where threads wait (OpenMP's runtime, the CUDA driver), in PyTorch's forwards and
+    /// in candidates' alike.
     pub fn share(&self, is: impl Fn(&str) -> bool) -> f64 {
         let busy = self.busy();
         if busy == 0 {
@@ -282,11 +299,11 @@ impl Profile {
         hit as f64 / busy as f64
     }
 
-    /// Samples outside OpenMP's runtime.
+    /// Samples outside the libraries where threads wait.
     fn busy(&self) -> u64 {
         self.by_library
             .iter()
-            .filter(|(l, _)| !l.starts_with("libgomp") && !l.starts_with("libiomp"))
+            .filter(|(l, _)| !is_waiting(l))
             .map(|(_, n)| n)
             .sum()
     }
@@ -696,7 +713,7 @@ impl Recording {
             let name = at.map_or("[unknown]", |(l, _)| self.libs[l].as_str());
             *p.by_library.entry(name.to_string()).or_default() += 1;
             if let Some((_, page)) = at.filter(|_| is_torch_compute(name)) {
-                *p.torch_pages.entry(page).or_default() += 1;
+                *p.torch_pages.entry((name.to_string(), page)).or_default() += 1;
             }
         }
         p
@@ -751,18 +768,26 @@ pub struct Judgement {
     pub outcome: Finding,
 }
 
-/// Whether a library file name is PyTorch's CPU compute library (its kernels, oneDNN and MKL
-/// are linked into it).
+/// Whether a library file name is one of PyTorch's compute libraries: the CPU one (its
+/// kernels, oneDNN and MKL are linked into it) and the CUDA one (the host side of its
+/// kernels: the launches).
 pub fn is_torch_compute(name: &str) -> bool {
-    name.starts_with("libtorch_cpu.so")
+    name.starts_with("libtorch_cpu.so") || name.starts_with("libtorch_cuda.so")
+}
+
+/// Libraries where a thread's samples are waiting, not working, in anyone's forward: OpenMP's
+/// runtime (idle workers spin there after a parallel region) and the CUDA driver (a
+/// synchronize spins there until the GPU is done).
+fn is_waiting(name: &str) -> bool {
+    name.starts_with("libgomp") || name.starts_with("libiomp") || name.starts_with("libcuda.so")
 }
 
 impl Profile {
     /// The pages of PyTorch's compute library that hold `cover` of this profile's samples
     /// there, most sampled first.
-    pub fn hot_pages(&self, cover: f64) -> BTreeSet<u64> {
+    pub fn hot_pages(&self, cover: f64) -> BTreeSet<(String, u64)> {
         let total: u64 = self.torch_pages.values().sum();
-        let mut pages: Vec<(&u64, &u64)> = self.torch_pages.iter().collect();
+        let mut pages: Vec<_> = self.torch_pages.iter().collect();
         pages.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
         let mut hot = BTreeSet::new();
         let mut got = 0;
@@ -770,7 +795,7 @@ impl Profile {
             if got as f64 >= cover * total as f64 {
                 break;
             }
-            hot.insert(*page);
+            hot.insert(page.clone());
             got += n;
         }
         hot
@@ -778,7 +803,7 @@ impl Profile {
 
     /// The share of samples (OpenMP's runtime left out) in the given pages of PyTorch's
     /// compute library.
-    pub fn share_in_pages(&self, pages: &BTreeSet<u64>) -> f64 {
+    pub fn share_in_pages(&self, pages: &BTreeSet<(String, u64)>) -> f64 {
         let busy = self.busy();
         if busy == 0 {
             return 0.0;

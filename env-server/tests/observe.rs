@@ -112,7 +112,8 @@ fn profile(pages: &[u64], torch: u64, other: u64) -> Profile {
     };
     for (i, page) in pages.iter().enumerate() {
         let n = torch / pages.len() as u64 + u64::from((i as u64) < torch % pages.len() as u64);
-        p.torch_pages.insert(*page, n);
+        p.torch_pages
+            .insert(("libtorch_cpu.so".to_string(), *page), n);
     }
     p
 }

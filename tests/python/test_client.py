@@ -57,6 +57,9 @@ def test_auth_and_discovery(server):
     env = CudaAgentEnv(server, api_key="py-test-key")
     assert env.health()["status"] == "ok"
     assert env.info()["sandbox"]["confined"] is True
+    # The outside observation of the workers on the CPU: on, or why not (never silently off).
+    observer = env.info()["observer"]
+    assert observer["on"] is True or observer["reason"], observer
     ids = [t["id"] for t in env.tasks()["tasks"]]
     assert "L1/1_ReLU" in ids
     assert "cuda_agent_resets_total" in env.metrics()
