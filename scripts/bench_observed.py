@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "redteam"))
-from corpus import load_cases, python, run_case_server  # noqa: E402
+from corpus import load_cases, run_case_server, start_server  # noqa: E402
 
 DEFAULT_CASES = [
     "tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated",
@@ -40,25 +37,6 @@ VARIANTS = {
     "transposed_contig": "        return ext.vadd(a.t().contiguous().t().contiguous(), b)",
 }
 HONEST_FORWARD = "        return ext.vadd(a.contiguous(), b.contiguous())"
-
-
-def start_server(binary: str, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
-    base = Path(tempfile.mkdtemp(prefix="cuda-agent-bench-observed-"))
-    base.chmod(0o711)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--bind", f"127.0.0.1:{port}", "--data-dir", str(base / "data"), "--python", python(), "--device", "cpu", "--skip-compile", *extra],
-                            stdout=subprocess.DEVNULL, stderr=open(base / "server.log", "w"))
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"http://127.0.0.1:{port}", base
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    sys.exit(f"the server did not start: {(base / 'server.log').read_text()[-2000:]}")
 
 
 def case_for(name: str, cases: dict, scratch: Path):
@@ -86,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     cases = {c.name: c for c in load_cases()}
     scratch = Path(tempfile.mkdtemp(prefix="cuda-agent-variants-"))
-    proc, url, base = start_server(args.server, [])
+    proc, url, base = start_server(args.server)
     print("| case | verdict | samples (cand/ref) | libtorch_cpu % (cand/ref/threshold) | reference kernel pages % (cand/ref/threshold) | note |")
     print("|---|---|---|---|---|---|")
     medians = {}
@@ -106,7 +84,7 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     if not args.overhead:
         return
-    proc, url, base = start_server(args.server, ["--no-observe"])
+    proc, url, base = start_server(args.server, "--no-observe")
     print("\n| case | candidate ms observed / not | eager ms observed / not |")
     print("|---|---|---|")
     try:

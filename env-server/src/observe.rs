@@ -71,7 +71,6 @@ const SAMPLE_IP: u64 = 1;
 const SAMPLE_TID: u64 = 2;
 const SAMPLE_TIME: u64 = 4;
 const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
-const IOC_ENABLE: libc::c_ulong = 0x2400;
 const IOC_DISABLE: libc::c_ulong = 0x2401;
 const IOC_SET_OUTPUT: libc::c_ulong = 0x2405;
 const RECORD_LOST: u32 = 2;
@@ -90,10 +89,10 @@ fn attr() -> [u8; 128] {
     let period = SAMPLE_PERIOD.as_nanos() as u64;
     a[16..24].copy_from_slice(&period.to_ne_bytes());
     a[24..32].copy_from_slice(&(SAMPLE_IP | SAMPLE_TID | SAMPLE_TIME).to_ne_bytes());
-    // disabled, inherit, exclude_kernel, exclude_hv, mmap, comm, task, sample_id_all, mmap2,
-    // comm_exec, use_clockid.
-    let flags: u64 = (1 << 0)
-        | (1 << 1)
+    // inherit, exclude_kernel, exclude_hv, mmap, comm, task, sample_id_all, mmap2, comm_exec,
+    // use_clockid. Enabled from the start: a mapping made between the event's opening and an
+    // enable would be in neither the `/proc` snapshot nor the records.
+    let flags: u64 = (1 << 1)
         | (1 << 5)
         | (1 << 6)
         | (1 << 8)
@@ -361,10 +360,35 @@ fn tree(root: u32) -> Vec<(u32, Vec<u32>)> {
     out
 }
 
-fn online_cpus() -> usize {
+/// The CPUs that are online (`/sys/devices/system/cpu/online`, such as `0-3,6-7`): an event
+/// on an offline one fails, and a virtual machine may count CPUs it does not have.
+fn online_cpus() -> Vec<usize> {
+    let listed = std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .map(|s| parse_cpu_list(s.trim()))
+        .unwrap_or_default();
+    if !listed.is_empty() {
+        return listed;
+    }
     // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-    n.max(1) as usize
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    (0..n.max(1) as usize).collect()
+}
+
+/// `0-3,6,8-9` as the CPUs it names; empty where it is not such a list.
+pub fn parse_cpu_list(s: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let bounds: Option<(usize, usize)> = match part.split_once('-') {
+            Some((a, b)) => a.parse().ok().zip(b.parse().ok()),
+            None => part.parse().ok().map(|a| (a, a)),
+        };
+        match bounds {
+            Some((a, b)) if a <= b && b < 1 << 16 => out.extend(a..=b),
+            _ => return Vec::new(),
+        }
+    }
+    out
 }
 
 fn lib_index(libs: &mut Vec<String>, index: &mut HashMap<String, usize>, path: &str) -> usize {
@@ -417,6 +441,7 @@ impl Observer {
     /// events): the caller says so instead of pretending to observe.
     pub fn attach(root: u32) -> Result<Self, ObserveError> {
         let cpus = online_cpus();
+        let slots = cpus.iter().max().map_or(1, |m| m + 1);
         let procs = tree(root);
         if procs.is_empty() {
             return Err(ObserveError::Gone(root));
@@ -424,16 +449,17 @@ impl Observer {
         let (mut libs, mut index) = (Vec::new(), HashMap::new());
         let mut maps = HashMap::new();
         let mut fds = Vec::new();
-        let mut rings: Vec<Option<(usize, Ring)>> = (0..cpus).map(|_| None).collect();
-        let mut leaders: Vec<Option<usize>> = vec![None; cpus];
+        let mut rings: Vec<Option<(usize, Ring)>> = (0..slots).map(|_| None).collect();
+        let mut leaders: Vec<Option<usize>> = vec![None; slots];
         for (pid, tasks) in &procs {
-            maps.insert(*pid, read_maps(*pid, &mut libs, &mut index));
             for &tid in tasks {
-                for cpu in 0..cpus {
+                for &cpu in &cpus {
                     let fd = match perf_open(tid, cpu) {
                         Ok(fd) => fd,
                         // A thread that ended since the listing.
                         Err(e) if e.raw_os_error() == Some(libc::ESRCH) => break,
+                        // A CPU that went offline since the listing.
+                        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => continue,
                         Err(source) => return Err(ObserveError::Open { tid, cpu, source }),
                     };
                     match leaders[cpu] {
@@ -448,9 +474,9 @@ impl Observer {
                     fds.push(fd);
                 }
             }
-        }
-        for fd in &fds {
-            ioctl(fd, IOC_ENABLE, 0).map_err(ObserveError::Ring)?;
+            // After its events are on: what it maps from now on is recorded, what it mapped
+            // before is here (both, for a mapping made in between: harmless).
+            maps.insert(*pid, read_maps(*pid, &mut libs, &mut index));
         }
         let rings = Arc::new(Mutex::new(
             rings

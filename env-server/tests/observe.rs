@@ -152,3 +152,13 @@ fn the_rule_looks_where_the_reference_computes() {
     spun.samples += 100;
     assert!((spun.share(env_server::observe::is_torch_compute) - 0.5).abs() < 1e-9);
 }
+
+#[test]
+fn online_cpu_lists_parse() {
+    use env_server::observe::parse_cpu_list;
+    assert_eq!(parse_cpu_list("0-1"), vec![0, 1]);
+    assert_eq!(parse_cpu_list("0-3,6-7,9"), vec![0, 1, 2, 3, 6, 7, 9]);
+    assert_eq!(parse_cpu_list("0"), vec![0]);
+    assert!(parse_cpu_list("3-1").is_empty());
+    assert!(parse_cpu_list("x").is_empty());
+}

@@ -133,6 +133,35 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
     return Outcome(verdict, seconds, err[-2000:])
 
 
+def start_server(binary: str, *extra: str) -> tuple[subprocess.Popen, str, Path]:
+    """Starts an env-server binary on the CPU on a free port with a fresh data directory
+    (searchable by the sandboxes' uids); returns the process, its URL and the directory, for
+    the caller to kill and remove."""
+    import socket
+    import tempfile
+    import time
+
+    base = Path(tempfile.mkdtemp(prefix="cuda-agent-redteam-server-"))
+    base.chmod(0o711)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen([binary, "--bind", f"127.0.0.1:{port}", "--data-dir", str(base / "data"), "--python", python(), "--device", "cpu", "--skip-compile", *extra],
+                            stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, f"http://127.0.0.1:{port}", base
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the server did not start: {(base / 'server.log').read_text()[-2000:]}")
+
+
 def run_case_server(case: Case, url: str) -> Outcome:
     """Runs the case through a running env-server's POST /v1/evaluate: the production path
     (sandbox, separate uids for judge and worker, FIFOs), task and files sent inline."""

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from corpus import judge, load_cases, python, run_case_server
+from corpus import judge, load_cases, run_case_server, start_server
 
 CASES = {c.name: c for c in load_cases()}
 HIDDEN = ["tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated"]
@@ -34,21 +30,8 @@ def server():
     binary = os.environ.get("CUDA_AGENT_SERVER_BIN")
     if not binary or not Path(binary).is_file():
         pytest.skip("no server binary (CUDA_AGENT_SERVER_BIN): scripts/test.sh sets it")
-    base = Path(tempfile.mkdtemp(prefix="cuda-agent-observed-"))
-    base.chmod(0o711)  # sandboxed processes run under their own uids and must reach the data dir
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(base / "server.log", "w")
-    proc = subprocess.Popen([binary, "--bind", f"127.0.0.1:{port}", "--data-dir", str(base / "data"), "--python", python(), "--device", "cpu", "--skip-compile"], stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
+    proc, url, base = start_server(binary)
+    yield url
     proc.kill()
     proc.wait()
     shutil.rmtree(base, ignore_errors=True)
