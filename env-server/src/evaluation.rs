@@ -703,24 +703,13 @@ impl Evaluator {
                 let _ = g.flush().await;
             }
             let outcome = child.wait_within(self.cfg.phase_timeout).await;
-            let observed = match observers {
-                Some((cand, judge)) => Some(
-                    tokio::task::spawn_blocking(move || Observed {
-                        candidate: cand.map(crate::observe::Observer::finish),
-                        reference: judge.map(crate::observe::Observer::finish),
-                    })
-                    .await
-                    .map_err(|e| EvalError::Harness(format!("observer: {e}")))?,
-                ),
-                None => None,
-            };
             Ok::<_, EvalError>((
                 out.await.unwrap_or_default(),
                 err.await.unwrap_or_default(),
                 outcome,
                 leased_at,
                 lease,
-                observed,
+                observers,
             ))
         }
         .await;
@@ -732,8 +721,21 @@ impl Evaluator {
             log.extend(werr.await.unwrap_or_default());
             tail(&log, 2000)
         };
-        let (out, err, outcome, leased_at, lease, observed) = judged?;
+        let (out, err, outcome, leased_at, lease, observers) = judged?;
         drop(lease);
+        // Resolving the samples is the server's own work: after the device is the next
+        // evaluation's (the judge has ended; later samples fall outside its windows).
+        let observed = match observers {
+            Some((cand, judge)) => Some(
+                tokio::task::spawn_blocking(move || Observed {
+                    candidate: cand.map(crate::observe::Observer::finish),
+                    reference: judge.map(crate::observe::Observer::finish),
+                })
+                .await
+                .map_err(|e| EvalError::Harness(format!("observer: {e}")))?,
+            ),
+            None => None,
+        };
         if outcome.timed_out {
             let v = Verdict::failed(
                 "time_limit",

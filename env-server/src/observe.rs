@@ -285,17 +285,21 @@ impl Profile {
     /// those where threads wait (OpenMP's runtime, the CUDA driver), in PyTorch's forwards and
     /// in candidates' alike.
     pub fn share(&self, is: impl Fn(&str) -> bool) -> f64 {
-        let busy = self.busy();
-        if busy == 0 {
-            return 0.0;
+        self.of_busy(
+            self.by_library
+                .iter()
+                .filter(|(l, _)| is(l))
+                .map(|(_, n)| n)
+                .sum(),
+        )
+    }
+
+    /// `hit` as a share of the samples outside the libraries where threads wait.
+    fn of_busy(&self, hit: u64) -> f64 {
+        match self.busy() {
+            0 => 0.0,
+            busy => hit as f64 / busy as f64,
         }
-        let hit: u64 = self
-            .by_library
-            .iter()
-            .filter(|(l, _)| is(l))
-            .map(|(_, n)| n)
-            .sum();
-        hit as f64 / busy as f64
     }
 
     /// Samples outside the libraries where threads wait.
@@ -448,7 +452,7 @@ impl Observer {
         }
         let (mut libs, mut index) = (Vec::new(), HashMap::new());
         let mut maps = HashMap::new();
-        let mut fds = Vec::new();
+        let mut fds: Vec<OwnedFd> = Vec::new();
         let mut rings: Vec<Option<(usize, Ring)>> = (0..slots).map(|_| None).collect();
         let mut leaders: Vec<Option<usize>> = vec![None; slots];
         for (pid, tasks) in &procs {
@@ -463,7 +467,7 @@ impl Observer {
                         Err(source) => return Err(ObserveError::Open { tid, cpu, source }),
                     };
                     match leaders[cpu] {
-                        Some(i) => ioctl(&fd, IOC_SET_OUTPUT, fds_raw(&fds, i))
+                        Some(i) => ioctl(&fd, IOC_SET_OUTPUT, fds[i].as_raw_fd() as libc::c_ulong)
                             .map_err(ObserveError::Ring)?,
                         None => {
                             rings[cpu] =
@@ -527,10 +531,6 @@ impl Observer {
             std::mem::take(&mut self.maps),
         )
     }
-}
-
-fn fds_raw(fds: &[OwnedFd], i: usize) -> libc::c_ulong {
-    fds[i].as_raw_fd() as libc::c_ulong
 }
 
 impl Drop for Observer {
@@ -744,11 +744,6 @@ impl Recording {
         }
         p
     }
-
-    /// Every sample, whatever its time.
-    pub fn total(&self) -> usize {
-        self.samples.len()
-    }
 }
 
 /// Samples below which a share says nothing.
@@ -827,20 +822,16 @@ impl Profile {
         hot
     }
 
-    /// The share of samples (OpenMP's runtime left out) in the given pages of PyTorch's
+    /// The share of samples (where threads wait left out) in the given pages of PyTorch's
     /// compute library.
     pub fn share_in_pages(&self, pages: &BTreeSet<(String, u64)>) -> f64 {
-        let busy = self.busy();
-        if busy == 0 {
-            return 0.0;
-        }
-        let hit: u64 = self
-            .torch_pages
-            .iter()
-            .filter(|(p, _)| pages.contains(p))
-            .map(|(_, n)| n)
-            .sum();
-        hit as f64 / busy as f64
+        self.of_busy(
+            self.torch_pages
+                .iter()
+                .filter(|(p, _)| pages.contains(p))
+                .map(|(_, n)| n)
+                .sum(),
+        )
     }
 }
 
