@@ -27,6 +27,7 @@ from corpus import load_cases, run_case_server, start_server  # noqa: E402
 
 DEFAULT_CASES = [
     "tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated",
+    "dilute_hidden_compute",
     "legit_add_load_inline", "legit_openmp_add", "legit_matmul_parallel_for", "legit_integer_output", "legit_several_ext_calls",
     "variant:zeros_extra", "variant:clone_input", "variant:two_clones", "variant:transposed_contig",
 ]
@@ -56,6 +57,10 @@ def pct(x) -> str:
     return f"{100 * x:5.1f}" if isinstance(x, (int, float)) else "    -"
 
 
+def ratio(x) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="*", default=DEFAULT_CASES)
@@ -65,8 +70,8 @@ def main() -> None:
     cases = {c.name: c for c in load_cases()}
     scratch = Path(tempfile.mkdtemp(prefix="cuda-agent-variants-"))
     proc, url, base = start_server(args.server)
-    print("| case | verdict | samples (cand/ref) | libtorch_cpu % (cand/ref/threshold) | reference kernel pages % (cand/ref/threshold) | note |")
-    print("|---|---|---|---|---|---|")
+    print("| case | verdict | samples (cand/ref) | libtorch_cpu % (cand/ref/threshold) | reference kernel pages % (cand/ref) | time there per call, cand/ref (threshold) | note |")
+    print("|---|---|---|---|---|---|---|")
     medians = {}
     try:
         for name in args.cases:
@@ -77,7 +82,8 @@ def main() -> None:
             medians[name] = (t.get("candidate"), t.get("eager"))
             print(f"| {name} | {verdict} | {o.get('candidate_samples', '-')}/{o.get('reference_samples', '-')} | "
                   f"{pct(o.get('candidate_torch_share'))}/{pct(o.get('reference_torch_share'))}/{pct(o.get('library_threshold'))} | "
-                  f"{pct(o.get('candidate_kernel_share'))}/{pct(o.get('reference_kernel_share'))}/{pct(o.get('kernel_threshold'))} | {o.get('reason') or ''} |", flush=True)
+                  f"{pct(o.get('candidate_kernel_share'))}/{pct(o.get('reference_kernel_share'))} | "
+                  f"{ratio(o.get('kernel_time_ratio'))} ({ratio(o.get('kernel_time_threshold'))}) | {o.get('reason') or ''} |", flush=True)
     finally:
         proc.kill()
         proc.wait()

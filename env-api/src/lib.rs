@@ -548,10 +548,16 @@ pub struct ObservedCompute {
     /// Why the observation is missing or decided nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The candidate's forwards (the judge's calls) the samples are from.
+    #[serde(default)]
+    pub candidate_forwards: u64,
     /// Samples inside the candidate's forwards.
     pub candidate_samples: u64,
     /// Their share in PyTorch's compute library (OpenMP's idle spinning left out).
     pub candidate_torch_share: f64,
+    /// The eager reference's forwards.
+    #[serde(default)]
+    pub reference_forwards: u64,
     /// Samples inside the eager reference's forwards.
     pub reference_samples: u64,
     /// Their share in PyTorch's compute library.
@@ -561,15 +567,22 @@ pub struct ObservedCompute {
     pub candidate_kernel_share: f64,
     /// The reference's share in that code.
     pub reference_kernel_share: f64,
-    /// `candidate_kernel_share` at or above this breaks `pytorch_compute`.
+    /// The candidate's CPU time per forward in that code over the reference's (about 1 for a
+    /// forward that runs the reference's kernels, 0 for one that runs its own).
+    #[serde(default)]
+    pub kernel_time_ratio: f64,
+    /// `kernel_time_ratio` at or above this breaks `pytorch_compute`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kernel_threshold: Option<f64>,
+    pub kernel_time_threshold: Option<f64>,
     /// `candidate_torch_share` at or above this breaks `pytorch_compute`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub library_threshold: Option<f64>,
     /// The libraries where the candidate's forwards spent the most samples.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub candidate_top: Vec<LibraryShare>,
+    /// The libraries where the reference's forwards spent the most samples.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reference_top: Vec<LibraryShare>,
     /// Samples the kernel could not record (a full ring buffer).
     #[serde(default)]
     pub lost: u64,

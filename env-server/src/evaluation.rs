@@ -685,10 +685,8 @@ impl Evaluator {
                 let judge_pid = child.id().unwrap_or(0);
                 Some(
                     tokio::task::spawn_blocking(move || {
-                        let attach = |pid: u32| {
-                            crate::observe::Observer::attach(pid).map_err(|e| e.to_string())
-                        };
-                        (attach(worker_pid), attach(judge_pid))
+                        crate::observe::Observer::attach(&[worker_pid, judge_pid])
+                            .map_err(|e| e.to_string())
                     })
                     .await
                     .map_err(|e| EvalError::Harness(format!("observer: {e}")))?,
@@ -726,10 +724,17 @@ impl Evaluator {
         // Resolving the samples is the server's own work: after the device is the next
         // evaluation's (the judge has ended; later samples fall outside its windows).
         let observed = match observers {
-            Some((cand, judge)) => Some(
-                tokio::task::spawn_blocking(move || Observed {
-                    candidate: cand.map(crate::observe::Observer::finish),
-                    reference: judge.map(crate::observe::Observer::finish),
+            Some(observer) => Some(
+                tokio::task::spawn_blocking(move || {
+                    let mut trees = observer.map(crate::observe::Observer::finish);
+                    let mut take = |i: usize| match &mut trees {
+                        Ok(r) => Ok(std::mem::take(&mut r[i])),
+                        Err(e) => Err(e.clone()),
+                    };
+                    Observed {
+                        candidate: take(0),
+                        reference: take(1),
+                    }
                 })
                 .await
                 .map_err(|e| EvalError::Harness(format!("observer: {e}")))?,
@@ -968,7 +973,7 @@ impl Observed {
         compute_allowed: bool,
         device: Device,
     ) -> (env_api::ObservedCompute, Option<String>) {
-        use crate::observe::{pytorch_compute, Finding};
+        use crate::observe::{pytorch_compute, Finding, KERNEL_TIME_RATIO};
         let mut s = env_api::ObservedCompute::default();
         let (cand, reference, windows) = match (&self.candidate, &self.reference, windows) {
             (Ok(c), Ok(r), Some(w)) => (c, r, w),
@@ -988,17 +993,23 @@ impl Observed {
             reference.profile(&windows.reference),
         );
         let finding = pytorch_compute(&c, &r);
+        s.candidate_forwards = c.forwards;
+        s.reference_forwards = r.forwards;
         s.candidate_samples = c.samples;
         s.reference_samples = r.samples;
         s.candidate_torch_share = finding.candidate_share;
         s.reference_torch_share = finding.reference_share;
         s.candidate_kernel_share = finding.candidate_kernel_share;
         s.reference_kernel_share = finding.reference_kernel_share;
-        s.candidate_top = c
-            .top(5)
-            .into_iter()
-            .map(|(library, share)| env_api::LibraryShare { library, share })
-            .collect();
+        s.kernel_time_ratio = finding.kernel_time_ratio;
+        let top = |p: &crate::observe::Profile| {
+            p.top(5)
+                .into_iter()
+                .map(|(library, share)| env_api::LibraryShare { library, share })
+                .collect()
+        };
+        s.candidate_top = top(&c);
+        s.reference_top = top(&r);
         match finding.outcome {
             // Operators the server allows (`--allow-ops`) run PyTorch's kernels by right.
             Finding::Broken if compute_allowed => {
@@ -1011,7 +1022,7 @@ impl Observed {
             // On a GPU the host's samples are launches and waits: what they say of who wrote
             // the kernels is measured, not yet believed.
             Finding::Broken | Finding::Clear if device == Device::Cuda => {
-                s.kernel_threshold = Some(finding.kernel_threshold);
+                s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
                 s.library_threshold = Some(finding.library_threshold);
                 s.reason = Some("on a GPU the observation is reported, not judged".into());
                 (s, None)
@@ -1021,18 +1032,17 @@ impl Observed {
                 (s, None)
             }
             Finding::Clear => {
-                s.kernel_threshold = Some(finding.kernel_threshold);
+                s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
                 s.library_threshold = Some(finding.library_threshold);
                 (s, None)
             }
             Finding::Broken => {
-                s.kernel_threshold = Some(finding.kernel_threshold);
+                s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
                 s.library_threshold = Some(finding.library_threshold);
                 let why = format!(
-                    "observed from outside the worker, the candidate's forwards spent {:.0}% of their CPU time in the code of the eager reference's own PyTorch kernels (the reference {:.0}%; {:.0}% breaks the rule) and {:.0}% in PyTorch's compute library libtorch_cpu.so (the reference {:.0}%; {:.0}% breaks it): the forward computes with PyTorch",
-                    100.0 * finding.candidate_kernel_share,
-                    100.0 * finding.reference_kernel_share,
-                    100.0 * finding.kernel_threshold,
+                    "observed from outside the worker, the candidate's forwards spent {:.0}% as much CPU time per call in the code of the eager reference's own PyTorch kernels as the reference did ({:.0}% breaks the rule), and {:.0}% of their time in PyTorch's compute library libtorch_cpu.so (the reference {:.0}%; {:.0}% breaks it): the forward computes with PyTorch",
+                    100.0 * finding.kernel_time_ratio,
+                    100.0 * KERNEL_TIME_RATIO,
                     100.0 * finding.candidate_share,
                     100.0 * finding.reference_share,
                     100.0 * finding.library_threshold,

@@ -3,11 +3,20 @@
 //!
 //! The candidate worker reports its own aten trace, and a candidate can rewrite that report
 //! inside its own process. What the kernel samples it cannot: the server (root) opens one
-//! sampling event per task of the tree and CPU, inherited by every thread and child the task
-//! starts later, and reads the instruction pointers out of ring buffers the tree never sees.
-//! Each sample's address is resolved against the process's executable mappings (read from
-//! `/proc` when attached, then followed through the kernel's mmap, fork and exec records), so
-//! the judge can tell time spent in PyTorch's own kernels from time spent in the candidate's.
+//! sampling event per CPU for the whole machine and reads the instruction pointers out of ring
+//! buffers the tree never sees, keeping the samples of the processes of the observed trees:
+//! those there when attached and every child any of them forks later (the kernel's fork
+//! records). Each sample's address is resolved against the process's executable mappings (read
+//! from `/proc` when attached, then followed through the kernel's mmap, fork and exec records),
+//! so the judge can tell time spent in PyTorch's own kernels from time spent in the
+//! candidate's.
+//!
+//! One event per CPU, not one per task: a task's own sampling event is switched out and in
+//! with the task (a timer cancelled and armed at every context switch, about 8 us each in a
+//! virtual machine), which charged a worker that wakes its thread pool between calls a
+//! millisecond of CPU outside its calls and failed honest candidates on `late_work`. A CPU's
+//! event costs every task on it the same interrupt per millisecond of CPU time, and nothing
+//! per switch.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -20,10 +29,8 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum ObserveError {
     /// The kernel refused a sampling event (no permission, no perf support, a seccomp filter).
-    #[error("perf_event_open for task {tid} on cpu {cpu}: {source}")]
+    #[error("perf_event_open on cpu {cpu}: {source}")]
     Open {
-        /// The task.
-        tid: u32,
         /// The CPU.
         cpu: usize,
         /// The kernel's answer.
@@ -49,13 +56,13 @@ pub fn probe() -> Result<(), ObserveError> {
         .stdin(std::process::Stdio::null())
         .spawn()
         .map_err(ObserveError::Probe)?;
-    let attached = Observer::attach(child.id());
+    let attached = Observer::attach(&[child.id()]);
     let _ = child.kill();
     let _ = child.wait();
     attached.map(|o| drop(o.finish()))
 }
 
-/// Samples per second of CPU time of each observed thread.
+/// The CPU time between two samples of a CPU's clock.
 pub const SAMPLE_PERIOD: Duration = Duration::from_millis(1);
 /// Records kept per observation (about 40 bytes each); later ones are counted as lost (a
 /// 600 s evaluation on every core of a large host would otherwise grow without bound).
@@ -72,7 +79,6 @@ const SAMPLE_TID: u64 = 2;
 const SAMPLE_TIME: u64 = 4;
 const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
 const IOC_DISABLE: libc::c_ulong = 0x2401;
-const IOC_SET_OUTPUT: libc::c_ulong = 0x2405;
 const RECORD_LOST: u32 = 2;
 const RECORD_COMM: u32 = 3;
 const RECORD_FORK: u32 = 7;
@@ -89,12 +95,12 @@ fn attr() -> [u8; 128] {
     let period = SAMPLE_PERIOD.as_nanos() as u64;
     a[16..24].copy_from_slice(&period.to_ne_bytes());
     a[24..32].copy_from_slice(&(SAMPLE_IP | SAMPLE_TID | SAMPLE_TIME).to_ne_bytes());
-    // inherit, exclude_kernel, exclude_hv, mmap, comm, task, sample_id_all, mmap2, comm_exec,
-    // use_clockid. Enabled from the start: a mapping made between the event's opening and an
-    // enable would be in neither the `/proc` snapshot nor the records.
-    let flags: u64 = (1 << 1)
-        | (1 << 5)
+    // exclude_kernel, exclude_hv, exclude_idle, mmap, comm, task, sample_id_all, mmap2,
+    // comm_exec, use_clockid. Enabled from the start: a mapping made between the event's
+    // opening and an enable would be in neither the `/proc` snapshot nor the records.
+    let flags: u64 = (1 << 5)
         | (1 << 6)
+        | (1 << 7)
         | (1 << 8)
         | (1 << 9)
         | (1 << 13)
@@ -108,14 +114,15 @@ fn attr() -> [u8; 128] {
     a
 }
 
-fn perf_open(tid: u32, cpu: usize) -> std::io::Result<OwnedFd> {
+/// The sampling event of one CPU, for every task that runs on it.
+fn perf_open(cpu: usize) -> std::io::Result<OwnedFd> {
     let a = attr();
     // SAFETY: a valid attr of the size it declares; the kernel copies it.
     let fd = unsafe {
         libc::syscall(
             libc::SYS_perf_event_open,
             a.as_ptr(),
-            tid as libc::pid_t,
+            -1 as libc::pid_t,
             cpu as libc::c_int,
             -1 as libc::c_int,
             PERF_FLAG_FD_CLOEXEC,
@@ -136,8 +143,7 @@ fn ioctl(fd: &OwnedFd, req: libc::c_ulong, arg: libc::c_ulong) -> std::io::Resul
     Ok(())
 }
 
-/// One CPU's ring buffer, mapped from the first event opened on that CPU; the others write
-/// into it (`PERF_EVENT_IOC_SET_OUTPUT`).
+/// One CPU's ring buffer, mapped from its event.
 struct Ring {
     base: *mut u8,
     len: usize,
@@ -241,7 +247,7 @@ struct Range {
     lib: usize,
 }
 
-/// A tree being observed. Dropping it stops the observation.
+/// Trees being observed. Dropping it stops the observation.
 pub struct Observer {
     fds: Vec<OwnedFd>,
     stop: Arc<AtomicBool>,
@@ -250,18 +256,20 @@ pub struct Observer {
     rings: Arc<Mutex<Vec<Ring>>>,
     libs: Vec<String>,
     maps: HashMap<u32, Vec<Range>>,
+    trees: usize,
 }
 
 /// A library (an index into the names) and a page of its file.
 type Location = (usize, u64);
 
-/// What an observation saw, resolved to libraries.
+/// What an observation saw of one tree, resolved to libraries.
 #[derive(Debug, Default)]
 pub struct Recording {
     /// (time, where) per sample.
     samples: Vec<(u64, Option<Location>)>,
     libs: Vec<String>,
-    /// Records the kernel could not write (a full ring) or that were over the cap.
+    /// Records the kernel could not write (a full ring) or that were over the cap, for all
+    /// the trees observed together.
     pub lost: u64,
 }
 
@@ -272,6 +280,8 @@ const PAGE: u64 = 4096;
 /// Where one set of windows' samples fell.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Profile {
+    /// The windows (forwards) it covers.
+    pub forwards: u64,
     /// Samples inside the windows.
     pub samples: u64,
     /// Samples per library file name (`[unknown]` for addresses outside any file mapping).
@@ -440,56 +450,52 @@ fn read_maps(pid: u32, libs: &mut Vec<String>, index: &mut HashMap<String, usize
 }
 
 impl Observer {
-    /// Starts observing every task of the tree under `root` on every CPU, and every thread or
-    /// child any of them starts later. Fails where the kernel refuses (not root, no perf
-    /// events): the caller says so instead of pretending to observe.
-    pub fn attach(root: u32) -> Result<Self, ObserveError> {
-        let cpus = online_cpus();
-        let slots = cpus.iter().max().map_or(1, |m| m + 1);
-        let procs = tree(root);
-        if procs.is_empty() {
-            return Err(ObserveError::Gone(root));
+    /// Starts observing the trees under `roots` (each root and its descendants, and every
+    /// thread or child any of them starts later) with one sampling event per CPU. Fails where
+    /// the kernel refuses (not root, no perf events) or a root is gone: the caller says so
+    /// instead of pretending to observe.
+    pub fn attach(roots: &[u32]) -> Result<Self, ObserveError> {
+        let trees: Vec<Vec<(u32, Vec<u32>)>> = roots.iter().map(|&r| tree(r)).collect();
+        if let Some(i) = trees.iter().position(Vec::is_empty) {
+            return Err(ObserveError::Gone(roots[i]));
         }
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        let mut rings = Vec::new();
+        for cpu in online_cpus() {
+            let fd = match perf_open(cpu) {
+                Ok(fd) => fd,
+                // A CPU that went offline since the listing.
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => continue,
+                Err(source) => return Err(ObserveError::Open { cpu, source }),
+            };
+            rings.push(Ring::map(&fd).map_err(ObserveError::Ring)?);
+            fds.push(fd);
+        }
+        // After the events are on: what a process maps from now on is recorded, what it
+        // mapped before is here (both, for a mapping made in between: harmless). A process
+        // that forks between the listing and the events is listed again below.
         let (mut libs, mut index) = (Vec::new(), HashMap::new());
         let mut maps = HashMap::new();
-        let mut fds: Vec<OwnedFd> = Vec::new();
-        let mut rings: Vec<Option<(usize, Ring)>> = (0..slots).map(|_| None).collect();
-        let mut leaders: Vec<Option<usize>> = vec![None; slots];
-        for (pid, tasks) in &procs {
-            for &tid in tasks {
-                for &cpu in &cpus {
-                    let fd = match perf_open(tid, cpu) {
-                        Ok(fd) => fd,
-                        // A thread that ended since the listing.
-                        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => break,
-                        // A CPU that went offline since the listing.
-                        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => continue,
-                        Err(source) => return Err(ObserveError::Open { tid, cpu, source }),
-                    };
-                    match leaders[cpu] {
-                        Some(i) => ioctl(&fd, IOC_SET_OUTPUT, fds[i].as_raw_fd() as libc::c_ulong)
-                            .map_err(ObserveError::Ring)?,
-                        None => {
-                            rings[cpu] =
-                                Some((fds.len(), Ring::map(&fd).map_err(ObserveError::Ring)?));
-                            leaders[cpu] = Some(fds.len());
-                        }
-                    }
-                    fds.push(fd);
+        let mut members = HashMap::new();
+        for (t, procs) in trees.iter().enumerate() {
+            for (pid, _) in procs {
+                maps.insert(*pid, read_maps(*pid, &mut libs, &mut index));
+                members.insert(*pid, t);
+            }
+        }
+        for (t, &root) in roots.iter().enumerate() {
+            for (pid, _) in tree(root) {
+                if let std::collections::hash_map::Entry::Vacant(e) = members.entry(pid) {
+                    e.insert(t);
+                    maps.insert(pid, read_maps(pid, &mut libs, &mut index));
                 }
             }
-            // After its events are on: what it maps from now on is recorded, what it mapped
-            // before is here (both, for a mapping made in between: harmless).
-            maps.insert(*pid, read_maps(*pid, &mut libs, &mut index));
         }
-        let rings = Arc::new(Mutex::new(
-            rings
-                .into_iter()
-                .flatten()
-                .map(|(_, r)| r)
-                .collect::<Vec<_>>(),
-        ));
-        let store = Arc::new(Mutex::new(Store::default()));
+        let rings = Arc::new(Mutex::new(rings));
+        let store = Arc::new(Mutex::new(Store {
+            members,
+            ..Store::default()
+        }));
         let stop = Arc::new(AtomicBool::new(false));
         let drain = {
             let (rings, store, stop) = (rings.clone(), store.clone(), stop.clone());
@@ -511,11 +517,13 @@ impl Observer {
             rings,
             libs,
             maps,
+            trees: roots.len(),
         })
     }
 
-    /// Stops sampling and resolves every sample to the library it fell in.
-    pub fn finish(mut self) -> Recording {
+    /// Stops sampling and resolves every sample to the library it fell in: one recording per
+    /// root, in the order of `attach`.
+    pub fn finish(mut self) -> Vec<Recording> {
         for fd in &self.fds {
             let _ = ioctl(fd, IOC_DISABLE, 0);
         }
@@ -524,11 +532,14 @@ impl Observer {
             let _ = t.join();
         }
         drain_all(&self.rings, &self.store);
+        // Twice: events of a child whose fork record came a drain late wait one drain.
+        drain_all(&self.rings, &self.store);
         let store = std::mem::take(&mut *self.store.lock().unwrap_or_else(|e| e.into_inner()));
         resolve(
             store,
             std::mem::take(&mut self.libs),
             std::mem::take(&mut self.maps),
+            self.trees,
         )
     }
 }
@@ -542,13 +553,33 @@ impl Drop for Observer {
     }
 }
 
-/// The decoded records of one observation, bounded: a tree that floods the rings (thousands
-/// of mappings, a long run on many cores) loses records, counted, never the server's memory.
+/// The decoded records of the observed trees' processes, bounded: a tree that floods the
+/// rings (thousands of mappings, a long run on many cores) loses records, counted, never the
+/// server's memory.
 #[derive(Default)]
 struct Store {
     events: Vec<(u64, Event)>,
     maps: usize,
     lost: u64,
+    /// The observed processes and the tree each belongs to: those listed when attached and
+    /// every child one of them forked since.
+    members: HashMap<u32, usize>,
+    /// Records of processes not (yet) known, from the last drain: the rings are read one
+    /// after the other, so a child's first records can arrive a drain before its fork
+    /// record. Kept for one more drain, then dropped (another process of the machine).
+    pending: Vec<(u64, Event)>,
+}
+
+impl Store {
+    fn keep(&mut self, time: u64, e: Event) {
+        let is_map = matches!(e, Event::Map { .. });
+        if self.events.len() >= MAX_RECORDS || (is_map && self.maps >= MAX_MAPS) {
+            self.lost += 1;
+            return;
+        }
+        self.maps += usize::from(is_map);
+        self.events.push((time, e));
+    }
 }
 
 fn drain_all(rings: &Mutex<Vec<Ring>>, store: &Mutex<Store>) {
@@ -560,19 +591,36 @@ fn drain_all(rings: &Mutex<Vec<Ring>>, store: &Mutex<Store>) {
         }
     }
     let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
+    let mut batch: Vec<(u64, Event, bool)> = std::mem::take(&mut store.pending)
+        .into_iter()
+        .map(|(t, e)| (t, e, true))
+        .collect();
     for r in got {
         match decode(&r) {
-            Decoded::Event(time, e) => {
-                let is_map = matches!(e, Event::Map { .. });
-                if store.events.len() >= MAX_RECORDS || (is_map && store.maps >= MAX_MAPS) {
-                    store.lost += 1;
-                    continue;
-                }
-                store.maps += usize::from(is_map);
-                store.events.push((time, e));
-            }
+            Decoded::Event(time, e) => batch.push((time, e, false)),
             Decoded::Lost(n) => store.lost += n,
             Decoded::Other => {}
+        }
+    }
+    // In time order, so that a fork makes its child a member before the child's records.
+    batch.sort_by_key(|(t, _, _)| *t);
+    for (time, e, waited) in batch {
+        let member = match &e {
+            Event::Fork { pid, ppid } => match store.members.get(ppid).copied() {
+                Some(t) => {
+                    store.members.insert(*pid, t);
+                    true
+                }
+                None => false,
+            },
+            Event::Sample { pid, .. } | Event::Map { pid, .. } | Event::Exec { pid } => {
+                store.members.contains_key(pid)
+            }
+        };
+        if member {
+            store.keep(time, e);
+        } else if !waited && store.pending.len() < MAX_RECORDS {
+            store.pending.push((time, e));
         }
     }
 }
@@ -670,28 +718,39 @@ fn decode(r: &[u8]) -> Decoded {
 }
 
 /// Replays the records in time order: mappings, forks and execs change what an address of a
-/// process means from then on.
-fn resolve(store: Store, mut libs: Vec<String>, mut maps: HashMap<u32, Vec<Range>>) -> Recording {
+/// process means from then on. One recording per tree.
+fn resolve(
+    store: Store,
+    mut libs: Vec<String>,
+    mut maps: HashMap<u32, Vec<Range>>,
+    trees: usize,
+) -> Vec<Recording> {
     let mut index: HashMap<String, usize> = libs
         .iter()
         .enumerate()
         .map(|(i, l)| (l.clone(), i))
         .collect();
     let Store {
-        mut events, lost, ..
+        mut events,
+        lost,
+        members,
+        ..
     } = store;
     events.sort_by_key(|(t, _)| *t);
-    let mut samples = Vec::new();
+    let mut samples: Vec<Vec<(u64, Option<Location>)>> = vec![Vec::new(); trees];
     for (time, e) in events {
         match e {
             Event::Sample { pid, ip } => {
+                let Some(&tree) = members.get(&pid) else {
+                    continue;
+                };
                 let at = maps.get(&pid).and_then(|rs| {
                     rs.iter()
                         .rev()
                         .find(|r| r.start <= ip && ip < r.end)
                         .map(|r| (r.lib, (ip - r.start + r.offset) / PAGE))
                 });
-                samples.push((time, at));
+                samples[tree].push((time, at));
             }
             Event::Map {
                 pid,
@@ -716,11 +775,14 @@ fn resolve(store: Store, mut libs: Vec<String>, mut maps: HashMap<u32, Vec<Range
             }
         }
     }
-    Recording {
-        samples,
-        libs,
-        lost,
-    }
+    samples
+        .into_iter()
+        .map(|samples| Recording {
+            samples,
+            libs: libs.clone(),
+            lost,
+        })
+        .collect()
 }
 
 impl Recording {
@@ -729,7 +791,10 @@ impl Recording {
     pub fn profile(&self, windows: &[[u64; 2]]) -> Profile {
         let mut w: Vec<[u64; 2]> = windows.to_vec();
         w.sort_unstable();
-        let mut p = Profile::default();
+        let mut p = Profile {
+            forwards: w.len() as u64,
+            ..Profile::default()
+        };
         for &(time, at) in &self.samples {
             let i = w.partition_point(|x| x[0] <= time);
             if i == 0 || time > w[i - 1][1] {
@@ -751,8 +816,11 @@ pub const MIN_SAMPLES: u64 = 50;
 /// The reference's share below which the observation cannot tell PyTorch's compute from the
 /// rest (a forward of Python and copies): no rule rests on it then.
 pub const MIN_REFERENCE_SHARE: f64 = 0.4;
-/// The share of the reference's own kernels' code that breaks the rule never drops below this.
-pub const MIN_KERNEL_THRESHOLD: f64 = 0.15;
+/// The candidate's CPU time per forward in the reference's own kernels' code, as a share of
+/// the reference's, that breaks the rule. Measured on the red-team corpus (2-core machine):
+/// candidates that hide PyTorch's add 0.81-1.08, honest ones 0.00 with their allowed copies and
+/// fills; at about 100 samples a side one standard deviation of the ratio is about 0.14.
+pub const KERNEL_TIME_RATIO: f64 = 0.35;
 /// Nor does the share of all of PyTorch's compute library.
 pub const MIN_LIBRARY_THRESHOLD: f64 = 0.6;
 /// The share of the reference's samples in PyTorch that its hot pages cover.
@@ -781,8 +849,10 @@ pub struct Judgement {
     pub candidate_kernel_share: f64,
     /// The reference's share in those pages.
     pub reference_kernel_share: f64,
-    /// `candidate_kernel_share` at or above this breaks the rule.
-    pub kernel_threshold: f64,
+    /// The candidate's samples per forward in those pages over the reference's: about 1 for a
+    /// forward that runs the reference's kernels, whatever else it does; [`KERNEL_TIME_RATIO`]
+    /// or more breaks the rule.
+    pub kernel_time_ratio: f64,
     /// `candidate_share` at or above this breaks the rule.
     pub library_threshold: f64,
     /// What it means.
@@ -825,24 +895,36 @@ impl Profile {
     /// The share of samples (where threads wait left out) in the given pages of PyTorch's
     /// compute library.
     pub fn share_in_pages(&self, pages: &BTreeSet<(String, u64)>) -> f64 {
-        self.of_busy(
-            self.torch_pages
-                .iter()
-                .filter(|(p, _)| pages.contains(p))
-                .map(|(_, n)| n)
-                .sum(),
-        )
+        self.of_busy(self.samples_in_pages(pages))
+    }
+
+    /// The samples in the given pages of PyTorch's compute library.
+    fn samples_in_pages(&self, pages: &BTreeSet<(String, u64)>) -> u64 {
+        self.torch_pages
+            .iter()
+            .filter(|(p, _)| pages.contains(p))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// The samples in the given pages per forward.
+    fn per_forward_in_pages(&self, pages: &BTreeSet<(String, u64)>) -> f64 {
+        self.samples_in_pages(pages) as f64 / self.forwards.max(1) as f64
     }
 }
 
 /// The rule. An honest candidate's forwards spend their time in its own extension: PyTorch's
 /// dispatcher and allocator for its outputs, and the copies and fills it may call, are small
 /// and run other code than the task's kernels. A candidate that calls PyTorch's kernels,
-/// however it hides the calls from its own process's trace, spends its time where the eager
-/// reference spends its own: it breaks the rule when its share in the reference's kernel pages
-/// is at least half the reference's (at least [`MIN_KERNEL_THRESHOLD`]), or its share in the
-/// whole library at least 90% of the reference's (at least [`MIN_LIBRARY_THRESHOLD`]: other
-/// kernels doing all the work).
+/// however it hides the calls from its own process's trace, spends as much CPU time per
+/// forward where the eager reference spends its own as the reference does (the judge asks
+/// both for the same forwards on the same inputs): it breaks the rule when that time is at
+/// least [`KERNEL_TIME_RATIO`] of the reference's. Time, not share: busy work of its own
+/// around the hidden call makes PyTorch's kernels a smaller share of the forward but leaves
+/// their time as it was, and the judge's own checks in the candidate's windows (its inputs
+/// compared after every call) dilute no one. It also breaks the rule when its share in the
+/// whole library is at least 90% of the reference's (at least [`MIN_LIBRARY_THRESHOLD`]:
+/// other kernels doing all the work).
 pub fn pytorch_compute(candidate: &Profile, reference: &Profile) -> Judgement {
     let (c, r) = (
         candidate.share(is_torch_compute),
@@ -853,7 +935,12 @@ pub fn pytorch_compute(candidate: &Profile, reference: &Profile) -> Judgement {
         candidate.share_in_pages(&hot),
         reference.share_in_pages(&hot),
     );
-    let kernel_threshold = (rk / 2.0).max(MIN_KERNEL_THRESHOLD);
+    let reference_time = reference.per_forward_in_pages(&hot);
+    let kernel_time_ratio = if reference_time > 0.0 {
+        candidate.per_forward_in_pages(&hot) / reference_time
+    } else {
+        0.0
+    };
     let library_threshold = (0.9 * r).max(MIN_LIBRARY_THRESHOLD);
     let outcome = if candidate.samples < MIN_SAMPLES || reference.samples < MIN_SAMPLES {
         Finding::Inconclusive(format!(
@@ -865,7 +952,7 @@ pub fn pytorch_compute(candidate: &Profile, reference: &Profile) -> Judgement {
             "the reference's forwards showed only {:.0}% of their time in PyTorch's compute library",
             100.0 * r
         ))
-    } else if ck >= kernel_threshold || c >= library_threshold {
+    } else if kernel_time_ratio >= KERNEL_TIME_RATIO || c >= library_threshold {
         Finding::Broken
     } else {
         Finding::Clear
@@ -875,7 +962,7 @@ pub fn pytorch_compute(candidate: &Profile, reference: &Profile) -> Judgement {
         reference_share: r,
         candidate_kernel_share: ck,
         reference_kernel_share: rk,
-        kernel_threshold,
+        kernel_time_ratio,
         library_threshold,
         outcome,
     }

@@ -19,7 +19,7 @@ import pytest
 from corpus import judge, load_cases, run_case_server, start_server
 
 CASES = {c.name: c for c in load_cases()}
-HIDDEN = ["tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated"]
+HIDDEN = ["tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated", "dilute_hidden_compute"]
 LEGIT = ["legit_several_ext_calls", "legit_openmp_add", "legit_matmul_parallel_for", "legit_transposed_view_output", "legit_integer_output"]
 
 pytestmark = pytest.mark.redteam
@@ -51,8 +51,8 @@ def test_hidden_pytorch_compute_is_observed(server, name):
     obs = observed(result)
     if result.get("correct") and not obs.get("available"):
         pytest.skip(f"the server could not observe: {obs.get('reason')}")
-    assert result.get("correct") is False and result.get("rule") == "pytorch_compute", result
-    assert "observed from outside" in result.get("reason", "") or result.get("rule") == "pytorch_compute"
+    assert result.get("correct") is False and result.get("rule") == "pytorch_compute", f"paid: {obs}"
+    assert "observed from outside" in result.get("reason", ""), result.get("reason")
 
 
 @pytest.mark.parametrize("name", LEGIT)
@@ -62,6 +62,7 @@ def test_legitimate_candidates_stay_clear(server, name):
     held, why = judge(case, result)
     assert held, f"{name}: {why}\n{result}"
     obs = observed(result)
-    if obs.get("available") and obs.get("threshold") is not None:
+    if obs.get("available") and obs.get("kernel_time_threshold") is not None:
         # With room to spare: an honest forward's time is its own extension's.
-        assert obs["candidate_torch_share"] < obs["threshold"] / 2, obs
+        assert obs["kernel_time_ratio"] < obs["kernel_time_threshold"] / 2, obs
+        assert obs["candidate_torch_share"] < obs["library_threshold"] / 2, obs
