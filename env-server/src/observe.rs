@@ -56,7 +56,10 @@ pub fn probe() -> Result<(), ObserveError> {
         .stdin(std::process::Stdio::null())
         .spawn()
         .map_err(ObserveError::Probe)?;
-    let attached = Observer::attach(&[child.id()]);
+    let attached = Observer::attach(&[Tree {
+        root: child.id(),
+        uid: None,
+    }]);
     let _ = child.kill();
     let _ = child.wait();
     attached.map(|o| drop(o.finish()))
@@ -247,6 +250,17 @@ struct Range {
     lib: usize,
 }
 
+/// A process tree to observe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tree {
+    /// Its root process.
+    pub root: u32,
+    /// The uid the tree's processes run as, where no other process has it (the candidate
+    /// worker's slot uid): a process of that uid belongs to the tree even where its fork
+    /// record was lost (a ring overflowed by a flood of records).
+    pub uid: Option<u32>,
+}
+
 /// Trees being observed. Dropping it stops the observation.
 pub struct Observer {
     fds: Vec<OwnedFd>,
@@ -374,6 +388,18 @@ fn tree(root: u32) -> Vec<(u32, Vec<u32>)> {
     out
 }
 
+/// The real uid of a process, from `/proc/<pid>/status`; `None` once it is gone.
+fn process_uid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// The CPUs that are online (`/sys/devices/system/cpu/online`, such as `0-3,6-7`): an event
 /// on an offline one fails, and a virtual machine may count CPUs it does not have.
 fn online_cpus() -> Vec<usize> {
@@ -450,11 +476,13 @@ fn read_maps(pid: u32, libs: &mut Vec<String>, index: &mut HashMap<String, usize
 }
 
 impl Observer {
-    /// Starts observing the trees under `roots` (each root and its descendants, and every
-    /// thread or child any of them starts later) with one sampling event per CPU. Fails where
-    /// the kernel refuses (not root, no perf events) or a root is gone: the caller says so
-    /// instead of pretending to observe.
-    pub fn attach(roots: &[u32]) -> Result<Self, ObserveError> {
+    /// Starts observing `trees` (each root and its descendants, and every thread or child any
+    /// of them starts later) with one sampling event per CPU. Fails where the kernel refuses
+    /// (not root, no perf events) or a root is gone: the caller says so instead of pretending
+    /// to observe.
+    pub fn attach(trees: &[Tree]) -> Result<Self, ObserveError> {
+        let roots: Vec<u32> = trees.iter().map(|t| t.root).collect();
+        let owners: Vec<Option<u32>> = trees.iter().map(|t| t.uid).collect();
         let trees: Vec<Vec<(u32, Vec<u32>)>> = roots.iter().map(|&r| tree(r)).collect();
         if let Some(i) = trees.iter().position(Vec::is_empty) {
             return Err(ObserveError::Gone(roots[i]));
@@ -494,6 +522,7 @@ impl Observer {
         let rings = Arc::new(Mutex::new(rings));
         let store = Arc::new(Mutex::new(Store {
             members,
+            owners,
             ..Store::default()
         }));
         let stop = Arc::new(AtomicBool::new(false));
@@ -568,9 +597,41 @@ struct Store {
     /// after the other, so a child's first records can arrive a drain before its fork
     /// record. Kept for one more drain, then dropped (another process of the machine).
     pending: Vec<(u64, Event)>,
+    /// Each tree's uid, where it has its own.
+    owners: Vec<Option<u32>>,
+    /// Processes outside the trees whose uid was read, with it (read once each).
+    checked: HashMap<u32, Option<u32>>,
 }
 
 impl Store {
+    /// The tree `pid` belongs to: by the fork records, or by its uid. A process found by its
+    /// uid alone (its fork record lost) gets its mappings from `/proc` now, placed before
+    /// every record.
+    fn tree_of(&mut self, pid: u32) -> Option<usize> {
+        if let Some(&t) = self.members.get(&pid) {
+            return Some(t);
+        }
+        if self.owners.iter().all(Option::is_none) {
+            return None;
+        }
+        let uid = *self.checked.entry(pid).or_insert_with(|| process_uid(pid));
+        let t = self.owners.iter().position(|o| o.is_some() && *o == uid)?;
+        self.members.insert(pid, t);
+        let (mut libs, mut index) = (Vec::new(), HashMap::new());
+        for r in read_maps(pid, &mut libs, &mut index) {
+            self.keep(
+                0,
+                Event::Map {
+                    pid,
+                    range: (r.start, r.end),
+                    offset: r.offset,
+                    path: libs[r.lib].clone(),
+                },
+            );
+        }
+        Some(t)
+    }
+
     fn keep(&mut self, time: u64, e: Event) {
         let is_map = matches!(e, Event::Map { .. });
         if self.events.len() >= MAX_RECORDS || (is_map && self.maps >= MAX_MAPS) {
@@ -614,7 +675,8 @@ fn drain_all(rings: &Mutex<Vec<Ring>>, store: &Mutex<Store>) {
                 None => false,
             },
             Event::Sample { pid, .. } | Event::Map { pid, .. } | Event::Exec { pid } => {
-                store.members.contains_key(pid)
+                let pid = *pid;
+                store.tree_of(pid).is_some()
             }
         };
         if member {

@@ -4,7 +4,7 @@
 
 use std::process::{Command, Stdio};
 
-use env_server::observe::{pytorch_compute, Finding, ObserveError, Observer, Profile};
+use env_server::observe::{pytorch_compute, Finding, ObserveError, Observer, Profile, Tree};
 
 fn now_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -20,7 +20,10 @@ fn now_ns() -> u64 {
 /// evaluation then reports the observation missing, which `observation_missing_is_said`
 /// covers.
 fn attach_or_skip(pid: u32) -> Option<Observer> {
-    match Observer::attach(&[pid]) {
+    match Observer::attach(&[Tree {
+        root: pid,
+        uid: None,
+    }]) {
         Ok(o) => Some(o),
         Err(e @ ObserveError::Open { .. }) => {
             eprintln!("SKIPPED: this machine does not let the server observe: {e}");
@@ -190,7 +193,8 @@ fn trees_are_kept_apart_and_the_rest_of_the_machine_out() {
     };
     let mut outsider = spawn("sha1sum");
     let (mut a, mut b) = (spawn("md5sum"), spawn("cksum"));
-    let obs = match Observer::attach(&[a.id(), b.id()]) {
+    let tree = |root| Tree { root, uid: None };
+    let obs = match Observer::attach(&[tree(a.id()), tree(b.id())]) {
         Ok(o) => o,
         Err(e @ ObserveError::Open { .. }) => {
             eprintln!("SKIPPED: this machine does not let the server observe: {e}");

@@ -19,7 +19,8 @@ import pytest
 from corpus import judge, load_cases, run_case_server, start_server
 
 CASES = {c.name: c for c in load_cases()}
-HIDDEN = ["tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated", "dilute_hidden_compute"]
+HIDDEN = ["tamper_worker_obfuscated", "tamper_trace_method_obfuscated", "disable_dispatch_modes_obfuscated", "aten_cpu_direct_obfuscated", "dilute_hidden_compute",
+          "flood_observer_rings"]
 LEGIT = ["legit_several_ext_calls", "legit_openmp_add", "legit_matmul_parallel_for", "legit_transposed_view_output", "legit_integer_output"]
 
 pytestmark = pytest.mark.redteam
@@ -52,7 +53,8 @@ def test_hidden_pytorch_compute_is_observed(server, name):
     if result.get("correct") and not obs.get("available"):
         pytest.skip(f"the server could not observe: {obs.get('reason')}")
     assert result.get("correct") is False and result.get("rule") == "pytorch_compute", f"paid: {obs}"
-    assert "observed from outside" in result.get("reason", ""), result.get("reason")
+    reason = result.get("reason", "")
+    assert "observed from outside" in reason or "lost" in reason, reason
 
 
 @pytest.mark.parametrize("name", LEGIT)
