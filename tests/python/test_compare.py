@@ -153,16 +153,27 @@ def test_a_matvec_summed_in_another_order_passes_and_lower_precision_does_not():
     order than the reference's: a few outputs near zero, where the long sums cancel, miss the
     plain elementwise bound (the H100 run judged such a kernel -1) and must pass. The same
     product with its operands rounded to TF32 or bfloat16 must still fail."""
-    g = torch.Generator().manual_seed(0)
-    a, v = torch.randn(2048, 16384, generator=g), torch.randn(16384, generator=g)
-    want = torch.mv(a, v)
-    reordered = torch.mv(a.flip(1).contiguous(), v.flip(0).contiguous())
-    blocked = (a.view(2048, 8, 2048) * v.view(8, 2048)).sum(2).sum(1)
-    for got in (reordered, blocked):
-        assert not exact_verdict(want, got, 1e-4, 1e-4, floor=0.0), "no output missed the plain bound: this test says nothing"
-        assert verdict(want, got)
-    assert not verdict(want, torch.mv(_round_to_tf32(a), _round_to_tf32(v)))
-    assert not verdict(want, torch.mv(a.bfloat16().float(), v.bfloat16().float()))
+    missed = []
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        a, v = torch.randn(2048, 16384, generator=g), torch.randn(16384, generator=g)
+        want = torch.mv(a, v)
+        orders = {
+            "reversed": torch.mv(a.flip(1).contiguous(), v.flip(0).contiguous()),
+            "8 blocks": (a.view(2048, 8, 2048) * v.view(8, 2048)).sum(2).sum(1),
+            "16 blocks": (a.view(2048, 16, 1024) * v.view(16, 1024)).sum(2).sum(1),
+            "sequential": torch.cumsum(a * v, dim=1)[:, -1],
+        }
+        for name, got in orders.items():
+            assert verdict(want, got), f"seed {seed}, {name}"
+            if not exact_verdict(want, got, 1e-4, 1e-4, floor=0.0):
+                missed.append((seed, name))
+        assert not verdict(want, torch.mv(_round_to_tf32(a), _round_to_tf32(v)))
+        assert not verdict(want, torch.mv(a.bfloat16().float(), v.bfloat16().float()))
+    # Which orders miss the plain bound depends on how this machine's BLAS sums the reference
+    # (its blocking and vector width); across six draws and four orders some do (on a 2-core
+    # machine with MKL, 2 of the first 12).
+    assert missed, "no output of any order missed the plain bound: this test says nothing"
 
 
 def test_the_typical_magnitude_ignores_a_few_huge_outputs_and_integer_outputs():
