@@ -234,7 +234,9 @@ fn a_child_made_the_sibling_of_its_creator_is_still_observed() {
     let code = "import ctypes, os, time\n\
                 libc = ctypes.CDLL(None, use_errno=True)\n\
                 time.sleep(0.5)\n\
-                pid = libc.syscall(56, 0x8000 | 17, 0, 0, 0, 0)\n\
+                import platform\n\
+                nr = {'x86_64': 56, 'aarch64': 220}[platform.machine()]\n\
+                pid = libc.syscall(nr, 0x8000 | 17, 0, 0, 0, 0)\n\
                 if pid == 0:\n    buf = ctypes.create_string_buffer(1 << 22)\n    t = time.time()\n    \
                 while time.time() - t < 1.0:\n        ctypes.memset(buf, 1, len(buf))\n    os._exit(0)\n\
                 assert pid > 0, ctypes.get_errno()\n\
