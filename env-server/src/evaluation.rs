@@ -1021,20 +1021,25 @@ impl Observed {
         };
         s.candidate_top = top(&c);
         s.reference_top = top(&r);
+        // The lines the rule draws, shown wherever the rule is applied.
+        s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
+        s.library_threshold = Some(finding.library_threshold);
+        let unjudged = |mut s: env_api::ObservedCompute, why: String| {
+            s.kernel_time_threshold = None;
+            s.library_threshold = None;
+            s.reason = Some(why);
+            (s, None)
+        };
         match finding.outcome {
             // Operators the server allows (`--allow-ops`) run PyTorch's kernels by right.
-            Finding::Broken if compute_allowed => {
-                s.reason = Some(
-                    "the server allows PyTorch compute operators (--allow-ops): reported, not judged"
-                        .into(),
-                );
-                (s, None)
-            }
+            Finding::Broken if compute_allowed => unjudged(
+                s,
+                "the server allows PyTorch compute operators (--allow-ops): reported, not judged"
+                    .into(),
+            ),
             // On a GPU the host's samples are launches and waits: what they say of who wrote
             // the kernels is measured, not yet believed.
             Finding::Broken | Finding::Clear if device == Device::Cuda => {
-                s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
-                s.library_threshold = Some(finding.library_threshold);
                 s.reason = Some("on a GPU the observation is reported, not judged".into());
                 (s, None)
             }
@@ -1044,26 +1049,15 @@ impl Observed {
             Finding::Inconclusive(_) | Finding::Clear | Finding::Broken
                 if s.lost > 0 && !compute_allowed && device != Device::Cuda =>
             {
-                s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
-                s.library_threshold = Some(finding.library_threshold);
                 let why = format!(
                     "the server's outside observation of the workers lost {} records (its ring buffers overflowed, as under a flood of memory mappings or processes): a forward it could not see is not paid",
                     s.lost
                 );
                 (s, Some(why))
             }
-            Finding::Inconclusive(why) => {
-                s.reason = Some(why);
-                (s, None)
-            }
-            Finding::Clear => {
-                s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
-                s.library_threshold = Some(finding.library_threshold);
-                (s, None)
-            }
+            Finding::Inconclusive(why) => unjudged(s, why),
+            Finding::Clear => (s, None),
             Finding::Broken => {
-                s.kernel_time_threshold = Some(KERNEL_TIME_RATIO);
-                s.library_threshold = Some(finding.library_threshold);
                 let why = format!(
                     "observed from outside the worker, the candidate's forwards spent {:.0}% as much CPU time per call in the code of the eager reference's own PyTorch kernels as the reference did ({:.0}% breaks the rule), and {:.0}% of their time in PyTorch's compute library libtorch_cpu.so (the reference {:.0}%; {:.0}% breaks it): the forward computes with PyTorch",
                     100.0 * finding.kernel_time_ratio,

@@ -270,7 +270,6 @@ pub struct Observer {
     rings: Arc<Mutex<Vec<Ring>>>,
     libs: Vec<String>,
     maps: HashMap<u32, Vec<Range>>,
-    trees: usize,
 }
 
 /// A library (an index into the names) and a page of its file.
@@ -346,8 +345,8 @@ impl Profile {
     }
 }
 
-/// The processes of the tree under `root` (itself included) and their threads.
-fn tree(root: u32) -> Vec<(u32, Vec<u32>)> {
+/// The live processes of the tree under `root` (itself included).
+fn tree(root: u32) -> Vec<u32> {
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
     if let Ok(entries) = std::fs::read_dir("/proc") {
         for e in entries.flatten() {
@@ -373,15 +372,8 @@ fn tree(root: u32) -> Vec<(u32, Vec<u32>)> {
         if !seen.insert(pid) {
             continue;
         }
-        let tasks: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .map(|d| {
-                d.flatten()
-                    .filter_map(|e| e.file_name().to_str()?.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
-        if !tasks.is_empty() {
-            out.push((pid, tasks));
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            out.push(pid);
         }
         todo.extend(children.get(&pid).into_iter().flatten());
     }
@@ -481,12 +473,6 @@ impl Observer {
     /// (not root, no perf events) or a root is gone: the caller says so instead of pretending
     /// to observe.
     pub fn attach(trees: &[Tree]) -> Result<Self, ObserveError> {
-        let roots: Vec<u32> = trees.iter().map(|t| t.root).collect();
-        let owners: Vec<Option<u32>> = trees.iter().map(|t| t.uid).collect();
-        let trees: Vec<Vec<(u32, Vec<u32>)>> = roots.iter().map(|&r| tree(r)).collect();
-        if let Some(i) = trees.iter().position(Vec::is_empty) {
-            return Err(ObserveError::Gone(roots[i]));
-        }
         let mut fds: Vec<OwnedFd> = Vec::new();
         let mut rings = Vec::new();
         for cpu in online_cpus() {
@@ -499,30 +485,26 @@ impl Observer {
             rings.push(Ring::map(&fd).map_err(ObserveError::Ring)?);
             fds.push(fd);
         }
-        // After the events are on: what a process maps from now on is recorded, what it
-        // mapped before is here (both, for a mapping made in between: harmless). A process
-        // that forks between the listing and the events is listed again below.
+        // Listed after the events are on: a process forked from now on has its fork record,
+        // and what a process maps from now on is recorded, what it mapped before is here
+        // (both, for a mapping made in between: harmless).
         let (mut libs, mut index) = (Vec::new(), HashMap::new());
         let mut maps = HashMap::new();
         let mut members = HashMap::new();
-        for (t, procs) in trees.iter().enumerate() {
-            for (pid, _) in procs {
-                maps.insert(*pid, read_maps(*pid, &mut libs, &mut index));
-                members.insert(*pid, t);
+        for (t, root) in trees.iter().enumerate() {
+            let procs = tree(root.root);
+            if procs.is_empty() {
+                return Err(ObserveError::Gone(root.root));
             }
-        }
-        for (t, &root) in roots.iter().enumerate() {
-            for (pid, _) in tree(root) {
-                if let std::collections::hash_map::Entry::Vacant(e) = members.entry(pid) {
-                    e.insert(t);
-                    maps.insert(pid, read_maps(pid, &mut libs, &mut index));
-                }
+            for pid in procs {
+                maps.insert(pid, read_maps(pid, &mut libs, &mut index));
+                members.insert(pid, t);
             }
         }
         let rings = Arc::new(Mutex::new(rings));
         let store = Arc::new(Mutex::new(Store {
             members,
-            owners,
+            owners: trees.iter().map(|t| t.uid).collect(),
             ..Store::default()
         }));
         let stop = Arc::new(AtomicBool::new(false));
@@ -546,7 +528,6 @@ impl Observer {
             rings,
             libs,
             maps,
-            trees: roots.len(),
         })
     }
 
@@ -568,7 +549,6 @@ impl Observer {
             store,
             std::mem::take(&mut self.libs),
             std::mem::take(&mut self.maps),
-            self.trees,
         )
     }
 }
@@ -675,8 +655,7 @@ fn drain_all(rings: &Mutex<Vec<Ring>>, store: &Mutex<Store>) {
                 None => false,
             },
             Event::Sample { pid, .. } | Event::Map { pid, .. } | Event::Exec { pid } => {
-                let pid = *pid;
-                store.tree_of(pid).is_some()
+                store.tree_of(*pid).is_some()
             }
         };
         if member {
@@ -785,7 +764,6 @@ fn resolve(
     store: Store,
     mut libs: Vec<String>,
     mut maps: HashMap<u32, Vec<Range>>,
-    trees: usize,
 ) -> Vec<Recording> {
     let mut index: HashMap<String, usize> = libs
         .iter()
@@ -796,10 +774,11 @@ fn resolve(
         mut events,
         lost,
         members,
+        owners,
         ..
     } = store;
     events.sort_by_key(|(t, _)| *t);
-    let mut samples: Vec<Vec<(u64, Option<Location>)>> = vec![Vec::new(); trees];
+    let mut samples: Vec<Vec<(u64, Option<Location>)>> = vec![Vec::new(); owners.len()];
     for (time, e) in events {
         match e {
             Event::Sample { pid, ip } => {
