@@ -102,6 +102,7 @@ def start_server(args, data):
         cmd += ["--max-builds", str(args.max_builds)]
     if args.pch is not None:
         cmd += ["--pch", args.pch]
+    cmd += args.server_arg
     log = open(os.path.join(os.path.dirname(data), "server.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # its log is on stdout
     url = f"http://127.0.0.1:{args.port}"
@@ -130,6 +131,28 @@ def wait_pch(data, info, limit_s):
     return time.time() - t0
 
 
+def observed(results):
+    """The server's outside observation of each evaluation's workers, one line each: judged or
+    only reported, the candidate's CPU time per call in the reference's hot code over the
+    reference's, the library shares, what the rings lost and where the candidate's samples went."""
+    print()
+    print("outside observation (details.observed):")
+    def f(x):
+        return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+    for task, _, r in results:
+        o = (r.get("details") or {}).get("observed") or {}
+        top = ", ".join(f"{x['library']} {x['share']:.2f}" for x in (o.get("candidate_top") or [])[:3])
+        rtop = ", ".join(f"{x['library']} {x['share']:.2f}" for x in (o.get("reference_top") or [])[:3])
+        print(f"  {task}: correct={r.get('correct')} available={o.get('available')} "
+              f"samples {o.get('candidate_samples')}/{o.get('reference_samples')} "
+              f"forwards {o.get('candidate_forwards')}/{o.get('reference_forwards')} "
+              f"kernel_time_ratio={f(o.get('kernel_time_ratio'))} "
+              f"torch share {f(o.get('candidate_torch_share'))}/{f(o.get('reference_torch_share'))} "
+              f"lost={o.get('lost')} reason={(o.get('reason') or '')[:120]!r} "
+              f"candidate top [{top}] reference top [{rtop}]")
+
+
 def row(cols, widths):
     return "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))
 
@@ -147,6 +170,9 @@ def main():
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--prestart", choices=["on", "off"], help="the server's --prestart (default: its own, on with CUDA)")
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more argument for env-server (repeatable), e.g. --server-arg=--no-observe")
+    ap.add_argument("--json", help="write every verdict (task, latency, reward, reason, details) here")
     ap.add_argument("--warm-builds", action="store_true",
                     help="build each example once first; the N evaluations are build-cache hits")
     ap.add_argument("--data-dir", help="the server's data directory, kept (its build cache is reused)")
@@ -233,6 +259,11 @@ def main():
         print(row(["evaluations per hour", f"{args.n / wall * 3600:.0f}"], [28, 10]))
         print(row(["core-s per evaluation", f"{cores / args.n:.1f}"], [28, 10]))  # the whole machine
         print(row(["device-s per evaluation", f"{device_s / args.n:.1f}"], [28, 10]))
+
+        observed(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([{"task": t, "latency_s": l, **r} for t, l, r in results], f, indent=1)
 
         bad = [(t, r.get("reason")) for t, _, r in results if not r.get("correct")]
         for t, reason in bad[:5]:

@@ -9,7 +9,7 @@
 #      built once (not counted), then N evaluations of them (default 12), every one judged in
 #      full; the device side's rate once builds run ahead of the lease.
 # PHASES (default "1 2 3") picks phases; each stops at its share of SECONDS (default 540) and
-# prints its table as it goes.
+# prints its table as it goes. Phase 3 takes MODES (default "on off"; also "unobserved") and PCH.
 # Usage: [PHASES="1 2"] [N=12] scripts/gpu_judge_bench.sh OUT_DIR [SECONDS] [BEFORE_SKILLS_DIR]
 set -u
 out=${1:?usage: gpu_judge_bench.sh OUT_DIR [SECONDS] [BEFORE_SKILLS_DIR]}
@@ -58,15 +58,31 @@ echo "== 3. throughput through the server ($(left) s left)"
 n=${N:-12}
 port=18290
 tdata=$(mktemp -d /tmp/throughput-XXXX)
-for mode in on off; do
-    budget=$(($(left) * 55 / 100))
+# MODES: "on" prestart on, "off" prestart off, "unobserved" prestart on without the outside
+# observation (--no-observe); the first run builds the examples (not counted), the rest reuse
+# its build cache. PCH passes the server's --pch (say "none": the warm-up's builds are not
+# counted, and making the headers costs about a minute).
+modes=(${MODES:-on off})
+pch=()
+[ -n "${PCH:-}" ] && pch=(--pch="$PCH")
+for i in "${!modes[@]}"; do
+    mode=${modes[$i]}
+    # The first run also builds: twice a later run's share.
+    budget=$(($(left) / (${#modes[@]} - i)))
+    [ "$i" -eq 0 ] && budget=$(($(left) * 2 / (${#modes[@]} + 1)))
     warm=()
-    [ "$mode" = off ] && { budget=$(left); warm=(--no-warm-up); }
-    [ "$budget" -lt 60 ] && { echo "no time left for prestart $mode"; continue; }
+    [ "$i" -gt 0 ] && warm=(--no-warm-up)
+    extra=(--prestart on)
+    case $mode in
+        off) extra=(--prestart off) ;;
+        unobserved) extra=(--prestart on --server-arg=--no-observe) ;;
+    esac
+    [ "$budget" -lt 60 ] && { echo "no time left for $mode"; continue; }
     port=$((port + 1))
+    echo "-- $mode ($budget s)"
     timeout "$budget" $py scripts/bench_eval_throughput.py --device cuda --n "$n" --concurrency "$n" \
-        --warm-builds "${warm[@]}" --data-dir "$tdata" --prestart "$mode" --port "$port" \
-        2>&1 | tee "$out/throughput_prestart_$mode.md"
+        --warm-builds "${warm[@]}" "${pch[@]}" --data-dir "$tdata" "${extra[@]}" --port "$port" \
+        --json "$out/throughput_$mode.json" 2>&1 | tee "$out/throughput_$mode.md"
     # A run cut by its time limit leaves its server behind: it would hold the GPU.
     pkill -f "env-server --bind 127.0.0.1:$port" 2>/dev/null
     cp "$tdata/server.log" "$out/throughput_server_$mode.log" 2>/dev/null
