@@ -10,6 +10,8 @@
 #      full; the device side's rate once builds run ahead of the lease.
 # PHASES (default "1 2 3") picks phases; each stops at its share of SECONDS (default 540) and
 # prints its table as it goes. Phase 3 takes MODES (default "on off"; also "unobserved") and PCH.
+# Phase "observe" (asked for by name, run before 3) sends red-team cases through a CUDA server
+# and prints the outside observation of each.
 # Usage: [PHASES="1 2"] [N=12] scripts/gpu_judge_bench.sh OUT_DIR [SECONDS] [BEFORE_SKILLS_DIR]
 set -u
 out=${1:?usage: gpu_judge_bench.sh OUT_DIR [SECONDS] [BEFORE_SKILLS_DIR]}
@@ -51,6 +53,34 @@ ba=()
 timeout $(share 55 $last) $py scripts/bench_judge.py --device cuda "${ba[@]}" \
     --json "$out/examples.json" 2>&1 | tee "$out/examples.md"
 
+fi
+
+if want observe; then
+echo "== observe. the outside observation of hidden compute on CUDA ($(left) s left)"
+# Cases (OBSERVE_CASES, default the dispatch-modes add) through a CUDA server, torch.compile
+# skipped; prints what the server's observation saw of each (reported on CUDA, not judged).
+oport=18280
+odata=$(mktemp -d /tmp/observe-XXXX)
+chmod 711 "$odata"
+target/release/env-server --bind 127.0.0.1:$oport --data-dir "$odata/data" --python "$(command -v "$py")" \
+    --device cuda --skip-compile >"$out/observe_server.log" 2>&1 &
+opid=$!
+for _ in $(seq 600); do (exec 3<>/dev/tcp/127.0.0.1/$oport) 2>/dev/null && break; sleep 0.1; done
+timeout $(share 30) $py tests/redteam/table.py --server http://127.0.0.1:$oport \
+    --names ${OBSERVE_CASES:-cuda_hidden_add_obfuscated} --json "$out/observe.json" 2>&1 | tee "$out/observe.md"
+kill $opid 2>/dev/null
+$py - "$out/observe.json" <<'PY'
+import json, sys
+for name, r in json.load(open(sys.argv[1])).items():
+    res = r["result"]
+    o = (res.get("details") or {}).get("observed") or {}
+    top = lambda k: ", ".join(f"{x['library']} {x['share']:.2f}" for x in (o.get(k) or [])[:4])
+    print(f"{name}: correct={res.get('correct')} reason={(res.get('reason') or '')[:100]!r}")
+    print(f"  available={o.get('available')} reason={o.get('reason')!r} samples {o.get('candidate_samples')}/{o.get('reference_samples')} "
+          f"forwards {o.get('candidate_forwards')}/{o.get('reference_forwards')} kernel_time_ratio={o.get('kernel_time_ratio')} "
+          f"torch share {o.get('candidate_torch_share')}/{o.get('reference_torch_share')} lost={o.get('lost')}")
+    print(f"  candidate top [{top('candidate_top')}]\n  reference top [{top('reference_top')}]")
+PY
 fi
 
 if want 3; then
