@@ -67,7 +67,7 @@ target/release/env-server --bind 127.0.0.1:$oport --data-dir "$odata/data" --pyt
 opid=$!
 for _ in $(seq 600); do (exec 3<>/dev/tcp/127.0.0.1/$oport) 2>/dev/null && break; sleep 0.1; done
 timeout $(share 30) $py tests/redteam/table.py --server http://127.0.0.1:$oport \
-    --names ${OBSERVE_CASES:-cuda_hidden_add_obfuscated} --json "$out/observe.json" 2>&1 | tee "$out/observe.md"
+    --names ${OBSERVE_CASES:-cuda_hidden_add_obfuscated cuda_legit_nvrtc_kernel} --json "$out/observe.json" 2>&1 | tee "$out/observe.md"
 kill $opid 2>/dev/null
 $py - "$out/observe.json" <<'PY'
 import json, sys

@@ -145,6 +145,34 @@ def install_extension_counter(counter: ExtensionCalls) -> None:
 
     cpp.load, cpp.load_inline = load, load_inline
     cpp._cuda_agent_wrapped = True
+    count_runtime_kernels(counter)
+
+
+def count_runtime_kernels(counter: ExtensionCalls) -> None:
+    """Counts launches of kernels compiled at run time by NVRTC through torch
+    (`torch.cuda._compile_kernel`, or `_nvrtc_compile` with `_cuda_load_module`): each is a
+    custom kernel call, as a call into a built extension is. Wrapped at the launcher's class, so
+    every way torch offers to that launcher counts."""
+    try:
+        from torch.cuda import _utils as cu
+    except ImportError:
+        return
+    kernel = getattr(cu, "_CudaKernel", None)
+    if kernel is None or getattr(kernel, "_cuda_agent_counted", False):
+        return
+    launch, init = kernel.__call__, kernel.__init__
+
+    def counted_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if "nvrtc" not in counter.modules:
+            counter.modules.append("nvrtc")
+
+    def counted_launch(self, *args, **kwargs):
+        counter.count += 1
+        return launch(self, *args, **kwargs)
+
+    kernel.__init__, kernel.__call__ = counted_init, counted_launch
+    kernel._cuda_agent_counted = True
 
 
 def build_kernels_dir(candidate_dir: Path, device: torch.device, counter: ExtensionCalls):
