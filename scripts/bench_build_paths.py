@@ -4,7 +4,7 @@ used where CPATH provides them, as env-server sets it) and with pybind11 alone (
 `no_implicit_headers=True`; SKILL.md's fast path), beside importing torch alone. Prints a
 Markdown table.
 
-    python scripts/bench_build_paths.py [--repeat 2]
+    python scripts/bench_build_paths.py [--repeat 2] [--cuda]
 
 User+sys CPU time is reported beside wall time: on a shared machine the wall time says more
 about the neighbours than about the build.
@@ -50,16 +50,66 @@ load_inline(name="bench_pybind", cpp_sources=SRC, no_implicit_headers=True, extr
 
 IMPORT = "import torch\nimport torch.utils.cpp_extension\n"
 
+# A CUDA kernel in a .cu without torch headers (nvcc for the exact architecture, as the server
+# sets TORCH_CUDA_ARCH_LIST), bound by pybind11 alone in the C++ half.
+CUDA_PLAIN = r'''
+import torch
+from torch.utils.cpp_extension import load_inline
+CU = """
+#include <cstdint>
+#include <cuda_runtime.h>
+__global__ void add_k(const float* a, const float* b, float* o, std::int64_t n) {
+    std::int64_t i = blockIdx.x * (std::int64_t)blockDim.x + threadIdx.x;
+    if (i < n) o[i] = a[i] + b[i];
+}
+void add_launch(const float* a, const float* b, float* o, std::int64_t n) {
+    add_k<<<(unsigned)((n + 255) / 256), 256>>>(a, b, o, n);
+}
+"""
+CPP = """
+#include <cstdint>
+#include <pybind11/pybind11.h>
+void add_launch(const float* a, const float* b, float* o, std::int64_t n);
+static void add(std::uintptr_t a, std::uintptr_t b, std::uintptr_t o, std::int64_t n) {
+    add_launch(reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b), reinterpret_cast<float*>(o), n);
+}
+PYBIND11_MODULE(bench_cuda_plain, m) { m.def("add", &add); }
+"""
+load_inline(name="bench_cuda_plain", cpp_sources=CPP, cuda_sources=CU, no_implicit_headers=True, extra_cuda_cflags=["-O3"])
+'''
+
+# The same kernel compiled at run time by NVRTC (no build step); prints the compile's own time.
+NVRTC = r'''
+import time, torch
+torch.cuda.init()
+SRC = """
+extern "C" __global__ void add_k(const float* a, const float* b, float* o, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) o[i] = a[i] + b[i];
+}
+"""
+t = time.perf_counter()
+k = torch.cuda._compile_kernel(SRC, "add_k")
+first = time.perf_counter() - t
+t = time.perf_counter()
+torch.cuda._compile_kernel(SRC.replace("a[i] + b[i]", "b[i] + a[i]"), "add_k")
+print(f"nvrtc_s {first:.3f} {time.perf_counter() - t:.3f}")
+'''
+
 
 def run(code: str) -> tuple[float, float]:
-    """(wall s, user+sys CPU s of the child and its compilers)."""
+    """(wall s, user+sys CPU s of the child and its compilers); what the child prints is shown."""
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, TORCH_EXTENSIONS_DIR=d)
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+        out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
         wall = time.perf_counter() - t
+        for line in out.stdout.splitlines():
+            if line.startswith("nvrtc_s"):
+                first, again = line.split()[1:]
+                print(f"  NVRTC compile in process: first {first} s, a changed kernel {again} s", file=sys.stderr)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -67,8 +117,15 @@ def run(code: str) -> tuple[float, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--cuda", action="store_true", help="also a CUDA kernel without torch headers (nvcc) and the same kernel by NVRTC")
     args = p.parse_args()
     rows = [("import torch (no build)", IMPORT), ("torch headers (load_inline, functions=)", TORCH), ("pybind11 only (no_implicit_headers)", PYBIND)]
+    if args.cuda:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+        rows += [("CUDA .cu without torch headers (nvcc, pybind11 binding)", CUDA_PLAIN), ("NVRTC (torch.cuda._compile_kernel; import included)", NVRTC)]
     print(f"CPATH={os.environ.get('CPATH', '')!r}\n")
     print("| build | wall s (best) | CPU s (best) |")
     print("| --- | ---: | ---: |")

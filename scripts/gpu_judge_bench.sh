@@ -66,9 +66,14 @@ target/release/env-server --bind 127.0.0.1:$oport --data-dir "$odata/data" --pyt
     --device cuda --skip-compile >"$out/observe_server.log" 2>&1 &
 opid=$!
 for _ in $(seq 600); do (exec 3<>/dev/tcp/127.0.0.1/$oport) 2>/dev/null && break; sleep 0.1; done
+# Beside it, what each build path costs on this host (a CUDA kernel without torch headers, NVRTC).
+timeout $(share 30) $py scripts/bench_build_paths.py --repeat 1 --cuda >"$out/build_paths.md" 2>"$out/build_paths.log" &
+bpid=$!
 timeout $(share 30) $py tests/redteam/table.py --server http://127.0.0.1:$oport \
     --names ${OBSERVE_CASES:-cuda_hidden_add_obfuscated cuda_legit_nvrtc_kernel} --json "$out/observe.json" 2>&1 | tee "$out/observe.md"
 kill $opid 2>/dev/null
+wait $bpid
+cat "$out/build_paths.md"; tail -n 5 "$out/build_paths.log"
 $py - "$out/observe.json" <<'PY'
 import json, sys
 for name, r in json.load(open(sys.argv[1])).items():
