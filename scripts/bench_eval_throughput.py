@@ -204,10 +204,23 @@ def main():
         if pch_wait:
             print(f"precompiled headers ready after {pch_wait:.0f} s (not counted below)")
 
+        printing = threading.Lock()
+        done = [0]
+        t_start = [time.time()]
+
         def one(job):
             task, src = job
             t = time.time()
             r = post(url + "/v1/evaluate", {"task": task, "solution": src}, timeout=3600)
+            # Each evaluation as it ends: a run cut by a time limit still says what it saw.
+            ph = (r.get("details") or {}).get("phases") or {}
+            st = ((r.get("details") or {}).get("check") or {}).get("stage_s") or {}
+            with printing:
+                done[0] += 1
+                print(f"  [{time.time() - t_start[0]:6.1f} s] #{done[0]} {task}: correct={r.get('correct')} "
+                      f"latency {time.time() - t:.1f} s, build {ph.get('build_s', 0):.1f}, "
+                      f"lease wait {ph.get('lease_wait_s', 0):.1f}, on the device {ph.get('judge_s', 0):.1f} "
+                      f"(judge: " + ", ".join(f"{k} {v:.1f}" for k, v in st.items()) + ")", flush=True)
             return task, time.time() - t, r
 
         if args.warm_builds and not args.no_warm_up:
@@ -223,6 +236,7 @@ def main():
             print(f"{args.n} distinct candidates over {len(pool)} task(s), {args.concurrency} in flight")
 
         cpu0, t0 = cpu_seconds(), time.time()
+        t_start[0], done[0] = t0, 0
         with ThreadPoolExecutor(args.concurrency) as ex:
             results = list(ex.map(one, jobs))
         wall, cores = time.time() - t0, cpu_seconds() - cpu0

@@ -900,7 +900,9 @@ class Options:
 
 def wait_for_go() -> None:
     """Blocks until the server writes a line on stdin (it holds the device lease then); end of
-    file means the server gave the evaluation up."""
+    file means the server gave the evaluation up. The server takes the lease when it reads the
+    line printed here: a judge still starting never holds the device."""
+    print('{"gate": "waiting"}', flush=True)
     line = sys.stdin.readline()
     if line.strip() != "go":
         raise SystemExit(f"the server closed the gate ({line.strip()!r}): no evaluation")

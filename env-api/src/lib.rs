@@ -622,9 +622,10 @@ pub struct EvaluationPhases {
     pub build_queue_s: f64,
     /// The build (0 on a cache hit).
     pub build_s: f64,
-    /// Waiting for the device.
+    /// Waiting for the device: with prestart, from the judge's start until it waits at its
+    /// gate and the device is free (or until it ended without needing the device).
     pub lease_wait_s: f64,
-    /// Checking and timing on the device.
+    /// Checking and timing on the device: from the lease to the judge's end.
     pub judge_s: f64,
 }
 

@@ -11,8 +11,10 @@
 //! With `prestart` (the default on CUDA), the next evaluation of a device starts its judge and
 //! workers while the device still times the current one: they import PyTorch and open their
 //! channels, then the judge waits at a gate until the lease is its own. No candidate code runs
-//! and nothing touches the device before the gate; at most [`PRESTART_PER_DEVICE`]
-//! evaluations per device have processes alive.
+//! and nothing touches the device before the gate. The lease is taken when the judge says it
+//! waits at its gate, so a judge still importing never holds the device (nor does one that
+//! ended before its gate, such as on a forbidden source); at most
+//! [`EvaluatorConfig::prestart_depth`] evaluations per device have processes alive.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
@@ -113,14 +115,20 @@ pub struct EvaluatorConfig {
     /// module's docs). Off on CPU by default: there the lease is the whole machine, and
     /// importing PyTorch beside a timing run would disturb it.
     pub prestart: bool,
+    /// With `prestart`, evaluations per device whose processes are alive at once (at least 2:
+    /// the one holding the lease and one at its gate).
+    pub prestart_depth: usize,
     /// Observe the workers' forwards from outside on the CPU (`observe.rs`), where the kernel
     /// lets the server.
     pub observe: bool,
 }
 
-/// Evaluations per device whose judge and workers are alive at once with `prestart`: the one
-/// holding the lease and the one ready at its gate.
-pub const PRESTART_PER_DEVICE: usize = 2;
+/// Evaluations per device whose judge and workers are alive at once with `prestart`, unless
+/// configured: the one holding the lease and three starting or at their gates. A judge's
+/// side takes 12-17 s to start on a GPU host (PyTorch imported in three processes) against
+/// about 4 s of device work a run with torch.compile skipped (measured on an H100): with two,
+/// the next judge was still starting when the device came free.
+pub const DEFAULT_PRESTART_DEPTH: usize = 4;
 
 /// One device lease; `busy_ms` and `leases` feed `/metrics`.
 #[derive(Debug)]
@@ -171,7 +179,7 @@ impl Evaluator {
             .map(|index| DeviceSlot {
                 index,
                 lock: Semaphore::new(1),
-                warm: Semaphore::new(PRESTART_PER_DEVICE),
+                warm: Semaphore::new(cfg.prestart_depth.max(2)),
                 leases: AtomicU64::new(0),
                 busy_ms: AtomicU64::new(0),
             })
@@ -663,25 +671,36 @@ impl Evaluator {
         jargv.push("--gate".into());
         let observe = self.cfg.observe;
         let judged = async {
+            let deadline = Instant::now() + self.cfg.phase_timeout;
             let mut child = self.spawn_jailed(&judge_jail, &jargv, &d.judge, "the judge", true)?;
-            let out = drain(child.stdout.take(), 8 << 20);
+            let (at_gate_tx, at_gate) = tokio::sync::oneshot::channel();
+            let out = drain_judge(child.stdout.take(), 8 << 20, at_gate_tx);
             let err = drain(child.stderr.take(), 1 << 20);
             let mut gate = child.stdin.take();
             let lease = match lease.take() {
-                Some(l) => l,
-                None => Self::lease(slot).await?,
+                // Without prestart: taken before anything of this evaluation started.
+                Some(l) => Some(l),
+                // With it, taken once the judge waits at its gate: a judge still importing
+                // never holds the device, and one that ended before its gate (a verdict such
+                // as a forbidden source) or never got there in time needs none.
+                None => match tokio::time::timeout(self.cfg.phase_timeout, at_gate).await {
+                    Ok(Ok(())) => Some(Self::lease(slot).await?),
+                    Ok(Err(_)) | Err(_) => None,
+                },
             };
             let leased_at = Instant::now();
-            let parts = cache_parts.clone();
-            tokio::task::spawn_blocking(move || {
-                parts
-                    .iter()
-                    .try_for_each(|p| hand_over(p, judge_owner).map_err(|e| io_err(p, e)))
-            })
-            .await??;
+            if lease.is_some() {
+                let parts = cache_parts.clone();
+                tokio::task::spawn_blocking(move || {
+                    parts
+                        .iter()
+                        .try_for_each(|p| hand_over(p, judge_owner).map_err(|e| io_err(p, e)))
+                })
+                .await??;
+            }
             // On the CPU the workers' forwards are observed from outside from here on: both
             // trees are quiet at the gate (imports done, nothing of the candidate's loaded).
-            let observers = if observe {
+            let observers = if observe && lease.is_some() {
                 let judge_pid = child.id().unwrap_or(0);
                 Some(
                     tokio::task::spawn_blocking(move || {
@@ -705,12 +724,22 @@ impl Evaluator {
                 None
             };
             // A judge that already ended (a verdict before the gate, such as a forbidden
-            // source) has closed its end: nothing to say to it then.
-            if let Some(mut g) = gate.take() {
-                let _ = g.write_all(b"go\n").await;
-                let _ = g.flush().await;
+            // source) has closed its end: nothing to say to it then. Without a lease its gate
+            // is closed unopened (it ends, or it is past its time and is stopped below).
+            match gate.take() {
+                Some(mut g) if lease.is_some() => {
+                    let _ = g.write_all(b"go\n").await;
+                    let _ = g.flush().await;
+                }
+                _ => {}
             }
-            let outcome = child.wait_within(self.cfg.phase_timeout).await;
+            // The judge's time runs from its lease; one that got none had its time to reach
+            // the gate.
+            let limit = match lease {
+                Some(_) => self.cfg.phase_timeout,
+                None => deadline.saturating_duration_since(Instant::now()),
+            };
+            let outcome = child.wait_within(limit).await;
             Ok::<_, EvalError>((
                 out.await.unwrap_or_default(),
                 err.await.unwrap_or_default(),
@@ -1199,6 +1228,51 @@ where
             let _ = (&mut p).take(cap).read_to_end(&mut buf).await;
             // Past the cap, keep reading (and dropping) so the writer never blocks.
             let _ = tokio::io::copy(&mut p, &mut tokio::io::sink()).await;
+        }
+        buf
+    })
+}
+
+/// The line the judge prints on its stdout when it waits at its gate (`wait_for_go` in
+/// `cuda_agent_judge.py`).
+const JUDGE_AT_GATE: &[u8] = br#"{"gate": "waiting"}"#;
+
+/// The judge's stdout read to its end like [`drain`], and `at_gate` told as soon as a whole
+/// line of it is [`JUDGE_AT_GATE`] (the sender is dropped unsent if the pipe ends first).
+fn drain_judge<R>(
+    pipe: Option<R>,
+    cap: usize,
+    at_gate: tokio::sync::oneshot::Sender<()>,
+) -> tokio::task::JoinHandle<Vec<u8>>
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut buf = Vec::new();
+        let Some(mut p) = pipe else { return buf };
+        let mut at_gate = Some(at_gate);
+        // Whole lines before this offset were looked at already.
+        let mut seen = 0;
+        let mut chunk = vec![0u8; 64 << 10];
+        loop {
+            let n = match p.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            // Past the cap, keep reading (and dropping) so the writer never blocks.
+            buf.extend_from_slice(&chunk[..n.min(cap.saturating_sub(buf.len()))]);
+            if at_gate.is_some() {
+                while let Some(end) = buf[seen..].iter().position(|&b| b == b'\n') {
+                    let line = &buf[seen..seen + end];
+                    seen += end + 1;
+                    if line.trim_ascii() == JUDGE_AT_GATE {
+                        if let Some(tx) = at_gate.take() {
+                            let _ = tx.send(());
+                        }
+                        break;
+                    }
+                }
+            }
         }
         buf
     })

@@ -35,6 +35,7 @@ use kernelbench::TaskSet;
 use serde_json::json;
 
 pub use api::{router, AppState};
+pub use evaluation::DEFAULT_PRESTART_DEPTH;
 
 /// Everything the server is started with.
 #[derive(Debug, Clone)]
@@ -82,6 +83,8 @@ pub struct ServerConfig {
     /// Start the next evaluation's judge and workers while the device still times the last
     /// one (`None`: on CUDA, not on CPU, where the lease is the whole machine).
     pub prestart: Option<bool>,
+    /// With prestart, evaluations per device with processes alive at once.
+    pub prestart_depth: usize,
     /// Aten operators candidates may dispatch beyond allocation, views and copies.
     pub allow_ops: Vec<String>,
     /// Largest request body.
@@ -127,6 +130,7 @@ impl Default for ServerConfig {
             skip_compile: false,
             observe: true,
             prestart: None,
+            prestart_depth: DEFAULT_PRESTART_DEPTH,
             allow_ops: Vec::new(),
             max_body_bytes: 8 << 20,
             http: http::HttpLimits::default(),
@@ -276,6 +280,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             skip_compile: cfg.skip_compile,
             allow_ops: cfg.allow_ops.clone(),
             prestart: cfg.prestart.unwrap_or(device == runtime::Device::Cuda),
+            prestart_depth: cfg.prestart_depth.max(2),
             observe: cfg.observe && observer.is_ok(),
         },
         sandbox.clone(),

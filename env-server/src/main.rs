@@ -87,6 +87,11 @@ struct Args {
     /// (default: on with CUDA, off on CPU, where timing has the whole machine).
     #[arg(long, value_parser = ["on", "off"])]
     prestart: Option<String>,
+    /// With prestart, evaluations per device whose judge and workers are alive at once: the
+    /// one holding the device, the rest starting or waiting at their gates. Each costs host
+    /// memory (three processes with PyTorch imported) and none touches the device.
+    #[arg(long, default_value_t = env_server::DEFAULT_PRESTART_DEPTH as u32, value_parser = clap::value_parser!(u32).range(2..=64))]
+    prestart_depth: u32,
     /// Aten operators candidates may dispatch in their forward beyond allocation, views and
     /// copies (comma separated, such as `mm,addmm` to allow PyTorch's matmul).
     #[arg(long, value_delimiter = ',')]
@@ -262,6 +267,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         skip_compile: args.skip_compile,
         observe: !args.no_observe,
         prestart: args.prestart.as_deref().map(|v| v == "on"),
+        prestart_depth: args.prestart_depth as usize,
         allow_ops: args.allow_ops,
         max_body_bytes: args.max_body_bytes,
         http: http.clone(),

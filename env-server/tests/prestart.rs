@@ -1,6 +1,7 @@
 //! Evaluations started ahead of their device lease (`prestart`, the CUDA default) on the real
 //! sandbox and torch, CPU device: judged as without it, one lease at a time, and a verdict the
-//! judge reaches before its gate (a forbidden source) ends the evaluation cleanly.
+//! judge reaches before its gate (a forbidden source) ends the evaluation cleanly without the
+//! device; the device is taken only once a judge waits at its gate.
 
 mod common;
 
@@ -43,6 +44,16 @@ async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
             assert!(stages[k].is_number(), "{k} missing in {stages}");
         }
         assert!(r["times_ms"]["compile"].is_number(), "{r}");
+        // The lease is taken when the judge waits at its gate, not when it is started: the
+        // judge's own start (its clock's `prestart`, from after its imports to the gate) lies
+        // inside the server's wait for the lease. Taken at the judge's spawn, the device was
+        // held through every import (on an H100, 12 s of a 25 s lease with compile skipped).
+        let waited = r["details"]["phases"]["lease_wait_s"].as_f64().unwrap();
+        let started = stages["prestart"].as_f64().unwrap();
+        assert!(
+            waited >= started,
+            "the lease came before the judge was at its gate: waited {waited} s, its start took {started} s: {r}"
+        );
     }
     let (st, r) = rf;
     assert_eq!(st, StatusCode::OK, "{r}");
@@ -55,7 +66,7 @@ async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
             .starts_with("forbidden_source"),
         "{r}"
     );
-    // One device, one lease each (the forbidden one too: its judge answered before the gate
-    // and the lease was taken and given back without waiting on it).
-    assert_eq!(s.evaluator.slots()[0].leases.load(Ordering::Relaxed), 3);
+    // One device, one lease each for the two judged; none for the forbidden one, whose judge
+    // answered before its gate and never needed the device.
+    assert_eq!(s.evaluator.slots()[0].leases.load(Ordering::Relaxed), 2);
 }
