@@ -304,6 +304,10 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+# What the judge prints when it waits at its gate (the server's JUDGE_AT_GATE).
+GATE_LINE = '{"gate": "waiting"}'
+
+
 def _gated_judge(tmp_path, ext_dir, marker):
     """A judge started with --gate on a correct candidate whose import leaves `marker`."""
     cand = tmp_path / "candidate"
@@ -347,7 +351,10 @@ def test_nothing_of_the_candidate_runs_before_the_gate(tmp_path, ext_dir):
         out, err = p.communicate("go\n", timeout=600)
     finally:
         p.kill()
-    r = json.loads(out.strip().splitlines()[-1])
+    lines = out.strip().splitlines()
+    # The server takes the device lease when it reads this line, so it comes before anything.
+    assert lines[0] == GATE_LINE, lines[:3]
+    r = json.loads(lines[-1])
     assert r["correct"] is True, (r, err[-2000:])
     assert marker.exists()
     stages = r["details"]["stage_s"]
@@ -364,4 +371,5 @@ def test_a_closed_gate_ends_the_evaluation_without_running_the_candidate(tmp_pat
     assert p.returncode != 0
     assert "closed the gate" in err, err[-2000:]
     assert not marker.exists()
-    assert not out.strip()
+    # Only the line that told the server it waits at its gate: no verdict.
+    assert out.strip() == GATE_LINE, out
