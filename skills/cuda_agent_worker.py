@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import faulthandler
 import fcntl
+import functools
 import gc
 import hashlib
 import json
@@ -403,7 +404,12 @@ def load_candidate(candidate_dir: Path, device: torch.device, counter: Extension
 
 
 class OpTrace:
-    """Records every aten operator dispatched while active (from Python or from C++)."""
+    """Records the operators the forward dispatched, two ways: a dispatch mode on the forward's
+    own thread (from Python or from C++), and the profiler's operator callbacks on every thread
+    of the process. A dispatch mode is per thread and can be switched off from Python; the
+    profiler's callbacks sit in the dispatcher itself, so PyTorch computing on a thread of the
+    candidate's own (`hidden_compute_in_thread`) or with the modes off
+    (`disable_dispatch_modes_obfuscated`) is seen too."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -417,20 +423,102 @@ class OpTrace:
 
         self.ops: list[str] = []
         self._mode = Mode()
+        self._profiler = None
+        self._events = []
+        # Why the profiler's half did not run (it could not start here), or how the forward
+        # broke it (it stopped or replaced the profiler: a rule break).
+        self.profiler_unavailable: str | None = None
+        self.profiler_broken: str | None = None
 
     def __enter__(self):
+        try:
+            self._profiler = _op_profiler()
+            self._profiler.__enter__()
+        except Exception as e:  # noqa: BLE001 - the dispatch mode still traces
+            self._profiler, self.profiler_unavailable = None, f"{type(e).__name__}: {e}"
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
+        try:
+            return self._mode.__exit__(*exc)
+        finally:
+            profiler, self._profiler = self._profiler, None
+            if profiler is not None:
+                try:
+                    profiler.__exit__(None, None, None)
+                    self._events = [e for e in profiler.events() if e.cpu_parent is None]
+                except Exception as e:  # noqa: BLE001
+                    self.profiler_broken = f"{type(e).__name__}: {e}"
 
     def forbidden(self, allowed) -> list[str]:
         seen = []
-        for op in self.ops:
+
+        def note(op):
             if op not in allowed and op.rstrip("_") not in allowed and op not in seen:
                 seen.append(op)
+
+        for op in self.ops:
+            note(op)
+        for root in self._events:
+            for op in computing_ops(root, allowed):
+                note(op)
         return seen
+
+
+# Kineto, the profiler's backend, logs an error when it finds no GPU; nothing is wrong then.
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+# Taken before any candidate code runs, like the synchronize above.
+_profile = torch.profiler.profile
+_profile_activity = torch.profiler.ProfilerActivity.CPU
+try:
+    from torch._C._profiler import _ExperimentalConfig
+except ImportError:  # an older torch: the forward's own thread only
+    _ExperimentalConfig = None
+
+# Operator namespaces whose operators compute with PyTorch's kernels. Others (the
+# candidate's own registered operators, `record_function` scopes) are looked through.
+PYTORCH_NAMESPACES = {"aten", "prims"}
+
+
+def _op_profiler():
+    """The profiler's operator events of every thread, CPU side only (no CUPTI), with
+    overload names (to tell operators that only decompose into others)."""
+    config = None
+    if _ExperimentalConfig is not None:
+        config = _ExperimentalConfig(profile_all_threads=True, capture_overload_names=True)
+    return _profile(activities=[_profile_activity], experimental_config=config, acc_events=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def decomposes(name: str, overload: str) -> bool:
+    """Whether an operator only decomposes into other operators (a CompositeImplicitAutograd
+    kernel, such as `is_nonzero`, `reshape` or `linear`): judged by what it dispatches, as the
+    dispatch mode sees it."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"{name}.{overload}" if overload else name, "CompositeImplicitAutograd")
+    except RuntimeError:
+        return False
+
+
+def computing_ops(event, allowed) -> list[str]:
+    """The operators in one profiler event's tree that compute with PyTorch: an allowed
+    operator's own work (a copy's allocation, a view's strides) is not looked into, an operator
+    that only decomposes is judged by its parts, any other one of PyTorch's computes."""
+    found: list[str] = []
+    stack = [event]
+    while stack:
+        e = stack.pop()
+        ns, sep, op = e.name.partition("::")
+        if not sep or ns not in PYTORCH_NAMESPACES:
+            stack.extend(e.cpu_children)
+        elif op in allowed or op.rstrip("_") in allowed:
+            continue
+        elif decomposes(e.name, getattr(e, "overload_name", "") or ""):
+            stack.extend(e.cpu_children)
+        elif op not in found:
+            found.append(op)
+    return found
 
 
 def precision_flags() -> dict:
@@ -631,7 +719,11 @@ class Worker:
         outputs = self.publish(name, out)
         reply = {"ok": True, "outputs": outputs}
         if trace is not None:
+            if trace.profiler_broken:
+                raise h.RuleBreak("pytorch_compute", f"the forward broke the worker's operator profiler ({trace.profiler_broken[:300]}): its operators could not be traced")
             reply["trace"] = {"forbidden": trace.forbidden(self.allowed)[:8], "extension_calls": self.counter.count - before}
+            if trace.profiler_unavailable:
+                reply["trace"]["profiler_unavailable"] = trace.profiler_unavailable[:300]
         if self.role == "candidate":
             if precision_flags() != flags:
                 raise h.RuleBreak("precision", f"the forward changed precision flags: {precision_flags()}")
