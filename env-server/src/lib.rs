@@ -342,7 +342,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "torch_cuda": python.torch_cuda,
         "task_size": task_size,
         "tasks": tasks.len(),
-        "capacity": {"max_commands": cfg.max_commands, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1)},
+        "capacity": {"max_commands": cfg.max_commands, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1),
+            // Evaluations per device started ahead of their lease (null: prestart off).
+            "prestart_depth": cfg.prestart.unwrap_or(device == runtime::Device::Cuda).then_some(cfg.prestart_depth.max(2))},
         "build": {"cuda_arch_list": toolchain.cuda_arch_list, "precompiled_headers": toolchain.pch_dir.as_ref().map(|_| variants.clone())},
         "http": {
             "max_connections": cfg.http.max_connections,

@@ -69,4 +69,12 @@ async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
     // One device, one lease each for the two judged; none for the forbidden one, whose judge
     // answered before its gate and never needed the device.
     assert_eq!(s.evaluator.slots()[0].leases.load(Ordering::Relaxed), 2);
+    // The depth the server starts ahead is said where clients look.
+    let (st, info) = call(&s, "GET", "/v1/info", None).await;
+    assert_eq!(st, StatusCode::OK, "{info}");
+    assert_eq!(
+        info["capacity"]["prestart_depth"],
+        env_server::DEFAULT_PRESTART_DEPTH,
+        "{info}"
+    );
 }
