@@ -132,11 +132,13 @@ def wait_pch(data, info, limit_s):
 
 
 def observed(results):
-    """The server's outside observation of each evaluation's workers, one line each: judged or
-    only reported, the candidate's CPU time per call in the reference's hot code over the
-    reference's, the library shares, what the rings lost and where the candidate's samples went."""
+    """The server's outside observation of each evaluation's workers (`(label, _, verdict)`
+    triples), one line each: the verdict, the candidate's CPU time per call in the reference's
+    hot code over the reference's, the library shares, what the rings lost, why nothing was
+    judged and where each side's samples went."""
     print()
     print("outside observation (details.observed):")
+
     def f(x):
         return f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -144,7 +146,7 @@ def observed(results):
         o = (r.get("details") or {}).get("observed") or {}
         top = ", ".join(f"{x['library']} {x['share']:.2f}" for x in (o.get("candidate_top") or [])[:3])
         rtop = ", ".join(f"{x['library']} {x['share']:.2f}" for x in (o.get("reference_top") or [])[:3])
-        print(f"  {task}: correct={r.get('correct')} available={o.get('available')} "
+        print(f"  {task}: correct={r.get('correct')} {(r.get('reason') or '')[:100]!r} available={o.get('available')} "
               f"samples {o.get('candidate_samples')}/{o.get('reference_samples')} "
               f"forwards {o.get('candidate_forwards')}/{o.get('reference_forwards')} "
               f"kernel_time_ratio={f(o.get('kernel_time_ratio'))} "

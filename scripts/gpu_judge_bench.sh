@@ -74,18 +74,8 @@ timeout $(share 30) $py tests/redteam/table.py --server http://127.0.0.1:$oport 
 kill $opid 2>/dev/null
 wait $bpid
 cat "$out/build_paths.md"; tail -n 5 "$out/build_paths.log"
-$py - "$out/observe.json" <<'PY'
-import json, sys
-for name, r in json.load(open(sys.argv[1])).items():
-    res = r["result"]
-    o = (res.get("details") or {}).get("observed") or {}
-    top = lambda k: ", ".join(f"{x['library']} {x['share']:.2f}" for x in (o.get(k) or [])[:4])
-    print(f"{name}: correct={res.get('correct')} reason={(res.get('reason') or '')[:100]!r}")
-    print(f"  available={o.get('available')} reason={o.get('reason')!r} samples {o.get('candidate_samples')}/{o.get('reference_samples')} "
-          f"forwards {o.get('candidate_forwards')}/{o.get('reference_forwards')} kernel_time_ratio={o.get('kernel_time_ratio')} "
-          f"torch share {o.get('candidate_torch_share')}/{o.get('reference_torch_share')} lost={o.get('lost')}")
-    print(f"  candidate top [{top('candidate_top')}]\n  reference top [{top('reference_top')}]")
-PY
+$py -c 'import json, sys; sys.path.insert(0, "scripts"); from bench_eval_throughput import observed
+observed([(name, 0, r["result"]) for name, r in json.load(open(sys.argv[1])).items()])' "$out/observe.json"
 fi
 
 if want 3; then

@@ -168,6 +168,11 @@ fn io_err(p: &Path, e: std::io::Error) -> EvalError {
 }
 
 impl Evaluator {
+    /// Evaluations per device started ahead of their lease; `None` with prestart off.
+    pub fn prestart_depth(&self) -> Option<usize> {
+        self.cfg.prestart.then_some(self.cfg.prestart_depth)
+    }
+
     /// An evaluator over an installed harness.
     pub fn new(
         cfg: EvaluatorConfig,
@@ -175,11 +180,15 @@ impl Evaluator {
         python: PythonInfo,
         harness_dir: PathBuf,
     ) -> Self {
+        let cfg = EvaluatorConfig {
+            prestart_depth: cfg.prestart_depth.max(2),
+            ..cfg
+        };
         let slots = (0..cfg.devices.max(1))
             .map(|index| DeviceSlot {
                 index,
                 lock: Semaphore::new(1),
-                warm: Semaphore::new(cfg.prestart_depth.max(2)),
+                warm: Semaphore::new(cfg.prestart_depth),
                 leases: AtomicU64::new(0),
                 busy_ms: AtomicU64::new(0),
             })
@@ -674,7 +683,7 @@ impl Evaluator {
             let deadline = Instant::now() + self.cfg.phase_timeout;
             let mut child = self.spawn_jailed(&judge_jail, &jargv, &d.judge, "the judge", true)?;
             let (at_gate_tx, at_gate) = tokio::sync::oneshot::channel();
-            let out = drain_judge(child.stdout.take(), 8 << 20, at_gate_tx);
+            let out = drain_watching(child.stdout.take(), 8 << 20, Some(at_gate_tx));
             let err = drain(child.stderr.take(), 1 << 20);
             let mut gate = child.stdin.take();
             let lease = match lease.take() {
@@ -1218,31 +1227,23 @@ fn make_fifo(
 }
 
 /// Reads a pipe to its end on a task of its own, keeping at most `cap` bytes.
-fn drain<R>(pipe: Option<R>, cap: u64) -> tokio::task::JoinHandle<Vec<u8>>
+fn drain<R>(pipe: Option<R>, cap: usize) -> tokio::task::JoinHandle<Vec<u8>>
 where
     R: tokio::io::AsyncRead + Unpin + Send + 'static,
 {
-    tokio::spawn(async move {
-        let mut buf = Vec::new();
-        if let Some(mut p) = pipe {
-            let _ = (&mut p).take(cap).read_to_end(&mut buf).await;
-            // Past the cap, keep reading (and dropping) so the writer never blocks.
-            let _ = tokio::io::copy(&mut p, &mut tokio::io::sink()).await;
-        }
-        buf
-    })
+    drain_watching(pipe, cap, None)
 }
 
 /// The line the judge prints on its stdout when it waits at its gate (`wait_for_go` in
 /// `cuda_agent_judge.py`).
 const JUDGE_AT_GATE: &[u8] = br#"{"gate": "waiting"}"#;
 
-/// The judge's stdout read to its end like [`drain`], and `at_gate` told as soon as a whole
-/// line of it is [`JUDGE_AT_GATE`] (the sender is dropped unsent if the pipe ends first).
-fn drain_judge<R>(
+/// [`drain`], telling `at_gate` as soon as a whole line read is [`JUDGE_AT_GATE`] (the sender
+/// is dropped unsent if the pipe ends first).
+fn drain_watching<R>(
     pipe: Option<R>,
     cap: usize,
-    at_gate: tokio::sync::oneshot::Sender<()>,
+    mut at_gate: Option<tokio::sync::oneshot::Sender<()>>,
 ) -> tokio::task::JoinHandle<Vec<u8>>
 where
     R: tokio::io::AsyncRead + Unpin + Send + 'static,
@@ -1250,7 +1251,6 @@ where
     tokio::spawn(async move {
         let mut buf = Vec::new();
         let Some(mut p) = pipe else { return buf };
-        let mut at_gate = Some(at_gate);
         // Whole lines before this offset were looked at already.
         let mut seen = 0;
         let mut chunk = vec![0u8; 64 << 10];
@@ -1261,16 +1261,14 @@ where
             };
             // Past the cap, keep reading (and dropping) so the writer never blocks.
             buf.extend_from_slice(&chunk[..n.min(cap.saturating_sub(buf.len()))]);
-            if at_gate.is_some() {
-                while let Some(end) = buf[seen..].iter().position(|&b| b == b'\n') {
-                    let line = &buf[seen..seen + end];
-                    seen += end + 1;
-                    if line.trim_ascii() == JUDGE_AT_GATE {
-                        if let Some(tx) = at_gate.take() {
-                            let _ = tx.send(());
-                        }
-                        break;
-                    }
+            while at_gate.is_some() {
+                let Some(end) = buf[seen..].iter().position(|&b| b == b'\n') else {
+                    break;
+                };
+                let line = &buf[seen..seen + end];
+                seen += end + 1;
+                if line.trim_ascii() == JUDGE_AT_GATE {
+                    let _ = at_gate.take().map(|tx| tx.send(()));
                 }
             }
         }

@@ -280,7 +280,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             skip_compile: cfg.skip_compile,
             allow_ops: cfg.allow_ops.clone(),
             prestart: cfg.prestart.unwrap_or(device == runtime::Device::Cuda),
-            prestart_depth: cfg.prestart_depth.max(2),
+            prestart_depth: cfg.prestart_depth,
             observe: cfg.observe && observer.is_ok(),
         },
         sandbox.clone(),
@@ -344,7 +344,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "tasks": tasks.len(),
         "capacity": {"max_commands": cfg.max_commands, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1),
             // Evaluations per device started ahead of their lease (null: prestart off).
-            "prestart_depth": cfg.prestart.unwrap_or(device == runtime::Device::Cuda).then_some(cfg.prestart_depth.max(2))},
+            "prestart_depth": evaluator.prestart_depth()},
         "build": {"cuda_arch_list": toolchain.cuda_arch_list, "precompiled_headers": toolchain.pch_dir.as_ref().map(|_| variants.clone())},
         "http": {
             "max_connections": cfg.http.max_connections,
