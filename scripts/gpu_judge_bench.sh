@@ -11,7 +11,7 @@
 # PHASES (default "1 2 3") picks phases; each stops at its share of SECONDS (default 540) and
 # prints its table as it goes. Phase 3 takes MODES (default "on off"; also "unobserved") and PCH.
 # Phase "observe" (asked for by name, run before 3) sends red-team cases through a CUDA server
-# and prints the outside observation of each.
+# and prints the outside observation of each (OBSERVE_CASES, OBSERVE_JOBS in flight).
 # Usage: [PHASES="1 2"] [N=12] scripts/gpu_judge_bench.sh OUT_DIR [SECONDS] [BEFORE_SKILLS_DIR]
 set -u
 out=${1:?usage: gpu_judge_bench.sh OUT_DIR [SECONDS] [BEFORE_SKILLS_DIR]}
@@ -60,20 +60,28 @@ echo "== observe. the outside observation of hidden compute on CUDA ($(left) s l
 # Cases (OBSERVE_CASES, default the dispatch-modes add) through a CUDA server, torch.compile
 # skipped; prints what the server's observation saw of each (reported on CUDA, not judged).
 oport=18280
+olast=; want 3 || olast=last
 odata=$(mktemp -d /tmp/observe-XXXX)
 chmod 711 "$odata"
 target/release/env-server --bind 127.0.0.1:$oport --data-dir "$odata/data" --python "$(command -v "$py")" \
     --device cuda --skip-compile >"$out/observe_server.log" 2>&1 &
 opid=$!
 for _ in $(seq 600); do (exec 3<>/dev/tcp/127.0.0.1/$oport) 2>/dev/null && break; sleep 0.1; done
-# Beside it, what each build path costs on this host (a CUDA kernel without torch headers, NVRTC).
-timeout $(share 30) $py scripts/bench_build_paths.py --repeat 1 --cuda >"$out/build_paths.md" 2>"$out/build_paths.log" &
-bpid=$!
-timeout $(share 30) $py tests/redteam/table.py --server http://127.0.0.1:$oport \
+# Beside it (BUILD_PATHS=1, the default), what each build path costs on this host (a CUDA
+# kernel without torch headers, NVRTC).
+bpid=
+if [ "${BUILD_PATHS:-1}" = 1 ]; then
+    timeout $(share 30) $py scripts/bench_build_paths.py --repeat 1 --cuda >"$out/build_paths.md" 2>"$out/build_paths.log" &
+    bpid=$!
+fi
+# OBSERVE_JOBS cases in flight: their builds run at once, the server times one at a time.
+timeout $(share 30 $olast) $py tests/redteam/table.py --server http://127.0.0.1:$oport --jobs ${OBSERVE_JOBS:-8} \
     --names ${OBSERVE_CASES:-cuda_hidden_add_obfuscated cuda_legit_nvrtc_kernel} --json "$out/observe.json" 2>&1 | tee "$out/observe.md"
 kill $opid 2>/dev/null
-wait $bpid
-cat "$out/build_paths.md"; tail -n 5 "$out/build_paths.log"
+if [ -n "$bpid" ]; then
+    wait $bpid
+    cat "$out/build_paths.md"; tail -n 5 "$out/build_paths.log"
+fi
 $py -c 'import json, sys; sys.path.insert(0, "scripts"); from bench_eval_throughput import observed
 observed([(name, 0, r["result"]) for name, r in json.load(open(sys.argv[1])).items()])' "$out/observe.json"
 fi
