@@ -221,7 +221,8 @@ def main():
                 done[0] += 1
                 print(f"  [{time.time() - t_start[0]:6.1f} s] #{done[0]} {task}: correct={r.get('correct')} "
                       f"latency {time.time() - t:.1f} s, build {ph.get('build_s', 0):.1f}, "
-                      f"lease wait {ph.get('lease_wait_s', 0):.1f}, on the device {ph.get('judge_s', 0):.1f} "
+                      f"lease wait {ph.get('lease_wait_s', 0):.1f}, lease held {ph.get('lease_held_s', 0):.1f} "
+                      f"(to go {ph.get('lease_to_go_s', 0):.2f}, teardown {ph.get('teardown_s', 0):.2f}) "
                       f"(judge: " + ", ".join(f"{k} {v:.1f}" for k, v in st.items()) + ")", flush=True)
             return task, time.time() - t, r
 
@@ -253,13 +254,14 @@ def main():
         widths = [28, 10, 10]
         print(row(["", "mean", "max"], widths))
         print(row(["latency per evaluation (s)", f"{statistics.mean(lat):.1f}", f"{lat[-1]:.1f}"], widths))
-        for key in ["setup_s", "build_queue_s", "build_s", "lease_wait_s", "judge_s"]:
+        for key in ["setup_s", "build_queue_s", "build_s", "lease_wait_s", "judge_s", "lease_held_s",
+                    "lease_to_go_s", "teardown_s"]:
             m, x = col(key)
             print(row([key, f"{m:.2f}", f"{x:.2f}"], widths))
         # The judge's own stages: its start and the wait at its gate (before the lease, with
         # prestart), then inside the lease.
         stages = [((r["details"].get("check") or {}).get("stage_s") or {}) for _, _, r in results]
-        for key in ["prestart", "lease_wait", "start", "check", "second_shape", "time"]:
+        for key in ["prestart", "lease_wait", "start", "check", "second_shape", "time", "finish"]:
             vals = [s.get(key, 0.0) for s in stages]
             if any(vals):
                 print(row([f"  judge {key}_s", f"{statistics.mean(vals):.2f}", f"{max(vals):.2f}"], widths))
@@ -267,7 +269,8 @@ def main():
         first = [((r["details"].get("check") or {}).get("compile_first_call_s") or 0.0) for _, _, r in results]
         if any(first):
             print(row(["    of which compile's 1st call", f"{statistics.mean(first):.2f}", f"{max(first):.2f}"], widths))
-        device_s = sum(p.get("judge_s", 0.0) for p in phases)
+        # The lease as the server held it (older servers report only judge_s).
+        device_s = sum(p.get("lease_held_s") or p.get("judge_s", 0.0) for p in phases)
         print()
         print(row(["evaluations", args.n], [28, 10]))
         print(row(["correct", correct], [28, 10]))

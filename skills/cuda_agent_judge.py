@@ -449,6 +449,7 @@ class Judge:
         self.call_timeout = call_timeout
         self.rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self.regions: dict = {}
+        self.input_bytes = 0  # of the last input set given to the workers
         self.ref: WorkerLink | None = None
         self.cand: WorkerLink | None = None
 
@@ -511,6 +512,9 @@ class Judge:
             link.request({"op": "load", "slot": key, "layout": layout}, self.call_timeout)
         for r in regions:
             h.pack_inputs(inputs, layout, r.tensor)
+        # For the physical-floor check: the bytes of one input set, known here without making
+        # the inputs again (on meta tensors that costs 2-3 s of lazy imports on a leased GPU).
+        self.input_bytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
         inputs.clear()
         h.synchronize(self.device)
         if self.device.type == "cuda":
@@ -983,8 +987,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
                     result["noise_band"][base] = [b["low"], b["high"]]
             details.update(timing)
             details["still_disturbed"] = [n for n, s in st.items() if s["cv"] > opts.max_cv]
-            in_bytes = sum(x.numel() * x.element_size() for x in h.seeded_inputs(judge.task.get_inputs, 0, "meta") if isinstance(x, torch.Tensor)) if device.type == "cuda" else 0
-            floor = h.physical_floor_ms(in_bytes, device)
+            floor = h.physical_floor_ms(judge.input_bytes, device)
             if floor is not None and st["candidate"]["median_ms"] < 0.9 * floor:
                 raise h.RuleBreak("impossible_time", f"median {st['candidate']['median_ms']:.4f} ms is below the {floor:.4f} ms it takes to read the inputs at peak bandwidth")
         details["memory"] = judge.memory()
@@ -1002,4 +1005,5 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         judge.close()
         if own_tmp is not None:
             own_tmp.cleanup()
+        lap("finish")  # the memory readout and the workers' exit
     return result

@@ -1001,4 +1001,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    h.exit_now(main())

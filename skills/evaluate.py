@@ -24,6 +24,7 @@ from pathlib import Path
 # module (torch imports it): look here last.
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != _HERE] + [_HERE]
+import cuda_agent_harness as h  # noqa: E402
 import cuda_agent_judge as judge  # noqa: E402
 
 
@@ -78,4 +79,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    h.exit_now(main())

@@ -627,6 +627,17 @@ pub struct EvaluationPhases {
     pub lease_wait_s: f64,
     /// Checking and timing on the device: from the lease to the judge's end.
     pub judge_s: f64,
+    /// How long the device lease was held (lease to release): what the evaluation cost the
+    /// device, the figure throughput depends on. 0 when the judge ended without the device.
+    #[serde(default)]
+    pub lease_held_s: f64,
+    /// Of the lease: before the judge was told to go (the compile cache handed over, the
+    /// outside observer attached).
+    #[serde(default)]
+    pub lease_to_go_s: f64,
+    /// Of the lease: after the judge ended (the candidate's worker killed and reaped).
+    #[serde(default)]
+    pub teardown_s: f64,
 }
 
 /// Error answer body.

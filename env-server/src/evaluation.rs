@@ -124,11 +124,12 @@ pub struct EvaluatorConfig {
 }
 
 /// Evaluations per device whose judge and workers are alive at once with `prestart`, unless
-/// configured: the one holding the lease and three starting or at their gates. A judge's
-/// side takes 12-17 s to start on a GPU host (PyTorch imported in three processes) against
-/// about 4 s of device work a run with torch.compile skipped (measured on an H100): with two,
-/// the next judge was still starting when the device came free.
-pub const DEFAULT_PRESTART_DEPTH: usize = 4;
+/// configured: the one holding the lease and five starting or at their gates. A device keeps
+/// busy while depth >= 1 + start / lease: a judge's side took 11-23 s to start on an H100
+/// host (PyTorch imported in three processes, several judges starting at once) against a
+/// 5 s lease with torch.compile on; with four, the device sat idle between waves of judges
+/// (458 evaluations an hour where the lease allows about 700).
+pub const DEFAULT_PRESTART_DEPTH: usize = 6;
 
 /// One device lease; `busy_ms` and `leases` feed `/metrics`.
 #[derive(Debug)]
@@ -389,7 +390,7 @@ impl Evaluator {
             .collect();
         let seeds = seeds.join(",");
         let lease_asked = Instant::now();
-        let (verdict, worker_log, leased_at, observed) = self
+        let (verdict, worker_log, lease, observed) = self
             .judge_run(
                 &layout,
                 &worker_jail,
@@ -399,8 +400,11 @@ impl Evaluator {
                 tolerance,
             )
             .await?;
-        phases.lease_wait_s = (leased_at - lease_asked).as_secs_f64();
-        phases.judge_s = leased_at.elapsed().as_secs_f64();
+        phases.lease_wait_s = (lease.leased_at - lease_asked).as_secs_f64();
+        phases.judge_s = lease.leased_at.elapsed().as_secs_f64();
+        phases.lease_held_s = lease.held_s;
+        phases.lease_to_go_s = lease.to_go_s;
+        phases.teardown_s = lease.teardown_s;
         drop(leases);
         details.elapsed_s = Some(started.elapsed().as_secs_f64());
         details.phases = Some(phases);
@@ -534,7 +538,7 @@ impl Evaluator {
         worker_owner: Option<(u32, u32)>,
         seeds: &str,
         tolerance: Option<f64>,
-    ) -> Result<(Verdict, String, Instant, Option<Observed>), EvalError> {
+    ) -> Result<(Verdict, String, LeaseTimes, Option<Observed>), EvalError> {
         // Without prestart the lease comes first (nothing of this evaluation runs beside
         // another's timing); with it, a place among the device's warm evaluations.
         let (slot, mut lease, _warm) = if self.cfg.prestart {
@@ -742,6 +746,7 @@ impl Evaluator {
                 }
                 _ => {}
             }
+            let go_at = Instant::now();
             // The judge's time runs from its lease; one that got none had its time to reach
             // the gate.
             let limit = match lease {
@@ -749,11 +754,16 @@ impl Evaluator {
                 None => deadline.saturating_duration_since(Instant::now()),
             };
             let outcome = child.wait_within(limit).await;
+            let times = LeaseTimes {
+                leased_at,
+                to_go_s: (go_at - leased_at).as_secs_f64(),
+                ..LeaseTimes::default()
+            };
             Ok::<_, EvalError>((
                 out.await.unwrap_or_default(),
                 err.await.unwrap_or_default(),
                 outcome,
-                leased_at,
+                times,
                 lease,
                 observers,
             ))
@@ -761,13 +771,18 @@ impl Evaluator {
         .await;
         // Whatever the judge decided, the worker and everything it started end here, before
         // the device goes to the next evaluation.
+        let judge_ended = Instant::now();
         let _ = worker.kill_all().await;
         let log = {
             let mut log = wout.await.unwrap_or_default();
             log.extend(werr.await.unwrap_or_default());
             tail(&log, 2000)
         };
-        let (out, err, outcome, leased_at, lease, observers) = judged?;
+        let (out, err, outcome, mut times, lease, observers) = judged?;
+        if lease.is_some() {
+            times.teardown_s = judge_ended.elapsed().as_secs_f64();
+            times.held_s = times.leased_at.elapsed().as_secs_f64();
+        }
         drop(lease);
         // Resolving the samples is the server's own work: after the device is the next
         // evaluation's (the judge has ended; later samples fall outside its windows).
@@ -794,7 +809,7 @@ impl Evaluator {
                 "time_limit",
                 format!("time_limit: the evaluation ran past {secs} s"),
             );
-            return Ok((v, log, leased_at, None));
+            return Ok((v, log, times, None));
         }
         // The judge is trusted code in its own sandbox; the worker cannot reach its stdout.
         let text = String::from_utf8_lossy(&out);
@@ -803,7 +818,7 @@ impl Evaluator {
             .rev()
             .find_map(|l| serde_json::from_str::<Verdict>(l).ok())
         {
-            Some(v) => Ok((v, log, leased_at, observed)),
+            Some(v) => Ok((v, log, times, observed)),
             None => Err(EvalError::Harness(format!(
                 "the judge gave no verdict ({}): {}",
                 describe_exit(&outcome),
@@ -1002,6 +1017,30 @@ struct Verdict {
 struct RunWindows {
     candidate: Vec<[u64; 2]>,
     reference: Vec<[u64; 2]>,
+}
+
+/// When the device lease of one evaluation was taken and how its time split.
+#[derive(Debug, Clone, Copy)]
+struct LeaseTimes {
+    /// When the lease was granted (when the judge's gate was reached, without one).
+    leased_at: Instant,
+    /// Lease to the judge's go.
+    to_go_s: f64,
+    /// The judge's end to the lease's release.
+    teardown_s: f64,
+    /// Lease to release; 0 without a lease.
+    held_s: f64,
+}
+
+impl Default for LeaseTimes {
+    fn default() -> Self {
+        Self {
+            leased_at: Instant::now(),
+            to_go_s: 0.0,
+            teardown_s: 0.0,
+            held_s: 0.0,
+        }
+    }
 }
 
 /// What the server recorded of the two trees' CPU from outside: the candidate worker's, and

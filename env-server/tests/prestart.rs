@@ -54,6 +54,20 @@ async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
             waited >= started,
             "the lease came before the judge was at its gate: waited {waited} s, its start took {started} s: {r}"
         );
+        // What the lease was held for is said, and covers the judge's work after its gate.
+        let phases = &r["details"]["phases"];
+        let held = phases["lease_held_s"].as_f64().unwrap();
+        let after_gate: f64 = ["start", "check", "second_shape", "time", "finish"]
+            .iter()
+            .filter_map(|k| stages[*k].as_f64())
+            .sum();
+        assert!(
+            held >= after_gate,
+            "held {held} s < the judge's {after_gate} s after its gate: {r}"
+        );
+        let parts =
+            phases["lease_to_go_s"].as_f64().unwrap() + phases["teardown_s"].as_f64().unwrap();
+        assert!(parts <= held, "{r}");
     }
     let (st, r) = rf;
     assert_eq!(st, StatusCode::OK, "{r}");
@@ -65,6 +79,13 @@ async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
             .unwrap()
             .starts_with("forbidden_source"),
         "{r}"
+    );
+    let unleased = r["details"]["phases"]["lease_held_s"]
+        .as_f64()
+        .unwrap_or(0.0);
+    assert_eq!(
+        unleased, 0.0,
+        "a judge that never took the device held it: {r}"
     );
     // One device, one lease each for the two judged; none for the forbidden one, whose judge
     // answered before its gate and never needed the device.
