@@ -757,7 +757,8 @@ impl Evaluator {
             let times = LeaseTimes {
                 leased_at,
                 to_go_s: (go_at - leased_at).as_secs_f64(),
-                ..LeaseTimes::default()
+                teardown_s: 0.0,
+                held_s: 0.0,
             };
             Ok::<_, EvalError>((
                 out.await.unwrap_or_default(),
@@ -1024,23 +1025,12 @@ struct RunWindows {
 struct LeaseTimes {
     /// When the lease was granted (when the judge's gate was reached, without one).
     leased_at: Instant,
-    /// Lease to the judge's go.
+    /// Lease to the judge's go (about 0 without a lease).
     to_go_s: f64,
-    /// The judge's end to the lease's release.
+    /// The judge's end to the lease's release; 0 without a lease.
     teardown_s: f64,
     /// Lease to release; 0 without a lease.
     held_s: f64,
-}
-
-impl Default for LeaseTimes {
-    fn default() -> Self {
-        Self {
-            leased_at: Instant::now(),
-            to_go_s: 0.0,
-            teardown_s: 0.0,
-            held_s: 0.0,
-        }
-    }
 }
 
 /// What the server recorded of the two trees' CPU from outside: the candidate worker's, and
