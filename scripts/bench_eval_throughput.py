@@ -238,6 +238,10 @@ def main():
         else:
             print(f"{args.n} distinct candidates over {len(pool)} task(s), {args.concurrency} in flight")
 
+        def starved():
+            return sum(d.get("starved_s", 0.0) for d in get(url + "/v1/info").get("device_slots", []))
+
+        starved0 = starved()
         cpu0, t0 = cpu_seconds(), time.time()
         t_start[0], done[0] = t0, 0
         with ThreadPoolExecutor(args.concurrency) as ex:
@@ -278,6 +282,10 @@ def main():
         print(row(["evaluations per hour", f"{args.n / wall * 3600:.0f}"], [28, 10]))
         print(row(["core-s per evaluation", f"{cores / args.n:.1f}"], [28, 10]))  # the whole machine
         print(row(["device-s per evaluation", f"{device_s / args.n:.1f}"], [28, 10]))
+        # The device's share of the wall, and its free time while an evaluation of it waited
+        # for its place or started its judge (prestart): what a deeper --prestart-depth gives.
+        print(row(["device busy (% of wall)", f"{100 * device_s / wall / len(info['device_slots']):.0f}"], [28, 10]))
+        print(row(["device free, work waiting (s)", f"{starved() - starved0:.1f}"], [28, 10]))
 
         observed(results)
         if args.json:

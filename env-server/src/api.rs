@@ -502,7 +502,12 @@ async fn info(State(s): State<Arc<AppState>>) -> Json<Value> {
         .evaluator
         .slots()
         .iter()
-        .map(|d| json!({"index": d.index, "leases": d.leases.load(Ordering::Relaxed), "busy_s": d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3}))
+        .map(|d| json!({
+            "index": d.index,
+            "leases": d.leases.load(Ordering::Relaxed),
+            "busy_s": d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3,
+            "starved_s": d.starved_ms.load(Ordering::Relaxed) as f64 / 1e3,
+        }))
         .collect::<Vec<_>>());
     Json(v)
 }
@@ -600,6 +605,20 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
             "cuda_agent_device_busy_seconds_total{{device=\"{}\"}} {}",
             d.index,
             d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3
+        );
+    }
+    // Free while an evaluation of it waited for its place or started its judge (prestart):
+    // the time a deeper --prestart-depth would give back.
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_device_starved_seconds_total counter"
+    );
+    for d in s.evaluator.slots() {
+        let _ = writeln!(
+            out,
+            "cuda_agent_device_starved_seconds_total{{device=\"{}\"}} {}",
+            d.index,
+            d.starved_ms.load(Ordering::Relaxed) as f64 / 1e3
         );
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)

@@ -143,6 +143,55 @@ pub struct DeviceSlot {
     pub leases: AtomicU64,
     /// Milliseconds held.
     pub busy_ms: AtomicU64,
+    /// Milliseconds the device sat free while an evaluation of it was waiting for its place
+    /// or still starting its judge (prestart): each is time a deeper `--prestart-depth`
+    /// would have given back. 0 with prestart off.
+    pub starved_ms: AtomicU64,
+    /// Evaluations of this device past their build and not finished (prestart).
+    pending: AtomicUsize,
+    /// When the lease was last released with another evaluation pending, until the next
+    /// lease (or until none is pending).
+    released_waiting: Mutex<Option<Instant>>,
+}
+
+impl DeviceSlot {
+    fn new(index: usize, prestart_depth: usize) -> Self {
+        Self {
+            index,
+            lock: Semaphore::new(1),
+            warm: Semaphore::new(prestart_depth),
+            leases: AtomicU64::new(0),
+            busy_ms: AtomicU64::new(0),
+            starved_ms: AtomicU64::new(0),
+            pending: AtomicUsize::new(0),
+            released_waiting: Mutex::new(None),
+        }
+    }
+
+    fn released_waiting(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.released_waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One evaluation counted as pending on its device slot until dropped.
+struct Pending<'a>(&'a DeviceSlot);
+
+impl<'a> Pending<'a> {
+    fn new(slot: &'a DeviceSlot) -> Self {
+        slot.pending.fetch_add(1, Ordering::SeqCst);
+        Self(slot)
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        // The last pending evaluation gone: a free device from here on starves nobody.
+        if self.0.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+            *self.0.released_waiting() = None;
+        }
+    }
 }
 
 /// The evaluator shared by all episodes.
@@ -186,13 +235,7 @@ impl Evaluator {
             ..cfg
         };
         let slots = (0..cfg.devices.max(1))
-            .map(|index| DeviceSlot {
-                index,
-                lock: Semaphore::new(1),
-                warm: Semaphore::new(cfg.prestart_depth),
-                leases: AtomicU64::new(0),
-                busy_ms: AtomicU64::new(0),
-            })
+            .map(|index| DeviceSlot::new(index, cfg.prestart_depth))
             .collect();
         Self {
             builds: BuildQueue::new(cfg.max_builds),
@@ -541,13 +584,16 @@ impl Evaluator {
     ) -> Result<(Verdict, String, LeaseTimes, Option<Observed>), EvalError> {
         // Without prestart the lease comes first (nothing of this evaluation runs beside
         // another's timing); with it, a place among the device's warm evaluations.
-        let (slot, mut lease, _warm) = if self.cfg.prestart {
+        let (slot, mut lease, _warm, _pending) = if self.cfg.prestart {
             let slot = self.pick_slot();
+            // Pending from before its place among the warm evaluations: waiting for one is
+            // the starvation a deeper prestart removes.
+            let pending = Pending::new(slot);
             let warm = slot.warm.acquire().await?;
-            (slot, None, Some(warm))
+            (slot, None, Some(warm), Some(pending))
         } else {
             let lease = self.lease_any().await?;
-            (lease.slot, Some(lease), None)
+            (lease.slot, Some(lease), None, None)
         };
         let slot_index = slot.index;
         let visible = slot_index.to_string();
@@ -936,6 +982,10 @@ struct Lease<'a> {
 impl<'a> Lease<'a> {
     fn new(slot: &'a DeviceSlot, permit: tokio::sync::SemaphorePermit<'a>) -> Self {
         slot.leases.fetch_add(1, Ordering::Relaxed);
+        if let Some(t) = slot.released_waiting().take() {
+            slot.starved_ms
+                .fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
         tracing::debug!(slot = slot.index, "device lease taken");
         Self {
             slot,
@@ -950,6 +1000,11 @@ impl Drop for Lease<'_> {
         self.slot
             .busy_ms
             .fetch_add(self.since.elapsed().as_millis() as u64, Ordering::Relaxed);
+        // Another evaluation pending besides the one releasing (still counted until its end):
+        // the device is free while it waits or starts, until it takes the lease.
+        if self.slot.pending.load(Ordering::SeqCst) > 1 {
+            *self.slot.released_waiting() = Some(Instant::now());
+        }
     }
 }
 
@@ -1415,6 +1470,41 @@ pub fn random_u64() -> u64 {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The device counts as starved from a release with another evaluation pending until the
+    /// next lease; never when the releasing evaluation was the only one, and not past the
+    /// moment the last pending one ended without the device.
+    #[tokio::test]
+    async fn starvation_is_counted_only_while_an_evaluation_waits() {
+        let slot = DeviceSlot::new(0, 2);
+        let ms = |s: &DeviceSlot| s.starved_ms.load(Ordering::Relaxed);
+        // Alone: a release and a later lease of its own starve nobody.
+        {
+            let _a = Pending::new(&slot);
+            drop(Evaluator::lease(&slot).await.unwrap());
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        drop(Evaluator::lease(&slot).await.unwrap());
+        assert_eq!(ms(&slot), 0);
+        // Two pending: the gap between one's release and the other's lease is counted.
+        let a = Pending::new(&slot);
+        let b = Pending::new(&slot);
+        drop(Evaluator::lease(&slot).await.unwrap());
+        drop(a);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        drop(Evaluator::lease(&slot).await.unwrap());
+        let starved = ms(&slot);
+        assert!(starved >= 60, "{starved} ms");
+        // The waiting one ends without the device (a verdict before its gate): the idle time
+        // after that is nobody's.
+        let c = Pending::new(&slot);
+        drop(Evaluator::lease(&slot).await.unwrap());
+        drop(b);
+        drop(c);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        drop(Evaluator::lease(&slot).await.unwrap());
+        assert_eq!(ms(&slot), starved);
+    }
 
     /// Attack: a judge of the older layout owned the slot directory and left `inductor` as a
     /// link to a directory of its choosing; the server must not chmod or chown through it.

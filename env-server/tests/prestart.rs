@@ -90,9 +90,12 @@ async fn prestarted_evaluations_are_judged_one_lease_at_a_time() {
     // One device, one lease each for the two judged; none for the forbidden one, whose judge
     // answered before its gate and never needed the device.
     assert_eq!(s.evaluator.slots()[0].leases.load(Ordering::Relaxed), 2);
-    // The depth the server starts ahead is said where clients look.
+    // The depth the server starts ahead is said where clients look, and how long the device
+    // sat free while an evaluation of it waited or started.
     let (st, info) = call(&s, "GET", "/v1/info", None).await;
     assert_eq!(st, StatusCode::OK, "{info}");
+    let starved = info["device_slots"][0]["starved_s"].as_f64().unwrap();
+    assert!(starved >= 0.0, "{info}");
     assert_eq!(
         info["capacity"]["prestart_depth"],
         env_server::DEFAULT_PRESTART_DEPTH,
