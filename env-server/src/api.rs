@@ -589,39 +589,39 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         "# TYPE cuda_agent_evaluations_total counter\ncuda_agent_evaluations_total {}",
         s.evaluator.finished.load(Ordering::Relaxed)
     );
-    let _ = writeln!(out, "# TYPE cuda_agent_device_leases_total counter");
-    for d in s.evaluator.slots() {
-        let _ = writeln!(
-            out,
-            "cuda_agent_device_leases_total{{device=\"{}\"}} {}",
-            d.index,
-            d.leases.load(Ordering::Relaxed)
-        );
-    }
-    let _ = writeln!(out, "# TYPE cuda_agent_device_busy_seconds_total counter");
-    for d in s.evaluator.slots() {
-        let _ = writeln!(
-            out,
-            "cuda_agent_device_busy_seconds_total{{device=\"{}\"}} {}",
-            d.index,
-            d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3
-        );
-    }
+    let slots = s.evaluator.slots();
+    let secs = |ms: &std::sync::atomic::AtomicU64| ms.load(Ordering::Relaxed) as f64 / 1e3;
+    device_counter(&mut out, "cuda_agent_device_leases_total", slots, |d| {
+        d.leases.load(Ordering::Relaxed) as f64
+    });
+    device_counter(
+        &mut out,
+        "cuda_agent_device_busy_seconds_total",
+        slots,
+        |d| secs(&d.busy_ms),
+    );
     // Free while an evaluation of it waited for its place or started its judge (prestart):
     // the time a deeper --prestart-depth would give back.
-    let _ = writeln!(
-        out,
-        "# TYPE cuda_agent_device_starved_seconds_total counter"
+    device_counter(
+        &mut out,
+        "cuda_agent_device_starved_seconds_total",
+        slots,
+        |d| secs(&d.starved_ms),
     );
-    for d in s.evaluator.slots() {
-        let _ = writeln!(
-            out,
-            "cuda_agent_device_starved_seconds_total{{device=\"{}\"}} {}",
-            d.index,
-            d.starved_ms.load(Ordering::Relaxed) as f64 / 1e3
-        );
-    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}
+
+/// One Prometheus counter with a value per device slot.
+fn device_counter(
+    out: &mut String,
+    name: &str,
+    slots: &[crate::evaluation::DeviceSlot],
+    value: impl Fn(&crate::evaluation::DeviceSlot) -> f64,
+) {
+    let _ = writeln!(out, "# TYPE {name} counter");
+    for d in slots {
+        let _ = writeln!(out, "{name}{{device=\"{}\"}} {}", d.index, value(d));
+    }
 }
 
 /// The OpenAPI document, generated from the wire types and handlers.

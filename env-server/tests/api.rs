@@ -111,10 +111,15 @@ async fn discovery_routes() {
     assert!(v["components"]["schemas"].get("StepResponse").is_some());
     let (st, text) = raw(&s, "GET", "/metrics", None, None).await;
     assert_eq!(st, StatusCode::OK);
-    assert!(
-        text.as_str().unwrap().contains("cuda_agent_resets_total 0"),
-        "{text}"
-    );
+    let text = text.as_str().unwrap();
+    for line in [
+        "cuda_agent_resets_total 0",
+        "cuda_agent_device_leases_total{device=\"0\"} 0",
+        "cuda_agent_device_busy_seconds_total{device=\"0\"} 0",
+        "cuda_agent_device_starved_seconds_total{device=\"0\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} missing: {text}");
+    }
 }
 
 #[tokio::test]
