@@ -450,6 +450,7 @@ class Judge:
         self.rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self.regions: dict = {}
         self.input_bytes = 0  # of the last input set given to the workers
+        self.input_shapes: list[tuple] = []
         self.ref: WorkerLink | None = None
         self.cand: WorkerLink | None = None
 
@@ -512,9 +513,12 @@ class Judge:
             link.request({"op": "load", "slot": key, "layout": layout}, self.call_timeout)
         for r in regions:
             h.pack_inputs(inputs, layout, r.tensor)
-        # For the physical-floor check: the bytes of one input set, known here without making
-        # the inputs again (on meta tensors that costs 2-3 s of lazy imports on a leased GPU).
-        self.input_bytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
+        # For the physical-floor check and messages: the last input set's bytes and shapes,
+        # known here without making the inputs again (on meta tensors that costs 2-3 s of lazy
+        # imports on a leased GPU).
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        self.input_bytes = sum(x.numel() * x.element_size() for x in tensors)
+        self.input_shapes = [tuple(x.shape) for x in tensors]
         inputs.clear()
         h.synchronize(self.device)
         if self.device.type == "cuda":
@@ -703,7 +707,7 @@ class Judge:
             self.compare(want, got, "second input shape")
         except h.RuleBreak as e:
             if e.rule in ("wrong_output", "runtime_error", "precision"):
-                shapes = ", ".join(str(tuple(x.shape)) for x in h.seeded_inputs(self.task.get_inputs_alt, 0, "meta") if isinstance(x, torch.Tensor))
+                shapes = ", ".join(str(s) for s in self.input_shapes)  # the second shape's set
                 raise h.RuleBreak("hard_coded_shape", f"wrong on the task's second input shape (inputs {shapes}): {e}") from e
             raise
         self.release()
