@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use agent_tools::sandbox::{KernelFeatures, ProcessView, UidLease, UidPool, Volume, VolumeLimits};
+use agent_tools::sandbox::{
+    CgroupVersion, CpuPriority, KernelFeatures, ProcessView, UidLease, UidPool, Volume,
+    VolumeLimits, BACKGROUND_CPU_SHARES, BACKGROUND_CPU_WEIGHT,
+};
 use agent_tools::{
     create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits,
     ToolOutput, Toolbox, Workspace,
@@ -627,6 +630,163 @@ impl Episode {
 }
 
 // ---------------------------------------------------------------------------------------
+// The CPU: background work cannot take the share of an evaluation holding a device.
+// ---------------------------------------------------------------------------------------
+
+/// Runs `script` with bash in `jail` and returns its stdout and exit code.
+async fn run_in(ep: &Episode, jail: &Jail, script: &str) -> (String, Option<i32>) {
+    use tokio::io::AsyncReadExt;
+    let mut child = ep
+        .sandbox
+        .command(
+            jail,
+            Path::new("/bin/bash"),
+            &["-c".into(), script.into()],
+            &ep.root,
+        )
+        .expect("command")
+        .spawn()
+        .expect("spawn");
+    let mut out = String::new();
+    let mut stdout = child.stdout.take().expect("stdout");
+    let (_, outcome) = tokio::join!(
+        stdout.read_to_string(&mut out),
+        child.wait_within(Duration::from_secs(60))
+    );
+    (out, outcome.status.and_then(|s| s.code()))
+}
+
+/// The agent's commands and candidate builds run in the background: a hostile one tries to
+/// win back the CPU by lowering its nice value (renice, setpriority), by resetting its
+/// session's autogroup, by starting a new session (a new autogroup at nice 0), and by
+/// leaving its CPU cgroup. Every attempt fails; a normal jail (the judge's) keeps nice 0.
+#[tokio::test]
+async fn a_background_command_cannot_raise_its_cpu_share() {
+    let ep = Episode::new();
+    let mut jail = ep.toolbox_jail();
+    jail.cpu = CpuPriority::Background;
+    let nice_of_self = "read -r -a st < /proc/self/stat; echo \"nice ${st[18]}\"";
+    let script = format!(
+        "{nice_of_self}
+renice -n 0 -p $$ >/dev/null 2>&1 && echo renice-worked
+python3 -c 'import os; os.setpriority(os.PRIO_PROCESS, 0, 0)' 2>/dev/null && echo setpriority-worked
+python3 -c 'import os; os.nice(-5)' 2>/dev/null && echo nice-worked
+if [ -e /proc/self/autogroup ]; then
+    echo 0 2>/dev/null > /proc/self/autogroup && echo autogroup-worked
+    grep -q 'nice 10' /proc/self/autogroup && echo autogroup-nice-10
+fi
+python3 -c 'import os; os.setsid()' 2>/dev/null && echo setsid-worked
+for f in $(cut -d: -f3 /proc/self/cgroup | sort -u); do
+    for m in /sys/fs/cgroup /sys/fs/cgroup/cpu /sys/fs/cgroup/cpu,cpuacct /sys/fs/cgroup/unified; do
+        [ -w \"$m$f/../cgroup.procs\" ] && echo $$ 2>/dev/null > \"$m$f/../cgroup.procs\" && echo cgroup-left
+    done
+done
+{nice_of_self}"
+    );
+    let (out, code) = run_in(&ep, &jail, &script).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        !out.contains("worked"),
+        "a background command raised its share:\n{out}"
+    );
+    assert!(
+        !out.contains("cgroup-left"),
+        "a background command left its cgroup:\n{out}"
+    );
+    let nices: Vec<&str> = out.lines().filter(|l| l.starts_with("nice ")).collect();
+    assert_eq!(nices, ["nice 10", "nice 10"], "{out}");
+    if std::path::Path::new("/proc/self/autogroup").exists() {
+        assert!(
+            out.contains("autogroup-nice-10"),
+            "the session's autogroup kept nice 0:\n{out}"
+        );
+    }
+
+    let normal = ep.toolbox_jail();
+    let (out, code) = run_in(&ep, &normal, nice_of_self).await;
+    assert_eq!((out.trim(), code), ("nice 0", Some(0)));
+}
+
+/// Where the host has a CPU controller, a background command's cgroup has the low weight
+/// (read from outside while the command runs, where the server wrote it).
+#[tokio::test]
+async fn a_background_command_has_the_low_cpu_weight() {
+    use tokio::io::AsyncBufReadExt;
+    let ep = Episode::new();
+    let Some(version) = ep.sandbox.status().kernel.cgroups.cpu else {
+        eprintln!("skipped: no CPU cgroup controller on this host (background commands rely on their nice value)");
+        return;
+    };
+    let mut jail = ep.toolbox_jail();
+    jail.cpu = CpuPriority::Background;
+    let mut child = ep
+        .sandbox
+        .command(
+            &jail,
+            Path::new("/bin/bash"),
+            &[
+                "-c".into(),
+                "cat /proc/self/cgroup; echo end; sleep 30".into(),
+            ],
+            &ep.root,
+        )
+        .expect("command")
+        .spawn()
+        .expect("spawn");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut membership = Vec::new();
+    while let Some(l) = lines.next_line().await.expect("read") {
+        if l == "end" {
+            break;
+        }
+        membership.push(l);
+    }
+    // The command's cgroup in the CPU controller's hierarchy (v1) or the unified one (v2).
+    let path = membership
+        .iter()
+        .find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, ctl, path) = (f.next()?, f.next()?, f.next()?);
+            let hit = match version {
+                CgroupVersion::V1 => ctl.split(',').any(|c| c == "cpu"),
+                CgroupVersion::V2 => ctl.is_empty(),
+            };
+            hit.then(|| path.trim_start_matches('/').to_string())
+        })
+        .expect("a cpu cgroup line");
+    assert!(
+        path.contains("cuda-agent."),
+        "not in a command cgroup: {membership:?}"
+    );
+    let (file, want) = match version {
+        CgroupVersion::V2 => ("cpu.weight", BACKGROUND_CPU_WEIGHT),
+        CgroupVersion::V1 => ("cpu.shares", BACKGROUND_CPU_SHARES),
+    };
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    let weight = mounts
+        .lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let left: Vec<&str> = left.split_whitespace().collect();
+            let mut r = right.split_whitespace();
+            let fstype = r.next()?;
+            let opts = r.nth(1).unwrap_or("");
+            let wanted = match version {
+                CgroupVersion::V1 => fstype == "cgroup" && opts.split(',').any(|o| o == "cpu"),
+                CgroupVersion::V2 => fstype == "cgroup2",
+            };
+            // The mount's root within the hierarchy, then where it is mounted.
+            let rel = path.strip_prefix(left.get(3)?.trim_start_matches('/'))?;
+            let mountpoint = PathBuf::from(left.get(4)?);
+            wanted.then(|| mountpoint.join(rel.trim_start_matches('/')))
+        })
+        .find_map(|dir| std::fs::read_to_string(dir.join(file)).ok())
+        .expect("the command's cpu weight file");
+    child.kill_all().await;
+    assert_eq!(weight.trim(), want.to_string(), "{file} of {path}");
+}
+
+// ---------------------------------------------------------------------------------------
 // Quotas cover everything and hold while a command runs.
 // ---------------------------------------------------------------------------------------
 
@@ -746,6 +906,7 @@ fn the_status_names_every_layer() {
         "die_with_server",
         "unix_sockets",
         "cgroups",
+        "background_cpu",
         "disk_quota",
         "uid_pool",
     ] {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as SyncMutex, RwLock};
 use std::time::{Duration, Instant};
 
-use agent_tools::sandbox::{UidLease, Volume, VolumeLimits};
+use agent_tools::sandbox::{CpuPriority, UidLease, Volume, VolumeLimits};
 use agent_tools::{
     create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace,
 };
@@ -575,6 +575,8 @@ impl Setup {
         env.push(("PYTHONFAULTHANDLER".into(), "1".into()));
         let mut jail = Jail::standard(ws.root(), &tmp, &self.path_dirs, &env, owner);
         jail.volume = Some(volume.clone());
+        // The agent's commands yield the CPU to evaluations (whose judge may hold a device).
+        jail.cpu = CpuPriority::Background;
         listing.sort();
         Ok((
             Toolbox::new(

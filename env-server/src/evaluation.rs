@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use agent_tools::sandbox::{Outcome, ProcessView, SandboxedChild};
+use agent_tools::sandbox::{CpuPriority, Outcome, ProcessView, SandboxedChild};
 use agent_tools::{create_private_dir, Jail, Sandbox};
 use env_api::{
     BuildDetails, EvaluationDetails, EvaluationPhases, EvaluationResult, Speedups, Times,
@@ -538,6 +538,8 @@ impl Evaluator {
             self.cfg.device.as_str().into(),
         ];
         let mut jail = jail.clone();
+        // A build only has to end in time; the judge holding the device must not wait on it.
+        jail.cpu = CpuPriority::Background;
         jail.env.push((
             "MAX_JOBS".into(),
             self.cfg.build_jobs.max(1).to_string().into(),

@@ -225,14 +225,15 @@ async fn steps_todos_idempotency_and_the_turn_limit() {
     );
 
     // A retried step with the same request_id runs once.
-    let body = json!({"action": {"tool": "Bash", "arguments": {"command": "echo ran >> runs.txt; wc -l < runs.txt"}}, "request_id": "r-1"});
+    // The command also prints its nice value: the agent's commands run in the background.
+    let body = json!({"action": {"tool": "Bash", "arguments": {"command": "echo ran >> runs.txt; wc -l < runs.txt; cut -d' ' -f19 /proc/self/stat"}}, "request_id": "r-1"});
     let (_, first) = call(&s, "POST", &step, Some(body.clone())).await;
     let (_, second) = call(&s, "POST", &step, Some(body)).await;
     assert_eq!(first["observation"], second["observation"]);
     assert_eq!(second["info"]["replayed"], true);
     // The command's output, then the budget left.
     let text = first["observation"]["text"].as_str().unwrap();
-    assert!(text.starts_with("1\n["), "{text}");
+    assert!(text.starts_with("1\n10\n["), "{text}");
 
     let (_, v) = call(&s, "POST", &step, Some(json!({"action": {"tool": "TodoWrite", "arguments": {"todos": [{"content": "Profile", "status": "in_progress", "activeForm": "Profiling"}]}}}))).await;
     assert_eq!(v["info"]["turn"], 3);

@@ -191,3 +191,39 @@ async fn identical_sources_submitted_together_are_both_judged() {
     hits.sort();
     assert_eq!(hits, [false, true], "one build, one cache hit");
 }
+
+/// A build is background work, the evaluation's run is not: a candidate reports the nice value
+/// its import sees, in the build (where it fails the build on purpose, so the reason carries
+/// it) and in the worker that runs it (its log).
+#[tokio::test]
+async fn builds_run_in_the_background_and_the_run_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(test_config(dir.path()));
+    let report = "import os, sys\nNICE = os.getpriority(os.PRIO_PROCESS, 0)\n";
+    let in_build = format!(
+        "{report}if 'build' in sys.argv:\n    raise RuntimeError(f'NICE {{NICE}} in the build')\n"
+    );
+    let (st, built) = call(
+        &s,
+        "POST",
+        "/v1/evaluate",
+        Some(json!({"task": "L1/2_Add", "solution": in_build})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{built}");
+    let reason = built["reason"].as_str().unwrap_or("");
+    assert!(reason.contains("NICE 10 in the build"), "{built}");
+
+    let in_run = format!("{report}print(f'NICE {{NICE}} in the run', flush=True)\n{ADD_CANDIDATE}");
+    let (st, ran) = call(
+        &s,
+        "POST",
+        "/v1/evaluate",
+        Some(json!({"task": "L1/2_Add", "solution": in_run})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{ran}");
+    let log = ran["details"]["worker_log"].as_str().unwrap_or("");
+    assert!(log.contains("NICE 0 in the run"), "{ran}");
+    assert_eq!(ran["correct"], true, "{ran}");
+}

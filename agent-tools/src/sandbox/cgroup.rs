@@ -1,8 +1,10 @@
 //! A cgroup per sandboxed command, in whatever hierarchies this host lets the server write:
 //! cgroup v2 for `cgroup.kill` (all of a command's processes killed at once, even without
 //! delegated controllers), memory and pids limits over all of a command's processes (v2
-//! controllers where enabled, else cgroup v1), and the v1 freezer to stop a command before
-//! killing it where `cgroup.kill` is missing.
+//! controllers where enabled, else cgroup v1), the v1 freezer to stop a command before
+//! killing it where `cgroup.kill` is missing, and a low CPU weight for background commands
+//! (the agent's commands and candidate builds) so they yield to an evaluation that holds a
+//! device.
 //!
 //! Cgroups are named `cuda-agent.<server pid>.<server start time>.<n>` under the server's
 //! own cgroup, so a later server can tell which were left by a server that is gone.
@@ -40,7 +42,16 @@ pub struct CgroupSupport {
     pub memory: Option<CgroupVersion>,
     /// A process-count limit over all of a command's processes.
     pub pids: Option<CgroupVersion>,
+    /// A CPU weight over all of a background command's processes (without one, background
+    /// commands run at a higher nice value, which a process cannot undo either).
+    pub cpu: Option<CgroupVersion>,
 }
+
+/// A background command's CPU weight against a normal one's (cgroup v2 `cpu.weight`, default
+/// 100).
+pub const BACKGROUND_CPU_WEIGHT: u32 = 10;
+/// The same in cgroup v1 `cpu.shares` (default 1024).
+pub const BACKGROUND_CPU_SHARES: u32 = 102;
 
 /// The server's own cgroup directory in each usable hierarchy.
 #[derive(Debug, Clone, Default)]
@@ -48,6 +59,7 @@ pub(crate) struct Hierarchies {
     v2: Option<PathBuf>,
     memory: Option<(PathBuf, CgroupVersion)>,
     pids: Option<(PathBuf, CgroupVersion)>,
+    cpu: Option<(PathBuf, CgroupVersion)>,
     freezer: Option<PathBuf>,
 }
 
@@ -154,6 +166,7 @@ impl Hierarchies {
         Self {
             memory: pick("memory"),
             pids: pick("pids"),
+            cpu: pick("cpu"),
             freezer: v1_dir("freezer"),
             v2: v2_kill,
         }
@@ -166,15 +179,19 @@ impl Hierarchies {
             freezer: self.freezer.is_some(),
             memory: self.memory.as_ref().map(|(_, v)| *v),
             pids: self.pids.as_ref().map(|(_, v)| *v),
+            cpu: self.cpu.as_ref().map(|(_, v)| *v),
         }
     }
 
-    fn bases(&self) -> Vec<PathBuf> {
+    /// The directories a command's cgroups are made in; the CPU hierarchy only for a
+    /// background command (a normal one keeps the weight of the server's own cgroup).
+    fn bases(&self, background: bool) -> Vec<PathBuf> {
         let mut b: Vec<PathBuf> = Vec::new();
         for d in [
             self.v2.clone(),
             self.memory.clone().map(|m| m.0),
             self.pids.clone().map(|p| p.0),
+            self.cpu.clone().map(|c| c.0).filter(|_| background),
             self.freezer.clone(),
         ]
         .into_iter()
@@ -188,14 +205,16 @@ impl Hierarchies {
     }
 
     /// Creates the cgroups of one command with its limits (`None` without any usable
-    /// hierarchy). Fails only if a hierarchy that was usable at start refuses.
+    /// hierarchy); a `background` command also gets the low CPU weight. Fails only if a
+    /// hierarchy that was usable at start refuses.
     pub fn create(
         &self,
         total_memory: u64,
         total_processes: u64,
+        background: bool,
     ) -> std::io::Result<Option<CommandCgroup>> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        let bases = self.bases();
+        let bases = self.bases(background);
         if bases.is_empty() {
             return Ok(None);
         }
@@ -220,7 +239,7 @@ impl Hierarchies {
             }
             cg.dirs.push(dir);
         }
-        if let Err(e) = self.configure(&mut cg, &name, total_memory, total_processes) {
+        if let Err(e) = self.configure(&mut cg, &name, total_memory, total_processes, background) {
             cg.remove();
             return Err(e);
         }
@@ -233,6 +252,7 @@ impl Hierarchies {
         name: &str,
         total_memory: u64,
         total_processes: u64,
+        background: bool,
     ) -> std::io::Result<()> {
         if let Some(v2) = &self.v2 {
             cg.kill = Some(v2.join(name));
@@ -260,6 +280,17 @@ impl Hierarchies {
             std::fs::write(dir.join("pids.max"), total_processes.to_string())?;
             cg.pids = Some((dir, *v));
         }
+        if let (Some((base, v)), true) = (&self.cpu, background) {
+            let dir = base.join(name);
+            match v {
+                CgroupVersion::V1 => {
+                    std::fs::write(dir.join("cpu.shares"), BACKGROUND_CPU_SHARES.to_string())?
+                }
+                CgroupVersion::V2 => {
+                    std::fs::write(dir.join("cpu.weight"), BACKGROUND_CPU_WEIGHT.to_string())?
+                }
+            }
+        }
         if let Some(base) = &self.freezer {
             cg.freezer = Some(base.join(name));
         }
@@ -270,7 +301,7 @@ impl Hierarchies {
     /// left behind. Returns (cgroups removed, processes killed).
     pub fn sweep(&self) -> (usize, usize) {
         let (mut removed, mut killed) = (0, 0);
-        for base in self.bases() {
+        for base in self.bases(true) {
             let Ok(entries) = std::fs::read_dir(&base) else {
                 continue;
             };

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use cgroup::{CgroupSupport, CgroupVersion};
+pub use cgroup::{CgroupSupport, CgroupVersion, BACKGROUND_CPU_SHARES, BACKGROUND_CPU_WEIGHT};
 pub use features::KernelFeatures;
 pub use landlock::Access;
 pub use namespace::ProcessView;
@@ -215,6 +215,10 @@ pub struct SandboxStatus {
     pub unix_sockets: &'static str,
     /// Cgroup layers in force.
     pub cgroups: CgroupSupport,
+    /// How background commands ([`CpuPriority::Background`]) yield the CPU: `cpu_weight`
+    /// (cgroup v2), `cpu_shares` (cgroup v1), or `nice` alone (their nice value and their
+    /// session's autogroup).
+    pub background_cpu: &'static str,
     /// How volumes ([`Volume`]) enforce their size and inode limits.
     pub disk_quota: QuotaEnforcement,
     /// The uids leased to jails, when uids are switched.
@@ -301,7 +305,29 @@ pub struct Jail {
     pub process_view: ProcessView,
     /// The volume holding what the jail may write, whose limits end a command that reaches them.
     pub volume: Option<Arc<Volume>>,
+    /// The share of the CPU its processes get when the machine is busy.
+    pub cpu: CpuPriority,
 }
+
+/// How a jail's processes compete for the CPU. None of them can raise its own: the nice
+/// value only goes up without privileges (and `RLIMIT_NICE` is 0), a new session (and so a
+/// new autogroup) is refused by seccomp, and the cgroup is the server's to write.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CpuPriority {
+    /// The server's own priority: an evaluation's judge and workers, whose lease on a device
+    /// and whose timings suffer from every core taken from them.
+    #[default]
+    Normal,
+    /// Work that only has to end in time: the agent's commands and candidate builds. A low
+    /// cgroup CPU weight where the host has the controller, and a nice value of
+    /// [`BACKGROUND_NICE`] always.
+    Background,
+}
+
+/// The nice value of a background jail's processes (the weight ratio to nice 0 is about 1:9,
+/// as [`cgroup::BACKGROUND_CPU_WEIGHT`] is to the default).
+pub const BACKGROUND_NICE: i32 = 10;
 
 impl Jail {
     /// A jail over a workspace and its temp dir with the standard scrubbed environment:
@@ -339,6 +365,7 @@ impl Jail {
             uid,
             process_view: ProcessView::Private,
             volume: None,
+            cpu: CpuPriority::Normal,
         }
     }
 }
@@ -496,6 +523,11 @@ impl Sandbox {
                 "unrestricted"
             },
             cgroups: f.cgroups,
+            background_cpu: match f.cgroups.cpu {
+                Some(CgroupVersion::V2) => "cpu_weight",
+                Some(CgroupVersion::V1) => "cpu_shares",
+                None => "nice",
+            },
             disk_quota: if f.hidepid {
                 QuotaEnforcement::Tmpfs
             } else {
@@ -576,18 +608,21 @@ impl Sandbox {
             .kill_on_drop(true);
 
         let limits = &inner.config.limits;
-        let rlimits: [(libc::__rlimit_resource_t, u64); 6] = [
+        let rlimits: [(libc::__rlimit_resource_t, u64); 7] = [
             (libc::RLIMIT_CPU, limits.cpu_seconds),
+            // No process of a jail may lower its nice value (0: the ceiling stays at 20).
+            (libc::RLIMIT_NICE, 0),
             (libc::RLIMIT_DATA, limits.memory_bytes),
             (libc::RLIMIT_FSIZE, limits.file_size_bytes),
             (libc::RLIMIT_NOFILE, limits.open_files),
             (libc::RLIMIT_NPROC, limits.processes),
             (libc::RLIMIT_CORE, 0),
         ];
-        let cgroup = match inner
-            .cgroups
-            .create(limits.total_memory_bytes, limits.total_processes)
-        {
+        let cgroup = match inner.cgroups.create(
+            limits.total_memory_bytes,
+            limits.total_processes,
+            jail.cpu == CpuPriority::Background,
+        ) {
             Ok(cg) => cg,
             Err(e) => {
                 tracing::warn!(error = %e, "no cgroup for this command; falling back to the session kill and per-process limits");
@@ -612,6 +647,10 @@ impl Sandbox {
             cgroup_kill: cgroup.as_ref().and_then(cgroup::CommandCgroup::kill_file),
             lifeline: namespace::lifeline(),
             rlimits,
+            nice: match jail.cpu {
+                CpuPriority::Normal => 0,
+                CpuPriority::Background => BACKGROUND_NICE,
+            },
             uid: if inner.features.can_switch_uid {
                 jail.uid
             } else {

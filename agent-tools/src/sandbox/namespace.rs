@@ -45,7 +45,9 @@ pub(crate) struct ChildPlan {
     pub cgroup_kill: Option<CString>,
     /// Read end of the server's lifeline: hangs up when the server dies.
     pub lifeline: Option<RawFd>,
-    pub rlimits: [(libc::__rlimit_resource_t, u64); 6],
+    pub rlimits: [(libc::__rlimit_resource_t, u64); 7],
+    /// Nice value of the command and of its session's autogroup (0: left as it is).
+    pub nice: libc::c_int,
     pub uid: Option<(u32, u32)>,
     pub ruleset_fd: Option<RawFd>,
     /// Landlock rights for a `/proc` mounted in the child (0: none).
@@ -59,6 +61,7 @@ const PROC: &[u8] = b"/proc\0";
 const ROOT: &[u8] = b"/\0";
 const PROC_FS: &[u8] = b"proc\0";
 const HIDEPID: &[u8] = b"hidepid=2\0";
+const AUTOGROUP: &std::ffi::CStr = c"/proc/self/autogroup";
 
 fn check(rc: libc::c_long) -> std::io::Result<()> {
     if rc < 0 {
@@ -125,7 +128,27 @@ fn exit_code(status: libc::c_int) -> libc::c_int {
     }
 }
 
-fn write_file(path: &CString, data: &[u8]) -> std::io::Result<()> {
+/// Writes a nice value (-20..=19) as decimal text to a NUL-terminated path, without
+/// allocating.
+fn write_nice(path: &std::ffi::CStr, nice: libc::c_int) -> std::io::Result<()> {
+    let mut buf = [0u8; 4];
+    let mut len = 0;
+    let mut n = nice;
+    if n < 0 {
+        buf[0] = b'-';
+        len = 1;
+        n = -n;
+    }
+    if n >= 10 {
+        buf[len] = b'0' + (n / 10) as u8;
+        len += 1;
+    }
+    buf[len] = b'0' + (n % 10) as u8;
+    len += 1;
+    write_file(path, &buf[..len])
+}
+
+fn write_file(path: &std::ffi::CStr, data: &[u8]) -> std::io::Result<()> {
     // SAFETY: path is NUL-terminated; data outlives the call.
     unsafe {
         let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
@@ -308,6 +331,15 @@ impl ChildPlan {
                 let rc = landlock::add_path_rule(ruleset, fd, self.proc_rights);
                 libc::close(fd);
                 rc?;
+            }
+            if self.nice != 0 {
+                if libc::setpriority(libc::PRIO_PROCESS, 0, self.nice) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // With autogroups (and no CPU cgroup) the scheduler weighs sessions against
+                // each other first: the command's own session gets the same nice value. A
+                // kernel without autogroups has no such file, and the nice value is all.
+                let _ = write_nice(AUTOGROUP, self.nice);
             }
             for &(res, value) in &self.rlimits {
                 let lim = libc::rlimit {
