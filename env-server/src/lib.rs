@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_tools::sandbox::CgroupNesting;
 use agent_tools::{ResourceLimits, Sandbox, SandboxConfig, ToolLimits};
 use kernelbench::TaskSet;
 use serde_json::json;
@@ -52,6 +53,9 @@ pub struct ServerConfig {
     pub python: PathBuf,
     /// Run even where landlock or seccomp is missing.
     pub allow_unconfined: bool,
+    /// Whether the server may move into a leaf of its cgroup v2 so that its commands get the
+    /// memory, pids and cpu controllers.
+    pub cgroup_nesting: CgroupNesting,
     /// Most open episodes.
     pub max_episodes: usize,
     /// Builds at once.
@@ -116,6 +120,7 @@ impl Default for ServerConfig {
             api_key: None,
             python: PathBuf::from("python3"),
             allow_unconfined: false,
+            cgroup_nesting: CgroupNesting::default(),
             max_episodes: 4096,
             max_builds: build::default_max_builds(),
             pch_variants: Some(Vec::new()),
@@ -197,6 +202,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             .map_err(|e| StartError::DataDir(d.clone(), e))?;
     }
     raise_open_file_limit();
+    // Before the server starts any process of its own (the precompiled headers' builds): in
+    // `alone` mode a child still running would keep the server from nesting.
+    agent_tools::sandbox::nest(cfg.cgroup_nesting);
     let python = runtime::PythonInfo::probe(&cfg.python)?;
     let device = runtime::Device::choose(&cfg.device, &python)?;
     let mut toolchain = build::Toolchain::for_device(device, &python);
@@ -220,6 +228,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let mut sandbox_cfg = SandboxConfig::with_toolchains(toolchain_dirs);
     sandbox_cfg.limits = cfg.limits.clone();
     sandbox_cfg.allow_unconfined = cfg.allow_unconfined;
+    sandbox_cfg.cgroup_nesting = cfg.cgroup_nesting;
     let sandbox = Sandbox::new(sandbox_cfg)?;
     // Processes, cgroups and volumes an earlier run of a server left behind (a crash): ended
     // before anything new starts.

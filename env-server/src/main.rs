@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_tools::sandbox::CgroupNesting;
 use anyhow::Context as _;
 use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
@@ -82,6 +83,12 @@ struct Args {
     /// from the worker's own trace).
     #[arg(long)]
     no_observe: bool,
+    /// Cgroup v2 passes memory, pids and cpu to the commands' cgroups only once the server's
+    /// own cgroup holds no process: `alone` moves the server into a leaf of its cgroup when it
+    /// is the only process there (a service of its own), `all` moves whatever else runs there
+    /// too (a container's init), `off` leaves the cgroup as it is.
+    #[arg(long, default_value = "alone", value_parser = ["off", "alone", "all"])]
+    cgroup_nesting: String,
     /// Start the next evaluation's judge and workers (imports and channels only: no candidate
     /// code, no device work) while the device still times the last one: `on` or `off`
     /// (default: on with CUDA, off on CPU, where timing has the whole machine).
@@ -258,6 +265,11 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         api_key,
         python: args.python,
         allow_unconfined: args.allow_unconfined,
+        cgroup_nesting: match args.cgroup_nesting.as_str() {
+            "off" => CgroupNesting::Off,
+            "all" => CgroupNesting::All,
+            _ => CgroupNesting::Alone,
+        },
         max_episodes: args.max_episodes,
         max_turns: args.max_turns,
         time_budget: secs(args.time_budget_s, "time-budget-s")?,

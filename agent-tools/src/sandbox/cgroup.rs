@@ -21,6 +21,157 @@ use super::Breach;
 
 const PREFIX: &str = "cuda-agent.";
 
+/// The leaf a server moves into to hand its cgroup v2 controllers to its commands. Not under
+/// [`PREFIX`]: the sweep of leftover command cgroups must never reach the server itself.
+const SERVER_LEAF: &str = "cuda-agent-server";
+
+/// The cgroup v2 controllers commands need: memory and pids bound a whole command, cpu gives
+/// background commands their low weight.
+const WANTED_V2: [&str; 3] = ["memory", "pids", "cpu"];
+
+/// Whether the server may move processes so that its cgroup v2 controllers reach its commands.
+///
+/// Cgroup v2 passes a controller to the children of a cgroup only while that cgroup holds no
+/// process (the root excepted), and the server makes its commands' cgroups under its own: with
+/// the server inside, memory and pids limits could never apply. Nesting moves the server's
+/// processes into a leaf beside the commands' cgroups and enables the controllers for both.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CgroupNesting {
+    /// Leave the cgroup as it is.
+    Off,
+    /// Nest only when the server is the only process in its cgroup (a service of its own,
+    /// such as a systemd unit with `Delegate=yes`).
+    #[default]
+    Alone,
+    /// Nest whatever else runs in the cgroup, moving those processes into the leaf too (a
+    /// container whose cgroup holds its init and the server, as docker-in-docker entrypoints
+    /// do).
+    All,
+}
+
+/// What nesting did at start.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct NestReport {
+    /// Controllers now passed on to the commands' cgroups by nesting.
+    pub enabled: Vec<String>,
+    /// Processes moved into the server's leaf (the server's own included).
+    pub moved: usize,
+    /// Why nothing (or not everything) was enabled, when so.
+    pub note: Option<String>,
+}
+
+/// Nests the server's cgroup v2 once per process (see [`CgroupNesting`]); later calls return
+/// the first report.
+pub fn nest(mode: CgroupNesting) -> NestReport {
+    static DONE: std::sync::OnceLock<NestReport> = std::sync::OnceLock::new();
+    DONE.get_or_init(|| {
+        let Some(dir) = own_dirs().0 else {
+            return NestReport {
+                note: Some("no cgroup v2 hierarchy".into()),
+                ..NestReport::default()
+            };
+        };
+        let report = nest_in(&base_of(dir), mode, std::process::id());
+        if !report.enabled.is_empty() {
+            tracing::info!(enabled = ?report.enabled, moved = report.moved, "cgroup v2 controllers handed to the commands' cgroups");
+        } else if let Some(note) = &report.note {
+            tracing::debug!(%note, "cgroup v2 left as it is");
+        }
+        report
+    })
+    .clone()
+}
+
+/// The directory commands' cgroups are made in: the server's own, or its parent when the
+/// server sits in its nesting leaf.
+fn base_of(dir: PathBuf) -> PathBuf {
+    match (dir.file_name(), dir.parent()) {
+        (Some(n), Some(parent)) if n == SERVER_LEAF => parent.to_path_buf(),
+        _ => dir,
+    }
+}
+
+/// Pids listed in a `cgroup.procs` file.
+fn procs_in(dir: &Path) -> Vec<u32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn nest_in(dir: &Path, mode: CgroupNesting, me: u32) -> NestReport {
+    let mut report = NestReport::default();
+    let words = |f: &str| -> Vec<String> {
+        std::fs::read_to_string(dir.join(f))
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    let (offered, enabled) = (words("cgroup.controllers"), words("cgroup.subtree_control"));
+    let wanted: Vec<&str> = WANTED_V2
+        .into_iter()
+        .filter(|c| offered.iter().any(|o| o == c) && !enabled.iter().any(|e| e == c))
+        .collect();
+    if wanted.is_empty() {
+        report.note = Some(format!(
+            "nothing to enable: offered [{}], already passed on [{}]",
+            offered.join(" "),
+            enabled.join(" ")
+        ));
+        return report;
+    }
+    if mode == CgroupNesting::Off {
+        report.note = Some(format!(
+            "nesting is off; not passed on: {}",
+            wanted.join(" ")
+        ));
+        return report;
+    }
+    let leaf = dir.join(SERVER_LEAF);
+    // Processes fork while they are moved: a few rounds, until none is left behind.
+    for _ in 0..5 {
+        let here = procs_in(dir);
+        if here.is_empty() {
+            break;
+        }
+        if mode == CgroupNesting::Alone && here.iter().any(|&p| p != me) {
+            report.note = Some(format!(
+                "{} other processes share the server's cgroup; not passed on: {} (the server's \
+                 --cgroup-nesting all moves them too)",
+                here.iter().filter(|&&p| p != me).count(),
+                wanted.join(" ")
+            ));
+            return report;
+        }
+        if let Err(e) = std::fs::create_dir(&leaf) {
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                report.note = Some(format!("cannot make {}: {e}", leaf.display()));
+                return report;
+            }
+        }
+        for pid in here {
+            // A process that exited meanwhile is no longer there to move.
+            if std::fs::write(leaf.join("cgroup.procs"), pid.to_string()).is_ok() {
+                report.moved += 1;
+            }
+        }
+    }
+    let mut refused = Vec::new();
+    for c in wanted {
+        match std::fs::write(dir.join("cgroup.subtree_control"), format!("+{c}")) {
+            Ok(()) => report.enabled.push(c.to_string()),
+            Err(e) => refused.push(format!("{c} ({e})")),
+        }
+    }
+    if !refused.is_empty() {
+        report.note = Some(format!("refused: {}", refused.join(", ")));
+    }
+    report
+}
+
 /// Which cgroup version provides a controller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -102,7 +253,7 @@ fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
         };
         if controllers.is_empty() {
             if let Some((root, mp, _, _)) = mounts.iter().find(|m| m.2 == "cgroup2") {
-                v2 = join(root, mp, path);
+                v2 = join(root, mp, path).map(base_of);
             }
             continue;
         }
@@ -465,5 +616,52 @@ impl CommandCgroup {
             all &= gone;
         }
         all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory laid out like a cgroup v2 directory (plain files): only the decisions taken
+    /// before anything is moved are checked here, the kernel's part needs a real hierarchy.
+    fn fake(controllers: &str, subtree: &str, procs: &str) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("cgroup.controllers"), controllers).unwrap();
+        std::fs::write(d.path().join("cgroup.subtree_control"), subtree).unwrap();
+        std::fs::write(d.path().join("cgroup.procs"), procs).unwrap();
+        d
+    }
+
+    #[test]
+    fn nesting_moves_nothing_unless_it_would_enable_a_controller_it_may() {
+        // Everything wanted is already passed on (or not offered at all).
+        let d = fake("cpuset cpu io memory pids", "cpu memory pids", "7\n");
+        let r = nest_in(d.path(), CgroupNesting::All, 7);
+        assert_eq!((r.moved, r.enabled.len()), (0, 0), "{r:?}");
+        let d = fake("io", "", "7\n");
+        assert_eq!(nest_in(d.path(), CgroupNesting::All, 7).moved, 0);
+
+        // Off: reported, not done.
+        let d = fake("cpu memory pids", "", "7\n");
+        let r = nest_in(d.path(), CgroupNesting::Off, 7);
+        assert_eq!(r.moved, 0);
+        assert!(r.note.unwrap().contains("memory pids cpu"));
+
+        // Alone, with another process beside the server: nothing moved, no leaf made.
+        let d = fake("cpu memory pids", "", "7\n8\n");
+        let r = nest_in(d.path(), CgroupNesting::Alone, 7);
+        assert_eq!(r.moved, 0);
+        assert!(r.note.unwrap().contains("1 other processes"));
+        assert!(!d.path().join(SERVER_LEAF).exists());
+    }
+
+    #[test]
+    fn commands_are_made_beside_the_servers_leaf_never_in_it() {
+        let d = PathBuf::from("/sys/fs/cgroup/svc");
+        assert_eq!(base_of(d.join(SERVER_LEAF)), d);
+        assert_eq!(base_of(d.clone()), d);
+        // The sweep of leftover command cgroups never matches the leaf.
+        assert!(!SERVER_LEAF.starts_with(PREFIX));
     }
 }

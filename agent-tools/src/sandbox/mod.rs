@@ -28,7 +28,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use cgroup::{CgroupSupport, CgroupVersion, BACKGROUND_CPU_SHARES, BACKGROUND_CPU_WEIGHT};
+pub use cgroup::{
+    nest, CgroupNesting, CgroupSupport, CgroupVersion, NestReport, BACKGROUND_CPU_SHARES,
+    BACKGROUND_CPU_WEIGHT,
+};
 pub use features::KernelFeatures;
 pub use landlock::Access;
 pub use namespace::ProcessView;
@@ -121,6 +124,9 @@ pub struct SandboxConfig {
     /// Put each command in cgroups where the host allows (turning it off is for diagnosis
     /// and measurement: the memory and process limits over a whole command go with them).
     pub cgroups: bool,
+    /// Whether the server may move its processes into a leaf so that cgroup v2 controllers
+    /// reach its commands' cgroups ([`CgroupNesting`]).
+    pub cgroup_nesting: CgroupNesting,
     /// Where uid leases are locked; shared by every server on the host.
     pub uid_lock_dir: PathBuf,
     /// The uids leased to jails.
@@ -180,6 +186,7 @@ impl SandboxConfig {
             seccomp: true,
             seccomp_allow: Vec::new(),
             cgroups: true,
+            cgroup_nesting: CgroupNesting::default(),
             uid_lock_dir: PathBuf::from(DEFAULT_LOCK_DIR),
             uid_range: DEFAULT_RANGE,
         }
@@ -215,6 +222,9 @@ pub struct SandboxStatus {
     pub unix_sockets: &'static str,
     /// Cgroup layers in force.
     pub cgroups: CgroupSupport,
+    /// What moving the server into a leaf of its cgroup v2 did at start (`None` without
+    /// cgroups).
+    pub cgroup_nesting: Option<NestReport>,
     /// How background commands ([`CpuPriority::Background`]) yield the CPU: `cpu_weight`
     /// (cgroup v2), `cpu_shares` (cgroup v1), or `nice` alone (their nice value and their
     /// session's autogroup).
@@ -392,6 +402,7 @@ struct Inner {
     features: KernelFeatures,
     filters: Vec<seccompiler::BpfProgram>,
     cgroups: cgroup::Hierarchies,
+    nesting: Option<NestReport>,
     uids: Option<UidPool>,
 }
 
@@ -422,10 +433,11 @@ impl Sandbox {
         } else {
             Vec::new()
         };
-        let cgroups = if config.cgroups {
-            cgroup::Hierarchies::detect()
+        let (cgroups, nesting) = if config.cgroups {
+            let nesting = cgroup::nest(config.cgroup_nesting);
+            (cgroup::Hierarchies::detect(), Some(nesting))
         } else {
-            cgroup::Hierarchies::default()
+            (cgroup::Hierarchies::default(), None)
         };
         features.cgroups = cgroups.support();
         let uids = if features.can_switch_uid {
@@ -443,6 +455,7 @@ impl Sandbox {
                 features,
                 filters,
                 cgroups,
+                nesting,
                 uids,
             }),
         })
@@ -523,6 +536,7 @@ impl Sandbox {
                 "unrestricted"
             },
             cgroups: f.cgroups,
+            cgroup_nesting: self.inner.nesting.clone(),
             background_cpu: match f.cgroups.cpu {
                 Some(CgroupVersion::V2) => "cpu_weight",
                 Some(CgroupVersion::V1) => "cpu_shares",
