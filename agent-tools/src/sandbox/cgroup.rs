@@ -130,9 +130,12 @@ fn nest_in(dir: &Path, mode: CgroupNesting, me: u32) -> NestReport {
         ));
         return report;
     }
+    // The root cgroup (the only one without `cgroup.type`) may pass controllers on with
+    // processes in it: nothing is moved there, least of all every process of the host.
+    let root = !dir.join("cgroup.type").exists();
     let leaf = dir.join(SERVER_LEAF);
     // Processes fork while they are moved: a few rounds, until none is left behind.
-    for _ in 0..5 {
+    for _ in 0..if root { 0 } else { 5 } {
         let here = procs_in(dir);
         if here.is_empty() {
             break;
@@ -630,6 +633,7 @@ mod tests {
         std::fs::write(d.path().join("cgroup.controllers"), controllers).unwrap();
         std::fs::write(d.path().join("cgroup.subtree_control"), subtree).unwrap();
         std::fs::write(d.path().join("cgroup.procs"), procs).unwrap();
+        std::fs::write(d.path().join("cgroup.type"), "domain\n").unwrap();
         d
     }
 
@@ -653,6 +657,13 @@ mod tests {
         let r = nest_in(d.path(), CgroupNesting::Alone, 7);
         assert_eq!(r.moved, 0);
         assert!(r.note.unwrap().contains("1 other processes"));
+        assert!(!d.path().join(SERVER_LEAF).exists());
+
+        // The root cgroup (no `cgroup.type`): even `all` moves no process of the host.
+        let d = fake("cpu memory pids", "", "1\n2\n7\n");
+        std::fs::remove_file(d.path().join("cgroup.type")).unwrap();
+        let r = nest_in(d.path(), CgroupNesting::All, 7);
+        assert_eq!(r.moved, 0, "{r:?}");
         assert!(!d.path().join(SERVER_LEAF).exists());
     }
 
