@@ -320,8 +320,9 @@ pub struct Jail {
 }
 
 /// How a jail's processes compete for the CPU. None of them can raise its own: the nice
-/// value only goes up without privileges (and `RLIMIT_NICE` is 0), a new session (and so a
-/// new autogroup) is refused by seccomp, and the cgroup is the server's to write.
+/// value only goes up without privileges (and `RLIMIT_NICE` is 0), `/proc/self/autogroup` is
+/// read-only under landlock, a new session (and so a new autogroup) is refused by seccomp,
+/// and the cgroup is the server's to write.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CpuPriority {
