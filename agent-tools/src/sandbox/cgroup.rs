@@ -72,7 +72,7 @@ pub fn nest(mode: CgroupNesting) -> NestReport {
                 ..NestReport::default()
             };
         };
-        let report = nest_in(&base_of(dir), mode, std::process::id());
+        let report = nest_in(&base_of(dir), mode, std::process::id(), &WANTED_V2);
         if !report.enabled.is_empty() {
             tracing::info!(enabled = ?report.enabled, moved = report.moved, "cgroup v2 controllers handed to the commands' cgroups");
         } else if let Some(note) = &report.note {
@@ -101,7 +101,8 @@ fn procs_in(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
-fn nest_in(dir: &Path, mode: CgroupNesting, me: u32) -> NestReport {
+/// Nests in `dir` for the controllers `want`, `me` being the server's pid.
+fn nest_in(dir: &Path, mode: CgroupNesting, me: u32, want: &[&str]) -> NestReport {
     let mut report = NestReport::default();
     let words = |f: &str| -> Vec<String> {
         std::fs::read_to_string(dir.join(f))
@@ -111,8 +112,9 @@ fn nest_in(dir: &Path, mode: CgroupNesting, me: u32) -> NestReport {
             .collect()
     };
     let (offered, enabled) = (words("cgroup.controllers"), words("cgroup.subtree_control"));
-    let wanted: Vec<&str> = WANTED_V2
-        .into_iter()
+    let wanted: Vec<&str> = want
+        .iter()
+        .copied()
         .filter(|c| offered.iter().any(|o| o == c) && !enabled.iter().any(|e| e == c))
         .collect();
     if wanted.is_empty() {
@@ -641,20 +643,23 @@ mod tests {
     fn nesting_moves_nothing_unless_it_would_enable_a_controller_it_may() {
         // Everything wanted is already passed on (or not offered at all).
         let d = fake("cpuset cpu io memory pids", "cpu memory pids", "7\n");
-        let r = nest_in(d.path(), CgroupNesting::All, 7);
+        let r = nest_in(d.path(), CgroupNesting::All, 7, &WANTED_V2);
         assert_eq!((r.moved, r.enabled.len()), (0, 0), "{r:?}");
         let d = fake("io", "", "7\n");
-        assert_eq!(nest_in(d.path(), CgroupNesting::All, 7).moved, 0);
+        assert_eq!(
+            nest_in(d.path(), CgroupNesting::All, 7, &WANTED_V2).moved,
+            0
+        );
 
         // Off: reported, not done.
         let d = fake("cpu memory pids", "", "7\n");
-        let r = nest_in(d.path(), CgroupNesting::Off, 7);
+        let r = nest_in(d.path(), CgroupNesting::Off, 7, &WANTED_V2);
         assert_eq!(r.moved, 0);
         assert!(r.note.unwrap().contains("memory pids cpu"));
 
         // Alone, with another process beside the server: nothing moved, no leaf made.
         let d = fake("cpu memory pids", "", "7\n8\n");
-        let r = nest_in(d.path(), CgroupNesting::Alone, 7);
+        let r = nest_in(d.path(), CgroupNesting::Alone, 7, &WANTED_V2);
         assert_eq!(r.moved, 0);
         assert!(r.note.unwrap().contains("1 other processes"));
         assert!(!d.path().join(SERVER_LEAF).exists());
@@ -662,9 +667,75 @@ mod tests {
         // The root cgroup (no `cgroup.type`): even `all` moves no process of the host.
         let d = fake("cpu memory pids", "", "1\n2\n7\n");
         std::fs::remove_file(d.path().join("cgroup.type")).unwrap();
-        let r = nest_in(d.path(), CgroupNesting::All, 7);
+        let r = nest_in(d.path(), CgroupNesting::All, 7, &WANTED_V2);
         assert_eq!(r.moved, 0, "{r:?}");
         assert!(!d.path().join(SERVER_LEAF).exists());
+    }
+
+    /// The kernel's part, on a real cgroup v2 hierarchy: a process in a cgroup with a controller
+    /// offered and not passed on is moved into the leaf and the controller passed on. Any
+    /// controller the host offers on v2 will do (this machine's v2 offers only hugetlb); needs
+    /// root and a writable v2 mount, else skipped.
+    #[test]
+    fn nesting_moves_the_processes_and_passes_the_controller_on() {
+        let Some(mount) = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| {
+                let (left, right) = l.split_once(" - ")?;
+                let left: Vec<&str> = left.split_whitespace().collect();
+                let whole_v2 =
+                    right.split_whitespace().next()? == "cgroup2" && *left.get(3)? == "/";
+                let mountpoint = PathBuf::from(left.get(4)?);
+                whole_v2.then_some(mountpoint)
+            })
+        else {
+            eprintln!("skipped: no cgroup v2 mount of the whole hierarchy");
+            return;
+        };
+        let offered = std::fs::read_to_string(mount.join("cgroup.controllers")).unwrap_or_default();
+        let Some(ctl) = offered.split_whitespace().next().map(str::to_string) else {
+            eprintln!("skipped: the v2 root offers no controller here");
+            return;
+        };
+        // The root may pass a controller on with processes in it.
+        if std::fs::write(mount.join("cgroup.subtree_control"), format!("+{ctl}")).is_err() {
+            eprintln!("skipped: cannot pass {ctl} on at the v2 root");
+            return;
+        }
+        let dir = mount.join(format!("cuda-agent-nest-test.{}", std::process::id()));
+        std::fs::create_dir(&dir).expect("a test cgroup");
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        std::fs::write(dir.join("cgroup.procs"), child.id().to_string())
+            .expect("into the test cgroup");
+
+        // Alone with the process as the "server": moved into the leaf, controller passed on.
+        let r = nest_in(&dir, CgroupNesting::Alone, child.id(), &[ctl.as_str()]);
+        let membership = std::fs::read_to_string(format!("/proc/{}/cgroup", child.id())).unwrap();
+        let passed = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        let leaf = dir.join(SERVER_LEAF);
+        for _ in 0..100 {
+            if std::fs::remove_dir(&leaf).is_ok() || !leaf.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let _ = std::fs::remove_dir(&dir);
+        assert_eq!(
+            (r.moved, r.enabled.clone()),
+            (1, vec![ctl.clone()]),
+            "{r:?}"
+        );
+        assert!(
+            membership.contains(&format!("/{SERVER_LEAF}")),
+            "{membership}"
+        );
+        assert!(passed.split_whitespace().any(|c| c == ctl), "{passed}");
     }
 
     #[test]
