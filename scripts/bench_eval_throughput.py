@@ -207,8 +207,7 @@ def main():
             print(f"precompiled headers ready after {pch_wait:.0f} s (not counted below)")
 
         printing = threading.Lock()
-        done = [0]
-        ends = []  # when each evaluation of the batch ended, seconds from its start
+        ends = []  # when each evaluation of the batch ended, seconds from its start, in order
         t_start = [time.time()]
 
         def one(job):
@@ -219,9 +218,8 @@ def main():
             ph = (r.get("details") or {}).get("phases") or {}
             st = ((r.get("details") or {}).get("check") or {}).get("stage_s") or {}
             with printing:
-                done[0] += 1
                 ends.append(time.time() - t_start[0])
-                print(f"  [{time.time() - t_start[0]:6.1f} s] #{done[0]} {task}: correct={r.get('correct')} "
+                print(f"  [{ends[-1]:6.1f} s] #{len(ends)} {task}: correct={r.get('correct')} "
                       f"latency {time.time() - t:.1f} s, build {ph.get('build_s', 0):.1f}, "
                       f"lease wait {ph.get('lease_wait_s', 0):.1f}, lease held {ph.get('lease_held_s', 0):.1f} "
                       f"(to go {ph.get('lease_to_go_s', 0):.2f}, teardown {ph.get('teardown_s', 0):.2f}) "
@@ -245,7 +243,7 @@ def main():
 
         starved0 = starved()
         cpu0, t0 = cpu_seconds(), time.time()
-        t_start[0], done[0] = t0, 0
+        t_start[0] = t0
         ends.clear()
         with ThreadPoolExecutor(args.concurrency) as ex:
             results = list(ex.map(one, jobs))
@@ -286,7 +284,6 @@ def main():
         # A batch starts with every stage empty: nothing ends before the first build and judge
         # start are done. From the first result on, the rate is what a steady stream of
         # episodes gets (the builds keep running ahead of the lease, as they do in training).
-        ends.sort()
         if len(ends) > 1 and ends[-1] > ends[0]:
             print(row(["first result after (s)", f"{ends[0]:.1f}"], [28, 10]))
             print(row(["  per hour from then on", f"{(len(ends) - 1) / (ends[-1] - ends[0]) * 3600:.0f}"], [28, 10]))

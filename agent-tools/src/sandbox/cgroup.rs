@@ -94,9 +94,8 @@ fn base_of(dir: PathBuf) -> PathBuf {
 
 /// Pids listed in a `cgroup.procs` file.
 fn procs_in(dir: &Path) -> Vec<u32> {
-    std::fs::read_to_string(dir.join("cgroup.procs"))
-        .unwrap_or_default()
-        .split_whitespace()
+    words(&dir.join("cgroup.procs"))
+        .iter()
         .filter_map(|p| p.parse().ok())
         .collect()
 }
@@ -104,14 +103,8 @@ fn procs_in(dir: &Path) -> Vec<u32> {
 /// Nests in `dir` for the controllers `want`, `me` being the server's pid.
 fn nest_in(dir: &Path, mode: CgroupNesting, me: u32, want: &[&str]) -> NestReport {
     let mut report = NestReport::default();
-    let words = |f: &str| -> Vec<String> {
-        std::fs::read_to_string(dir.join(f))
-            .unwrap_or_default()
-            .split_whitespace()
-            .map(str::to_string)
-            .collect()
-    };
-    let (offered, enabled) = (words("cgroup.controllers"), words("cgroup.subtree_control"));
+    let offered = words(&dir.join("cgroup.controllers"));
+    let enabled = words(&dir.join("cgroup.subtree_control"));
     let wanted: Vec<&str> = want
         .iter()
         .copied()
@@ -219,16 +212,11 @@ pub(crate) struct Hierarchies {
     freezer: Option<PathBuf>,
 }
 
-/// Where each hierarchy is mounted and where this process sits in it.
-fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
-    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return (None, Vec::new());
-    };
-    let Ok(membership) = std::fs::read_to_string("/proc/self/cgroup") else {
-        return (None, Vec::new());
-    };
+/// The mounts of a `/proc/self/mountinfo` text as (root within the filesystem, mountpoint,
+/// filesystem type, superblock options).
+fn mounts(mountinfo: &str) -> Vec<(String, PathBuf, String, String)> {
     // mountinfo: id parent major:minor root mountpoint opts... - fstype source superopts
-    let mounts: Vec<(String, PathBuf, String, String)> = mountinfo
+    mountinfo
         .lines()
         .filter_map(|l| {
             let (left, right) = l.split_once(" - ")?;
@@ -241,7 +229,27 @@ fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
                 right.get(2).unwrap_or(&"").to_string(),
             ))
         })
-        .collect();
+        .collect()
+}
+
+/// The whitespace-separated words of a cgroup file (none when it cannot be read).
+fn words(file: &Path) -> Vec<String> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Where each hierarchy is mounted and where this process sits in it.
+fn own_dirs() -> (Option<PathBuf>, Vec<(String, PathBuf)>) {
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return (None, Vec::new());
+    };
+    let Ok(membership) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return (None, Vec::new());
+    };
+    let mounts = mounts(&mountinfo);
     let join = |mount_root: &str, mountpoint: &Path, path: &str| -> Option<PathBuf> {
         let rel = path
             .strip_prefix(mount_root.trim_end_matches('/'))
@@ -291,9 +299,9 @@ impl Hierarchies {
         let v2 = v2.filter(|d| writable(d));
         let v2_controllers = v2
             .as_ref()
-            .and_then(|d| std::fs::read_to_string(d.join("cgroup.subtree_control")).ok())
+            .map(|d| words(&d.join("cgroup.subtree_control")))
             .unwrap_or_default();
-        let v2_has = |c: &str| v2_controllers.split_whitespace().any(|x| x == c);
+        let v2_has = |c: &str| v2_controllers.iter().any(|x| x == c);
         let v1_dir = |c: &str| {
             v1.iter()
                 .find(|(name, _)| name == c)
@@ -678,23 +686,16 @@ mod tests {
     /// root and a writable v2 mount, else skipped.
     #[test]
     fn nesting_moves_the_processes_and_passes_the_controller_on() {
-        let Some(mount) = std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| {
-                let (left, right) = l.split_once(" - ")?;
-                let left: Vec<&str> = left.split_whitespace().collect();
-                let whole_v2 =
-                    right.split_whitespace().next()? == "cgroup2" && *left.get(3)? == "/";
-                let mountpoint = PathBuf::from(left.get(4)?);
-                whole_v2.then_some(mountpoint)
-            })
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let Some(mount) = mounts(&mountinfo)
+            .into_iter()
+            .find(|(root, _, fstype, _)| fstype == "cgroup2" && root == "/")
+            .map(|m| m.1)
         else {
             eprintln!("skipped: no cgroup v2 mount of the whole hierarchy");
             return;
         };
-        let offered = std::fs::read_to_string(mount.join("cgroup.controllers")).unwrap_or_default();
-        let Some(ctl) = offered.split_whitespace().next().map(str::to_string) else {
+        let Some(ctl) = words(&mount.join("cgroup.controllers")).into_iter().next() else {
             eprintln!("skipped: the v2 root offers no controller here");
             return;
         };

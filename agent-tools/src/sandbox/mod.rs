@@ -653,6 +653,10 @@ impl Sandbox {
         } else {
             0
         };
+        let nice = match jail.cpu {
+            CpuPriority::Normal => 0,
+            CpuPriority::Background => BACKGROUND_NICE,
+        };
         let plan = namespace::ChildPlan {
             view: self.effective_view(jail.process_view),
             cgroup_procs: cgroup
@@ -662,10 +666,8 @@ impl Sandbox {
             cgroup_kill: cgroup.as_ref().and_then(cgroup::CommandCgroup::kill_file),
             lifeline: namespace::lifeline(),
             rlimits,
-            nice: match jail.cpu {
-                CpuPriority::Normal => 0,
-                CpuPriority::Background => BACKGROUND_NICE,
-            },
+            nice,
+            nice_text: nice.to_string().into_bytes(),
             uid: if inner.features.can_switch_uid {
                 jail.uid
             } else {

@@ -48,6 +48,8 @@ pub(crate) struct ChildPlan {
     pub rlimits: [(libc::__rlimit_resource_t, u64); 7],
     /// Nice value of the command and of its session's autogroup (0: left as it is).
     pub nice: libc::c_int,
+    /// `nice` as the decimal text written to the autogroup file.
+    pub nice_text: Vec<u8>,
     pub uid: Option<(u32, u32)>,
     pub ruleset_fd: Option<RawFd>,
     /// Landlock rights for a `/proc` mounted in the child (0: none).
@@ -126,26 +128,6 @@ fn exit_code(status: libc::c_int) -> libc::c_int {
     } else {
         1
     }
-}
-
-/// Writes a nice value (-20..=19) as decimal text to a NUL-terminated path, without
-/// allocating.
-fn write_nice(path: &std::ffi::CStr, nice: libc::c_int) -> std::io::Result<()> {
-    let mut buf = [0u8; 4];
-    let mut len = 0;
-    let mut n = nice;
-    if n < 0 {
-        buf[0] = b'-';
-        len = 1;
-        n = -n;
-    }
-    if n >= 10 {
-        buf[len] = b'0' + (n / 10) as u8;
-        len += 1;
-    }
-    buf[len] = b'0' + (n % 10) as u8;
-    len += 1;
-    write_file(path, &buf[..len])
 }
 
 fn write_file(path: &std::ffi::CStr, data: &[u8]) -> std::io::Result<()> {
@@ -339,7 +321,7 @@ impl ChildPlan {
                 // With autogroups (and no CPU cgroup) the scheduler weighs sessions against
                 // each other first: the command's own session gets the same nice value. A
                 // kernel without autogroups has no such file, and the nice value is all.
-                let _ = write_nice(AUTOGROUP, self.nice);
+                let _ = write_file(AUTOGROUP, &self.nice_text);
             }
             for &(res, value) in &self.rlimits {
                 let lim = libc::rlimit {
