@@ -28,12 +28,14 @@ run() {
 quick='import ctypes; print("cuInit", ctypes.CDLL("libcuda.so.1").cuInit(0))'
 echo "== no sandbox"
 "$py" -c "$probe" 2>&1 | tail -12
-echo "== sandboxed"
-out=$(run)
+echo "== without --cuda (/proc read-only: CUDA is expected to fail to start)"
+run
+echo "== sandboxed, --cuda"
+out=$(run --cuda)
 echo "$out"
 case $out in *"sum 8.0"*) echo "CUDA works in the full sandbox"; exit 0 ;; esac
-run --no-seccomp
+run --cuda --no-seccomp
 # One seccomp rule left out at a time: the one whose absence lets cuInit succeed is it.
 for sc in socket socketpair clone clone3 ioctl ptrace process_vm_readv process_vm_writev mount bpf perf_event_open keyctl unshare setns io_uring_setup setsid userfaultfd name_to_handle_at; do
-    printf '%s: ' "$sc"; timeout 60 "$se" --seccomp-allow "$sc" -- "$py" -c "$quick" 2>&1 | tail -1
+    printf '%s: ' "$sc"; timeout 60 "$se" --cuda --seccomp-allow "$sc" -- "$py" -c "$quick" 2>&1 | tail -1
 done

@@ -577,6 +577,8 @@ impl Setup {
         jail.volume = Some(volume.clone());
         // The agent's commands yield the CPU to evaluations (whose judge may hold a device).
         jail.cpu = CpuPriority::Background;
+        // The agent may run its own CUDA checks; on a CPU server /proc stays read-only.
+        jail.cuda = self.device == Device::Cuda;
         listing.sort();
         Ok((
             Toolbox::new(

@@ -521,6 +521,7 @@ impl Evaluator {
         // The judge finds the worker's processes by uid in the host's process table; the
         // worker sees only its own.
         j.process_view = ProcessView::OwnUid;
+        j.cuda = self.cfg.device == Device::Cuda;
         j.env.push(("TORCH_EXTENSIONS_DIR".into(), ext.into()));
         j.env.push(("OMP_WAIT_POLICY".into(), "PASSIVE".into()));
         j
@@ -540,6 +541,8 @@ impl Evaluator {
         let mut jail = jail.clone();
         // A build only has to end in time; the judge holding the device must not wait on it.
         jail.cpu = CpuPriority::Background;
+        // nvcc needs no GPU, so a build keeps /proc read-only (and its autogroup with it).
+        jail.cuda = false;
         jail.env.push((
             "MAX_JOBS".into(),
             self.cfg.build_jobs.max(1).to_string().into(),
@@ -607,6 +610,7 @@ impl Evaluator {
             &self.cfg.extra_env,
             judge_owner,
         );
+        judge_jail.cuda = self.cfg.device == Device::Cuda;
         // torch.compile's caches persist across evaluations, so the compile baseline's
         // compilation is paid once per task and device. One directory per device slot, only
         // judges (never a worker) can write it, and it belongs to the judge that holds the

@@ -1,6 +1,6 @@
 //! `sandbox-exec`: run one command in the tool sandbox, for diagnosing what a toolchain needs.
 //!
-//!     sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--seccomp-allow SYSCALL]... [--no-cgroups]
+//!     sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--seccomp-allow SYSCALL]... [--no-cgroups] [--cuda]
 //!                  [--view private|own-uid|host] [--uid N] [--timeout SECS] -- CMD ARGS...
 //!
 //! The working directory (and first writable directory) is a fresh temp dir unless `--rw` is
@@ -14,7 +14,7 @@ use agent_tools::sandbox::ProcessView;
 use agent_tools::{create_private_dir, Jail, Sandbox, SandboxConfig};
 
 fn usage() -> ! {
-    eprintln!("usage: sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--seccomp-allow SYSCALL]... [--no-cgroups] [--view private|own-uid|host] [--uid N] [--timeout SECS] -- CMD ARGS...");
+    eprintln!("usage: sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--seccomp-allow SYSCALL]... [--no-cgroups] [--cuda] [--view private|own-uid|host] [--uid N] [--timeout SECS] -- CMD ARGS...");
     std::process::exit(2)
 }
 
@@ -30,6 +30,8 @@ fn main() {
     let (mut cgroups, mut view, mut timeout) = (true, ProcessView::Private, 30 * 86_400u64);
     let mut cmd: Vec<OsString> = Vec::new();
     let mut seccomp_allow = Vec::new();
+    // The /proc writes CUDA needs (`Jail::cuda`).
+    let mut cuda = false;
     while let Some(a) = args.next() {
         match a.to_str() {
             Some("--rw") => rw.push(args.next().unwrap_or_else(|| usage()).into()),
@@ -42,6 +44,7 @@ fn main() {
                     .unwrap_or_else(|| usage()),
             ),
             Some("--no-cgroups") => cgroups = false,
+            Some("--cuda") => cuda = true,
             Some("--view") => {
                 view = match args.next().and_then(|s| s.into_string().ok()).as_deref() {
                     Some("private") => ProcessView::Private,
@@ -104,6 +107,7 @@ fn main() {
     let mut jail = Jail::standard(&rw[0], &rw[0], &path, &[], owner);
     jail.writable = rw.clone();
     jail.process_view = view;
+    jail.cuda = cuda;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -20,6 +20,9 @@ pub struct KernelFeatures {
     /// A command can get a `/proc` hiding other uids' processes (a mount namespace and a
     /// `hidepid` proc mount); also tells that the server may mount (tmpfs volumes).
     pub hidepid: bool,
+    /// A command can get an IPC namespace of its own (SysV objects and POSIX message queues
+    /// no other command can reach).
+    pub ipc_namespace: bool,
     /// Cgroup layers the server can use.
     pub cgroups: super::CgroupSupport,
 }
@@ -40,6 +43,7 @@ impl KernelFeatures {
             can_switch_uid: unsafe { libc::geteuid() } == 0,
             pid_namespace,
             hidepid,
+            ipc_namespace: super::ipc::probe_namespace(),
             cgroups: super::cgroup::Hierarchies::detect().support(),
         }
     }

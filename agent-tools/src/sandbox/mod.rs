@@ -12,6 +12,7 @@
 
 mod cgroup;
 mod features;
+mod ipc;
 mod landlock;
 mod namespace;
 mod process;
@@ -33,6 +34,7 @@ pub use cgroup::{
     BACKGROUND_CPU_WEIGHT,
 };
 pub use features::KernelFeatures;
+pub use ipc::IpcIsolation;
 pub use landlock::Access;
 pub use namespace::ProcessView;
 pub use process::{kill_session, kill_uid};
@@ -146,6 +148,8 @@ impl SandboxConfig {
             "/etc",
             "/opt",
             "/sys",
+            // Writable only for jails that run CUDA (`Jail::cuda`).
+            "/proc",
             "/dev/shm",
             "/run/nvidia-persistenced",
         ]
@@ -171,15 +175,10 @@ impl SandboxConfig {
                 }
             }
         }
-        // CUDA's runtime writes to the process's own /proc entries during initialisation
-        // (measured on an H200: without it cudaGetDeviceCount fails with error 304). Other
-        // processes' entries stay out of reach: file modes, the per-episode uid, and
-        // landlock's ptrace scoping guard them.
-        let write_existing = vec![PathBuf::from("/proc")];
         Self {
             read_only,
             devices,
-            write_existing,
+            write_existing: Vec::new(),
             limits: ResourceLimits::default(),
             allow_unconfined: false,
             landlock: true,
@@ -229,6 +228,8 @@ pub struct SandboxStatus {
     /// (cgroup v2), `cpu_shares` (cgroup v1), or `nice` alone (their nice value and their
     /// session's autogroup).
     pub background_cpu: &'static str,
+    /// How commands are kept from each other's SysV IPC objects and message queues.
+    pub ipc: IpcIsolation,
     /// How volumes ([`Volume`]) enforce their size and inode limits.
     pub disk_quota: QuotaEnforcement,
     /// The uids leased to jails, when uids are switched.
@@ -297,6 +298,8 @@ pub struct SweepReport {
     pub cgroup_processes_killed: usize,
     /// Volumes of servers no longer running unmounted.
     pub volumes_unmounted: Vec<PathBuf>,
+    /// SysV IPC objects of unleased uids removed from the host's namespace.
+    pub ipc_objects_removed: usize,
 }
 
 /// One confined place to run processes: a workspace and what it may touch.
@@ -317,12 +320,25 @@ pub struct Jail {
     pub volume: Option<Arc<Volume>>,
     /// The share of the CPU its processes get when the machine is busy.
     pub cpu: CpuPriority,
+    /// Whether its processes may start CUDA. The driver names its threads by writing
+    /// `/proc/<pid>/task/<tid>/comm` and fails to initialise without (measured on an H200:
+    /// cudaGetDeviceCount answers error 304), so such a jail may write the existing `/proc`
+    /// entries its uid owns; other processes' entries stay out of reach (file modes, the
+    /// per-episode uid, landlock's ptrace scoping). That also lets it rewrite its session's
+    /// autogroup nice: [`CpuPriority`] says what that gains. Every other jail sees `/proc`
+    /// read-only.
+    pub cuda: bool,
 }
 
 /// How a jail's processes compete for the CPU. None of them can raise its own: the nice
-/// value only goes up without privileges (and `RLIMIT_NICE` is 0), `/proc/self/autogroup` is
-/// read-only under landlock, a new session (and so a new autogroup) is refused by seccomp,
-/// and the cgroup is the server's to write.
+/// value only goes up without privileges (and `RLIMIT_NICE` is 0), a new session (and so a
+/// new autogroup) is refused by seccomp, the cgroup is the server's to write, and
+/// `/proc/self/autogroup` is read-only under landlock. The exception is a jail that runs CUDA
+/// ([`Jail::cuda`]), which can write its autogroup back to nice 0 (the kernel lets any
+/// process raise its autogroup's priority up to 0). Where the host has a CPU controller that
+/// gains nothing: autogroups only weigh tasks of the root CPU group, and the command has a
+/// group of its own. Without one, its processes keep nice 10 and its session then competes
+/// as one at the judge's weight.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CpuPriority {
@@ -377,6 +393,7 @@ impl Jail {
             process_view: ProcessView::Private,
             volume: None,
             cpu: CpuPriority::Normal,
+            cuda: false,
         }
     }
 }
@@ -430,7 +447,7 @@ impl Sandbox {
             return Err(SandboxError::Unconfined(missing.join(", ")));
         }
         let filters = if features.seccomp {
-            seccomp::compile(&config.seccomp_allow)?
+            seccomp::compile(&config.seccomp_allow, !features.ipc_namespace)?
         } else {
             Vec::new()
         };
@@ -488,8 +505,15 @@ impl Sandbox {
         let processes_killed = self.inner.uids.as_ref().map(UidPool::sweep).unwrap_or(0);
         let (cgroups_removed, cgroup_processes_killed) = self.inner.cgroups.sweep();
         let volumes_unmounted = sweep_volumes();
+        let ipc_objects_removed = self
+            .inner
+            .uids
+            .as_ref()
+            .map(UidPool::sweep_ipc)
+            .unwrap_or(0);
         let report = SweepReport {
             processes_killed,
+            ipc_objects_removed,
             cgroups_removed,
             cgroup_processes_killed,
             volumes_unmounted,
@@ -538,6 +562,13 @@ impl Sandbox {
             },
             cgroups: f.cgroups,
             cgroup_nesting: self.inner.nesting.clone(),
+            ipc: if f.ipc_namespace {
+                IpcIsolation::Namespace
+            } else if f.seccomp {
+                IpcIsolation::Refused
+            } else {
+                IpcIsolation::Shared
+            },
             background_cpu: match f.cgroups.cpu {
                 Some(CgroupVersion::V2) => "cpu_weight",
                 Some(CgroupVersion::V1) => "cpu_shares",
@@ -572,6 +603,8 @@ impl Sandbox {
         cwd: &Path,
     ) -> Result<SandboxedCommand, SandboxError> {
         let inner = &self.inner;
+        // A /proc mounted in the child is a new filesystem: it needs its own landlock rule.
+        let proc_path = Path::new("/proc");
         let ruleset = if inner.features.landlock_abi > 0 {
             let mut rules: Vec<(&Path, Access)> = Vec::new();
             rules.extend(
@@ -600,6 +633,9 @@ impl Sandbox {
                     .iter()
                     .map(|p| (p.as_path(), Access::WriteExisting)),
             );
+            if jail.cuda {
+                rules.push((proc_path, Access::WriteExisting));
+            }
             rules.extend(
                 jail.writable
                     .iter()
@@ -644,9 +680,8 @@ impl Sandbox {
                 None
             }
         };
-        // A /proc mounted in the child is a new filesystem: it needs its own landlock rule.
-        let proc_path = Path::new("/proc");
-        let proc_rights = if inner.config.write_existing.iter().any(|p| p == proc_path) {
+        let proc_rights = if jail.cuda || inner.config.write_existing.iter().any(|p| p == proc_path)
+        {
             landlock::dir_rights(inner.features.landlock_abi, Access::WriteExisting)
         } else if inner.config.read_only.iter().any(|p| p == proc_path) {
             landlock::dir_rights(inner.features.landlock_abi, Access::ReadOnly)
@@ -659,6 +694,7 @@ impl Sandbox {
         };
         let plan = namespace::ChildPlan {
             view: self.effective_view(jail.process_view),
+            ipc_namespace: inner.features.ipc_namespace,
             cgroup_procs: cgroup
                 .as_ref()
                 .map(cgroup::CommandCgroup::procs_files)

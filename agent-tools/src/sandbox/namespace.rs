@@ -39,6 +39,8 @@ pub enum ProcessView {
 /// Everything the child needs, prepared (allocated) by the parent before fork.
 pub(crate) struct ChildPlan {
     pub view: ProcessView,
+    /// Whether the command gets an IPC namespace of its own ([`super::ipc`]).
+    pub ipc_namespace: bool,
     /// `cgroup.procs` files the command joins (by writing "0").
     pub cgroup_procs: Vec<CString>,
     /// A cgroup v2 `cgroup.kill` the keeper writes when the command ends.
@@ -156,15 +158,25 @@ impl ChildPlan {
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            let ipc = if self.ipc_namespace {
+                libc::CLONE_NEWIPC
+            } else {
+                0
+            };
             match self.view {
                 ProcessView::Private => {
-                    check(libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID) as libc::c_long)?;
+                    check(
+                        libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID | ipc) as libc::c_long
+                    )?;
                     private_mounts()?;
                 }
                 ProcessView::OwnUid => {
-                    check(libc::unshare(libc::CLONE_NEWNS) as libc::c_long)?;
+                    check(libc::unshare(libc::CLONE_NEWNS | ipc) as libc::c_long)?;
                     private_mounts()?;
                     mount_proc()?;
+                }
+                ProcessView::Host if ipc != 0 => {
+                    check(libc::unshare(ipc) as libc::c_long)?;
                 }
                 ProcessView::Host => {}
             }

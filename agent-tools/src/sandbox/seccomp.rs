@@ -120,10 +120,22 @@ pub fn governed_syscall(name: &str) -> Option<libc::c_long> {
 
 /// Compiles the filters, in the order they are to be installed, with the rules for the
 /// `allowed` syscalls left out: empty for every server, others for diagnosing what a
-/// toolchain needs (`sandbox-exec --seccomp-allow`).
-pub fn compile(allowed: &[libc::c_long]) -> Result<Vec<BpfProgram>, SandboxError> {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
+/// toolchain needs (`sandbox-exec --seccomp-allow`). `refuse_ipc` adds SysV IPC and POSIX
+/// message queues, for hosts where commands cannot have IPC namespaces of their own.
+pub fn compile(
+    allowed: &[libc::c_long],
+    refuse_ipc: bool,
+) -> Result<Vec<BpfProgram>, SandboxError> {
+    let ipc: &[libc::c_long] = if refuse_ipc {
+        super::ipc::SYSCALLS
+    } else {
+        &[]
+    };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED
+        .iter()
+        .chain(ipc)
+        .map(|&nr| (nr, Vec::new()))
+        .collect();
     // socket() only for AF_UNIX sequenced-packet sockets: CUDA's driver makes two in cuInit
     // (one probes the MPS control socket; measured on an H200, any error from socket() fails
     // cuInit with error 304). Network families are a way out, and stream and datagram AF_UNIX

@@ -53,6 +53,16 @@ impl Drop for UidLease {
         if killed > 0 {
             tracing::debug!(uid = self.uid, killed, "processes of a released uid killed");
         }
+        // Objects in the host's IPC namespace (none where commands get their own): the next
+        // holder of this uid must not find them.
+        let removed = super::ipc::sweep(|owner| owner == self.uid);
+        if removed > 0 {
+            tracing::debug!(
+                uid = self.uid,
+                removed,
+                "IPC objects of a released uid removed"
+            );
+        }
         // The lock goes with the file.
     }
 }
@@ -171,5 +181,13 @@ impl UidPool {
             killed += kill_uid(uid);
         }
         killed
+    }
+
+    /// Removes SysV objects of the range's uids that no running server holds from the host's
+    /// IPC namespace (an older server's episodes, or a crashed one's). Returns how many.
+    pub fn sweep_ipc(&self) -> usize {
+        super::ipc::sweep(|owner| {
+            self.range.contains(&owner) && try_lock(&self.lock_path(owner)).is_some()
+        })
     }
 }
