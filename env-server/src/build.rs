@@ -13,7 +13,7 @@
 //! The precompiled headers are made by the server from the installed torch headers only,
 //! into a server-owned directory that every sandbox reads and none writes.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -54,6 +54,33 @@ fn available_memory_bytes() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// The SHA-256 of `parts`, each preceded by its length (8 bytes, little-endian) and the whole
+/// by their count: two different lists of parts never hash the same bytes, whatever the parts
+/// hold (a separator byte would be ambiguous, since solution files may contain it).
+pub fn digest_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let parts: Vec<&[u8]> = parts.into_iter().collect();
+    let mut h = Sha256::new();
+    h.update((parts.len() as u64).to_le_bytes());
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    h.finalize().into()
+}
+
+/// The build cache's key of a solution: torch's version, the device, and every file's name
+/// and contents, length-prefixed ([`digest_parts`]), as 32 hex digits. Equal keys mean equal
+/// inputs to the build, so an entry is only ever reused for the sources that made it.
+pub fn build_key(torch: &str, device: Device, files: &BTreeMap<String, String>) -> String {
+    let mut parts: Vec<&[u8]> = vec![torch.as_bytes(), device.as_str().as_bytes()];
+    for (name, text) in files {
+        parts.push(name.as_bytes());
+        parts.push(text.as_bytes());
+    }
+    hex::encode(digest_parts(parts))[..32].to_string()
 }
 
 /// A bounded set of build slots granted round robin over requesters.
@@ -321,18 +348,13 @@ impl Pch {
         )
         .map_err(|e| probe_err(format!("bad probe output: {e}")))?;
         let key = {
-            use sha2::{Digest, Sha256};
-            let mut h = Sha256::new();
-            for part in [
-                python.torch.as_str(),
-                flags.compiler.as_str(),
-                device.as_str(),
-                &flags.cflags.join(" "),
-            ] {
-                h.update(part.as_bytes());
-                h.update([0]);
-            }
-            hex::encode(h.finalize())[..16].to_string()
+            let mut parts = vec![
+                python.torch.as_bytes(),
+                flags.compiler.as_bytes(),
+                device.as_str().as_bytes(),
+            ];
+            parts.extend(flags.cflags.iter().map(|f| f.as_bytes()));
+            hex::encode(digest_parts(parts))[..16].to_string()
         };
         let io = |path: &Path, source| PchError::Io {
             path: path.to_path_buf(),
@@ -619,6 +641,33 @@ mod tests {
         let again = tokio::time::timeout(Duration::from_secs(5), q.acquire("d")).await;
         assert!(again.is_ok(), "the slot came back");
         assert_eq!(q.load().running, 1);
+    }
+
+    /// The collision that NUL-joined keys had: a two-file solution whose first file spells out
+    /// a second file's name and text, against the three-file solution it spells.
+    #[test]
+    fn build_keys_of_different_solutions_differ() {
+        let files = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let two = files(&[("kernels/a", "P\0kernels/b\0Q"), ("model_new.py", "M")]);
+        let three = files(&[
+            ("kernels/a", "P"),
+            ("kernels/b", "Q"),
+            ("model_new.py", "M"),
+        ]);
+        let key = |f| build_key("2.5", Device::Cpu, f);
+        assert_ne!(key(&two), key(&three));
+        // A name's end moved into its contents; another device.
+        let moved = files(&[("kernels/aP", ""), ("model_new.py", "M")]);
+        let kept = files(&[("kernels/a", "P"), ("model_new.py", "M")]);
+        assert_ne!(key(&moved), key(&kept));
+        assert_ne!(build_key("2.5", Device::Cuda, &kept), key(&kept));
+        // The same inputs, the same key.
+        assert_eq!(key(&three), key(&three.clone()));
     }
 
     /// More capacity than requests: nobody waits.

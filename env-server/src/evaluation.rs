@@ -930,17 +930,7 @@ impl Evaluator {
     }
 
     fn build_digest(&self, files: &BTreeMap<String, String>) -> String {
-        use sha2::{Digest, Sha256};
-        let mut h = Sha256::new();
-        h.update(self.python.torch.as_bytes());
-        h.update(self.cfg.device.as_str().as_bytes());
-        for (k, v) in files {
-            h.update(k.as_bytes());
-            h.update([0]);
-            h.update(v.as_bytes());
-            h.update([0]);
-        }
-        hex::encode(h.finalize())[..32].to_string()
+        crate::build::build_key(&self.python.torch, self.cfg.device, files)
     }
 
     /// The least-recently-picked free device slot's lease, else a wait on the round-robin one.

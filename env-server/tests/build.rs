@@ -227,3 +227,39 @@ async fn builds_run_in_the_background_and_the_run_does_not() {
     assert!(log.contains("NICE 0 in the run"), "{ran}");
     assert_eq!(ran["correct"], true, "{ran}");
 }
+
+/// The attack on the build cache's key: names and contents used to be joined with NUL, which
+/// a file may hold, so a two-file solution whose kernel file spells out a second file's name
+/// and text had the key of a different three-file solution, and the second was handed the
+/// first's build (its report, and whatever the first planted in the entry). Each must get its
+/// own entry: the second is built, not a cache hit.
+#[tokio::test]
+async fn solutions_whose_joined_files_are_equal_get_distinct_build_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(test_config(dir.path()));
+    // Builds at once (nothing to compile); the judge's verdict does not matter here.
+    let model = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, a, b):\n        return a + b\n";
+    let two = json!({"task": "L1/2_Add", "solution": {"files": {
+        "model_new.py": model,
+        "kernels/a.txt": "P\u{0}kernels/b.txt\u{0}Q",
+    }}});
+    let three = json!({"task": "L1/2_Add", "solution": {"files": {
+        "model_new.py": model,
+        "kernels/a.txt": "P",
+        "kernels/b.txt": "Q",
+    }}});
+    let (st, first) = call(&s, "POST", "/v1/evaluate", Some(two)).await;
+    assert_eq!(st, StatusCode::OK, "{first}");
+    assert_eq!(first["details"]["build_cache_hit"], false, "{first}");
+    assert_eq!(first["details"]["build"]["built"], true, "{first}");
+    let (st, second) = call(&s, "POST", "/v1/evaluate", Some(three)).await;
+    assert_eq!(st, StatusCode::OK, "{second}");
+    assert_eq!(
+        second["details"]["build_cache_hit"], false,
+        "the three-file solution was given the two-file one's build: {second}"
+    );
+    let entries = std::fs::read_dir(dir.path().join("build-cache"))
+        .unwrap()
+        .count();
+    assert_eq!(entries, 2, "one build-cache entry per solution");
+}
