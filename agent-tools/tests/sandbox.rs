@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use agent_tools::sandbox::KernelFeatures;
 use agent_tools::ResourceLimits;
-use common::{bash_data, fixture, fixture_with};
+use common::{bash_data, cuda_fixture, fixture, fixture_with};
 use serde_json::json;
 
 fn features() -> KernelFeatures {
@@ -48,9 +48,23 @@ async fn other_workspaces_and_server_files_are_unreadable() {
     assert!(out.text.contains("Permission denied"), "{}", out.text);
 }
 
+/// `/proc` is read-only to a jail that does not run CUDA: its own entries too (the autogroup
+/// among them, whose nice value a background command would reset).
+#[tokio::test]
+async fn proc_is_read_only_without_cuda() {
+    let mut f = fixture();
+    let out = f.bash("echo mine > /proc/self/comm && echo wrote").await;
+    assert!(out.is_error, "{}", out.text);
+    assert!(out.text.contains("Permission denied"), "{}", out.text);
+    let out = f.bash("head -c 100 /proc/self/status").await;
+    assert!(out.text.starts_with("Name:"), "{}", out.text);
+}
+
+/// CUDA's driver names its threads through `/proc`: a CUDA jail writes its own entries, and
+/// nothing else there.
 #[tokio::test]
 async fn proc_is_writable_only_for_the_process_itself() {
-    let mut f = fixture();
+    let mut f = cuda_fixture();
     let out = f
         .bash("echo mine > /proc/self/comm && echo wrote; echo evil > /proc/1/comm")
         .await;

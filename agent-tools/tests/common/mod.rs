@@ -66,6 +66,16 @@ pub fn fixture() -> Fixture {
 }
 
 pub fn fixture_with(limits: ResourceLimits) -> Fixture {
+    fixture_of(limits, false)
+}
+
+/// A fixture whose jail runs CUDA (`Jail::cuda`: its own `/proc` entries writable).
+#[allow(dead_code)]
+pub fn cuda_fixture() -> Fixture {
+    fixture_of(ResourceLimits::default(), true)
+}
+
+fn fixture_of(limits: ResourceLimits, cuda: bool) -> Fixture {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
     let sandbox_probe = agent_tools::sandbox::KernelFeatures::detect();
@@ -110,7 +120,8 @@ pub fn fixture_with(limits: ResourceLimits) -> Fixture {
         PathBuf::from("/usr/bin"),
         PathBuf::from("/bin"),
     ];
-    let jail = Jail::standard(ws.root(), &tmp, &path, &[], owner);
+    let mut jail = Jail::standard(ws.root(), &tmp, &path, &[], owner);
+    jail.cuda = cuda;
     let toolbox = Toolbox::new(sandbox, ws, jail, tmp.clone(), ToolLimits::default());
     let root = toolbox.workspace().root().to_path_buf();
     Fixture {
