@@ -121,6 +121,10 @@ pub struct EvaluatorConfig {
     /// Observe the workers' forwards from outside on the CPU (`observe.rs`), where the kernel
     /// lets the server.
     pub observe: bool,
+    /// Hashes of the server's own tasks: only their judges write the compile cache that later
+    /// judges load. A task whose source came with the request gets a cache of its own,
+    /// removed with its evaluation.
+    pub shared_cache_tasks: Arc<std::collections::HashSet<String>>,
 }
 
 /// Evaluations per device whose judge and workers are alive at once with `prestart`, unless
@@ -441,6 +445,7 @@ impl Evaluator {
                 worker_owner,
                 &seeds,
                 tolerance,
+                self.cfg.shared_cache_tasks.contains(&task.hash),
             )
             .await?;
         phases.lease_wait_s = (lease.leased_at - lease_asked).as_secs_f64();
@@ -586,6 +591,7 @@ impl Evaluator {
         worker_owner: Option<(u32, u32)>,
         seeds: &str,
         tolerance: Option<f64>,
+        shared_compile_cache: bool,
     ) -> Result<(Verdict, String, LeaseTimes, Option<Observed>), EvalError> {
         // Without prestart the lease comes first (nothing of this evaluation runs beside
         // another's timing); with it, a place among the device's warm evaluations.
@@ -618,13 +624,20 @@ impl Evaluator {
         // prestart several judges wait at their gates at once, and a hand-over at start gave
         // the directory to the last one started while another timed: that one's torch.compile
         // could not write its cache (the evaluation failed with a harness error).
-        let compile_cache = self
-            .cfg
-            .data_dir
-            .join("judge-cache")
-            .join(format!("slot{slot_index}"));
-        let cache_parts =
-            compile_cache_parts(&compile_cache).map_err(|e| io_err(&compile_cache, e))?;
+        // A task that came with the request is code of the caller's: what its torch.compile
+        // leaves (or what the task's own code writes there) must not reach the judges after
+        // it, so its cache is in its judge's directory, removed with the evaluation.
+        let (compile_cache, cache_parts) = if shared_compile_cache {
+            let dir = self
+                .cfg
+                .data_dir
+                .join("judge-cache")
+                .join(format!("slot{slot_index}"));
+            let parts = compile_cache_parts(&dir).map_err(|e| io_err(&dir, e))?;
+            (dir, parts.to_vec())
+        } else {
+            (d.judge.join("compile-cache"), Vec::new())
+        };
         judge_jail.env.push((
             "TORCHINDUCTOR_CACHE_DIR".into(),
             compile_cache.join("inductor").into(),
@@ -633,12 +646,10 @@ impl Evaluator {
             "TRITON_CACHE_DIR".into(),
             compile_cache.join("triton").into(),
         ));
-        judge_jail.writable = vec![
-            d.judge.clone(),
-            d.inputs.clone(),
-            d.req.clone(),
-            compile_cache.clone(),
-        ];
+        judge_jail.writable = vec![d.judge.clone(), d.inputs.clone(), d.req.clone()];
+        if shared_compile_cache {
+            judge_jail.writable.push(compile_cache.clone());
+        }
         judge_jail
             .read_only
             .extend([d.root.clone(), self.harness_dir.clone()]);

@@ -291,6 +291,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             prestart: cfg.prestart.unwrap_or(device == runtime::Device::Cuda),
             prestart_depth: cfg.prestart_depth,
             observe: cfg.observe && observer.is_ok(),
+            shared_cache_tasks: Arc::new(tasks.iter().map(|t| t.hash.clone()).collect()),
         },
         sandbox.clone(),
         python.clone(),

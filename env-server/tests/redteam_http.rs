@@ -89,6 +89,34 @@ fn get(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
     read_answer(&mut s)
 }
 
+/// A POST with a body and extra header lines (each ending in CRLF) over a fresh connection.
+fn post(addr: SocketAddr, path: &str, headers: &str, body: &str) -> (u16, Vec<u8>) {
+    let mut s = connect(addr);
+    // An evaluation's answer takes its build and judge: minutes on a busy machine.
+    s.set_read_timeout(Some(Duration::from_secs(900)))
+        .expect("timeout");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{headers}content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    read_answer(&mut s)
+}
+
+/// [`post`] of JSON, parsed back.
+fn post_json(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let (st, bytes) = post(
+        addr,
+        path,
+        "content-type: application/json\r\n",
+        &body.to_string(),
+    );
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (st, v)
+}
+
 async fn server(
     limits: env_server::http::HttpLimits,
     cfg: impl FnOnce(ServerConfig) -> ServerConfig,
@@ -877,4 +905,61 @@ async fn the_server_still_answers_after_the_attacks() {
     })
     .await
     .expect("attack");
+}
+
+/// A task of the caller's own, posted with `/v1/evaluate`, whose code (run by the judge) writes
+/// into the torch.compile cache it is given: later judges of every task load that cache, so a
+/// task could slow (or change) everyone's compile baseline. Its cache must be its own and be
+/// gone with it. The task raises if it has no cache to write, so a judged result shows that
+/// the write happened; the shared cache must not hold it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_posted_task_cannot_write_the_shared_compile_cache() {
+    let (dir, _state, addr) = server(short_limits(), |c| c).await;
+    let task = r#"import os
+import torch
+import torch.nn as nn
+
+
+def _plant():
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        d = os.environ.get(var)
+        if d is None:
+            continue
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "planted-by-task"), "w") as f:
+            f.write("x")
+        return
+    raise RuntimeError("no compile cache to plant in")
+
+
+class Model(nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+def get_inputs():
+    _plant()
+    return [torch.randn(1000), torch.randn(1000)]
+
+
+def get_init_inputs():
+    return []
+"#;
+    let model = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, a, b):\n        return a + b\n";
+    let body = json!({"task": {"source": task}, "solution": model});
+    let (st, v) = blocking(move || post_json(addr, "/v1/evaluate", &body))
+        .await
+        .expect("post");
+    assert_eq!(st, 200, "{v}");
+    assert_ne!(v["details"]["rule"], "harness_error", "{v}");
+    let planted: Vec<_> = walkdir::WalkDir::new(dir.path())
+        .into_iter()
+        .flatten()
+        .filter(|e| e.file_name() == "planted-by-task")
+        .map(|e| e.path().to_path_buf())
+        .collect();
+    assert!(
+        planted.is_empty(),
+        "the task's files were kept: {planted:?}"
+    );
 }
