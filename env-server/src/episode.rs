@@ -681,6 +681,14 @@ impl EpisodeManager {
         let mut n = 0;
         for e in std::fs::read_dir(&dir).map_err(internal)?.flatten() {
             let path = e.path();
+            // Logs an older server made readable by all become the server's alone.
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = std::fs::Permissions::from_mode(trajectory::LOG_MODE);
+                if let Err(e) = std::fs::set_permissions(&path, mode) {
+                    tracing::warn!(log = %path.display(), error = %e, "cannot make the log private");
+                }
+            }
             let Some(id) = path
                 .file_stem()
                 .and_then(|s| s.to_str())

@@ -1442,7 +1442,10 @@ fn chown(p: &Path, owner: Option<(u32, u32)>) {
 /// Makes a build directory usable by this evaluation's uid and drops lock files a killed
 /// build left behind (the caller holds the per-hash lock, so none is live).
 fn prepare_build_dir(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir)?;
+    // Its evaluation's worker's alone: no other uid reads what another solution built.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     for e in walkdir::WalkDir::new(dir).follow_links(false) {
         let e = e.map_err(std::io::Error::other)?;
         if e.file_type().is_file() && e.file_name() == "lock" {

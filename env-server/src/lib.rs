@@ -172,6 +172,14 @@ pub enum StartError {
     /// The data directory.
     #[error("data directory {0}: {1}")]
     DataDir(PathBuf, #[source] std::io::Error),
+    /// The data directory lies under a path that every sandboxed process may read.
+    #[error("data directory {data_dir} is readable by sandboxed processes: it lies under {root}, which every sandbox may read, so agents could read each other's trajectories and builds; choose a --data-dir outside {root}")]
+    Readable {
+        /// The data directory.
+        data_dir: PathBuf,
+        /// The sandbox's read-only path that holds it.
+        root: PathBuf,
+    },
     /// Sandboxed processes (under their own uids) could not reach the data directory.
     #[error("data directory {data_dir} is unreachable for sandboxed processes: {blocker} is not searchable by other users (mode {mode:o}); choose a --data-dir whose parents are, or chmod o+x {blocker}")]
     Unreachable {
@@ -194,11 +202,21 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         .canonicalize()
         .map_err(|e| StartError::DataDir(cfg.data_dir.clone(), e))?;
     // Tool processes under their own uids must traverse (not list) the data dir to reach
-    // their workspace.
-    for sub in ["", "episodes", "evals"] {
+    // their workspace, evaluation directory, build-cache entry or compile cache; what only
+    // the server reads (trajectory logs, the record of finished builds) is its alone. The
+    // harness and the precompiled headers are readable by all (they hold nothing private).
+    for (sub, mode) in [
+        ("", 0o711),
+        ("episodes", 0o711),
+        ("evals", 0o711),
+        ("build-cache", 0o711),
+        ("judge-cache", 0o711),
+        ("trajectories", 0o700),
+        ("build-ok", 0o700),
+    ] {
         let d = data_dir.join(sub);
         std::fs::create_dir_all(&d).map_err(|e| StartError::DataDir(d.clone(), e))?;
-        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o711))
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode))
             .map_err(|e| StartError::DataDir(d.clone(), e))?;
     }
     raise_open_file_limit();
@@ -206,6 +224,11 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     // `alone` mode a child still running would keep the server from nesting.
     agent_tools::sandbox::nest(cfg.cgroup_nesting);
     let python = runtime::PythonInfo::probe(&cfg.python)?;
+    // Before anything is written there for others (the precompiled headers).
+    check_private(
+        &data_dir,
+        &SandboxConfig::with_toolchains(python.toolchain_dirs()).read_only,
+    )?;
     let device = runtime::Device::choose(&cfg.device, &python)?;
     let mut toolchain = build::Toolchain::for_device(device, &python);
     let tool_path = std::env::join_paths(python.path_dirs()).unwrap_or_default();
@@ -529,6 +552,24 @@ fn check_reachable(data_dir: &std::path::Path) -> Result<(), StartError> {
                 data_dir: data_dir.to_path_buf(),
                 blocker: dir.to_path_buf(),
                 mode: mode & 0o7777,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a data directory under any of `readable`, the paths every sandbox may read
+/// (landlock's read-only list: /usr, /opt, /etc, the toolchains, ...): file modes alone would
+/// then keep agents from other episodes' logs and builds, and not at all where sandboxed
+/// processes share the server's uid. Paths inside the data directory (its precompiled
+/// headers) are the server's own choice and are skipped.
+fn check_private(data_dir: &std::path::Path, readable: &[PathBuf]) -> Result<(), StartError> {
+    for root in readable {
+        let root = root.canonicalize().unwrap_or_else(|_| root.clone());
+        if data_dir.starts_with(&root) && !root.starts_with(data_dir) {
+            return Err(StartError::Readable {
+                data_dir: data_dir.to_path_buf(),
+                root,
             });
         }
     }

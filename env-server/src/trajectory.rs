@@ -39,6 +39,9 @@ pub fn is_episode_id(id: &str) -> bool {
     id.len() == 32 && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
+/// Mode of a trajectory log: the server's alone.
+pub const LOG_MODE: u32 = 0o600;
+
 /// The log file of an episode under `dir`.
 pub fn path_of(dir: &Path, episode_id: &str) -> PathBuf {
     dir.join(format!("{episode_id}.jsonl"))
@@ -53,12 +56,15 @@ pub struct TrajectoryLog {
 }
 
 impl TrajectoryLog {
-    /// Opens (creating) the log of an episode.
+    /// Opens (creating) the log of an episode, readable and writable by the server alone: a
+    /// log holds the agent's solutions and the judge's verdicts, which no sandbox may read.
     pub fn open(dir: &Path, episode_id: &str) -> Result<Self, LogError> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = path_of(dir, episode_id);
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(LOG_MODE)
             .open(&path)
             .map_err(|source| LogError::Io {
                 path: path.clone(),
