@@ -1,13 +1,14 @@
-//! `kernelbench synth` on CPU with real torch: 100 tasks, the filters' verdicts checked (a
+//! `kernelbench synth` on CPU with real torch: 20 tasks, the filters' verdicts checked (a
 //! planted non-deterministic op and a constant-output composition are rejected), the output
-//! loadable as a task directory, and a rerun appending without duplicates.
+//! loadable as a task directory, and a rerun appending without duplicates. (Each task costs a
+//! trace and a timing; the checks below need no more than 20.)
 
 use std::process::Command;
 
 use kernelbench::TaskSet;
 
 #[test]
-fn synth_100_tasks_on_cpu() {
+fn synth_tasks_on_cpu() {
     let python = std::env::var("CUDA_AGENT_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = tempfile::tempdir().unwrap();
     let run = |count: &str, seed: &str| {
@@ -35,7 +36,7 @@ fn synth_100_tasks_on_cpu() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).to_string()
     };
-    let summary = run("100", "7");
+    let summary = run("20", "7");
     let seeds: usize = summary
         .lines()
         .next()
@@ -46,7 +47,7 @@ fn synth_100_tasks_on_cpu() {
         .parse()
         .unwrap();
     assert!(seeds >= 200, "{summary}");
-    assert!(summary.contains("accepted 100 of"), "{summary}");
+    assert!(summary.contains("accepted 20 of"), "{summary}");
     let manifest: Vec<serde_json::Value> =
         std::fs::read_to_string(out.path().join("manifest.jsonl"))
             .unwrap()
@@ -66,7 +67,7 @@ fn synth_100_tasks_on_cpu() {
         .iter()
         .filter(|r| r["verdict"] == "accepted")
         .collect();
-    assert_eq!(accepted.len(), 100);
+    assert_eq!(accepted.len(), 20);
     for r in &accepted {
         let ops = r["ops"].as_array().unwrap();
         assert!((3..=5).contains(&ops.len()), "{r}");
@@ -81,9 +82,9 @@ fn synth_100_tasks_on_cpu() {
         .collect();
     assert_eq!(hashes.len(), manifest.len(), "deduplicated by hash");
     let tasks = TaskSet::load_dir(out.path()).unwrap();
-    assert_eq!(tasks.split("level2").len(), 100);
+    assert_eq!(tasks.split("level2").len(), 20);
     // A rerun with another seed appends and never repeats a task.
-    run("10", "8");
+    run("5", "8");
     let tasks = TaskSet::load_dir(out.path()).unwrap();
-    assert_eq!(tasks.split("level2").len(), 110);
+    assert_eq!(tasks.split("level2").len(), 25);
 }
