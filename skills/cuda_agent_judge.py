@@ -14,6 +14,8 @@ worker themselves). docs/EVALUATION.md has the threat model and the protocol.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import math
 import os
 import random
@@ -35,38 +37,703 @@ WORKER = Path(__file__).resolve().parent / "cuda_agent_worker.py"
 # tolerance (see Judge.check_off_distribution).
 OFF_DISTRIBUTION_TOLERANCE = 10.0
 
-# Source patterns no honest candidate needs: each reaches into the evaluation machinery or
-# hands the work to PyTorch's own compiler. Matched on the candidate's sources by the judge.
+# ---------------------------------------------------------------------------------------------
+# The static check: the candidate's sources read (never run) for constructs that reach into the
+# evaluation or hand the work to PyTorch's own compiler. Python is judged on its syntax tree:
+# comments, docstrings and string literals are not code, and an `if __name__ == "__main__":`
+# guard reaches nothing. Names are resolved through imports and aliases (`import time as t`,
+# `_t = torch`), through getattr/setattr/importlib/__import__ with names built from constant
+# strings ("get" + "frame"), and through exec/eval of constant code. String literals are data,
+# but data that names the evaluation's internals, frame or collector internals, another
+# process's memory or ATen's per-device kernels (C++ source embedded for load_inline) is
+# refused as well. Other files under kernels/ (C++, CUDA) are matched as text, comments left out.
+
+# What each rule says; the message names the construct the check saw.
+STATIC_RULES = {
+    "compile": "hands the forward to torch.compile",
+    "dispatch": "hooks PyTorch's dispatcher",
+    "frames": "inspects the caller's stack frames",
+    "gc": "walks the garbage collector's objects",
+    "memory": "reads or writes another process's memory",
+    "modules": "reaches into the evaluation's modules",
+    "rebind": "rebinds a library function",
+    "patch": "patches library code",
+    "numpy": "computes outside its kernels through numpy",
+    "aten": "calls PyTorch's kernels around its dispatcher",
+    "precision": "changes PyTorch's precision settings",
+    "exec": "runs code built at run time",
+}
+
+# Text patterns for sources that are not Python (C++, CUDA; their comments removed first), and
+# for Python files that do not parse (they cannot run as Python, but could be read as text).
 FORBIDDEN_SOURCE = [
-    (r"\btorch\s*\.\s*compile\b|\btorch\s*\.\s*_dynamo\b|\btorch\s*\.\s*_inductor\b", "hands the forward to torch.compile"),
-    (r"TorchDispatchMode|__torch_dispatch__|__torch_function__|_python_dispatch", "hooks PyTorch's dispatcher"),
-    (r"\bsys\s*\.\s*_getframe\b|\binspect\s*\.\s*(stack|currentframe|getouterframes)\b|\bf_back\b|\bf_locals\b|\bf_globals\b", "inspects the caller's stack frames"),
-    (r"\bgc\s*\.\s*(get_objects|get_referrers|get_referents)\b", "walks the garbage collector's objects"),
-    (r"/proc/[^\"']*/(mem|environ)\b|process_vm_(readv|writev)|\bptrace\b", "reads or writes another process's memory"),
-    (r"cuda_agent_(harness|judge|worker)|\b__main__\b|\bsys\s*\.\s*modules\b", "reaches into the evaluation's modules"),
-    (r"(?m)^\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random|gc|threading|subprocess)(?:\s*\.\s*(?!backends\b)\w+)+\s*=(?!=)", "rebinds a library function"),
-    (r"\bsetattr\s*\(\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random)\b|\b__code__\b|\b__globals__\b|\b__closure__\b", "patches library code"),
-    (r"\.numpy\s*\(|\bfrom_numpy\b", "computes outside its kernels through numpy"),
+    (r"\btorch\s*\.\s*compile\b|\btorch\s*\.\s*_dynamo\b|\btorch\s*\.\s*_inductor\b", "compile"),
+    (r"TorchDispatchMode|TorchFunctionMode|__torch_dispatch__|__torch_function__|_python_dispatch", "dispatch"),
+    (r"\bsys\s*\.\s*_getframe\b|\binspect\s*\.\s*(stack|currentframe|getouterframes)\b|\bf_back\b|\bf_locals\b|\bf_globals\b", "frames"),
+    (r"\bgc\s*\.\s*(get_objects|get_referrers|get_referents)\b", "gc"),
+    (r"/proc/[^\"']*/(mem|environ)\b|process_vm_(readv|writev)|\bptrace\b", "memory"),
+    (r"cuda_agent_(harness|judge|worker)|\b__main__\b|\bsys\s*\.\s*modules\b", "modules"),
+    (r"(?m)^\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random|gc|threading|subprocess)(?:\s*\.\s*(?!backends\b)\w+)+\s*=(?!=)", "rebind"),
+    (r"\bsetattr\s*\(\s*(?:time|torch|F|np|numpy|os|sys|builtins|math|random)\b|\b__code__\b|\b__globals__\b|\b__closure__\b", "patch"),
+    (r"\.numpy\s*\(|\bfrom_numpy\b", "numpy"),
     # Entry points straight into ATen's per-device kernels (invisible to the dispatcher trace).
     # at::cuda:: is not listed: its streams, handles and guards are what CUDA kernels need.
-    (r"#\s*include\s*[<\"]ATen/(?:CPUFunctions|CUDAFunctions|Composite\w*Functions|ops/\w+_(?:cpu|cuda)_dispatch|native/)|\bat\s*::\s*(?:cpu|native)\s*::",
-     "calls PyTorch's kernels around its dispatcher"),
-    (r"allow_tf32\s*=\s*True|set_float32_matmul_precision|allow_(fp16|bf16)_reduced_precision_reduction\s*=\s*True", "changes PyTorch's precision settings"),
+    (r"#\s*include\s*[<\"]ATen/(?:CPUFunctions|CUDAFunctions|Composite\w*Functions|ops/\w+_(?:cpu|cuda)_dispatch|native/)|\bat\s*::\s*(?:cpu|native)\s*::", "aten"),
+    (r"allow_tf32\s*=\s*True|set_float32_matmul_precision|allow_(fp16|bf16)_reduced_precision_reduction\s*=\s*True"
+     r"|setAllowTF32CuBLAS|setAllowTF32CuDNN|setFloat32MatmulPrecision|setAllow(?:FP16|BF16)ReductionCuBLAS", "precision"),
 ]
+
+# Patterns matched on the value of every Python string literal that is not a docstring (after
+# joining the constant parts of a built string): names no honest data holds.
+STRING_PATTERNS = [
+    (r"/proc/[^\"']*/(mem|environ)\b|process_vm_(readv|writev)|\bptrace\b", "memory", False),
+    (r"cuda_agent_(harness|judge|worker)|\b__main__\b", "modules", True),
+    (r"\b_getframe\b|\b_current_frames\b|\bf_back\b|\bf_locals\b|\bf_globals\b", "frames", True),
+    (r"\bget_objects\b|\bget_referrers\b|\bget_referents\b", "gc", True),
+    (r"TorchDispatchMode|TorchFunctionMode|__torch_dispatch__|__torch_function__|_python_dispatch", "dispatch", True),
+    (r"\b__code__\b|\b__globals__\b|\b__closure__\b", "patch", True),
+    (r"#\s*include\s*[<\"]ATen/(?:CPUFunctions|CUDAFunctions|Composite\w*Functions|ops/\w+_(?:cpu|cuda)_dispatch|native/)|\bat\s*::\s*(?:cpu|native)\s*::", "aten", True),
+    (r"setAllowTF32CuBLAS|setAllowTF32CuDNN|setFloat32MatmulPrecision|setAllow(?:FP16|BF16)ReductionCuBLAS", "precision", True),
+]
+
+# Modules whose attributes a candidate must not rebind (torch.backends' flags excepted).
+LIBRARY_ROOTS = {"time", "torch", "numpy", "os", "sys", "builtins", "math", "random", "gc", "threading", "subprocess", "inspect", "importlib", "ctypes"}
+
+# Qualified names (and everything under them) and the rule each breaks.
+FORBIDDEN_NAMES = {
+    "torch.compile": "compile", "torch._dynamo": "compile", "torch._inductor": "compile", "torch.compiler.compile": "compile",
+    "torch.utils._python_dispatch": "dispatch", "torch.overrides.TorchFunctionMode": "dispatch",
+    "sys._getframe": "frames", "sys._current_frames": "frames", "inspect.stack": "frames", "inspect.currentframe": "frames",
+    "inspect.getouterframes": "frames", "inspect.getinnerframes": "frames", "inspect.trace": "frames", "traceback.walk_stack": "frames",
+    "gc.get_objects": "gc", "gc.get_referrers": "gc", "gc.get_referents": "gc",
+    "sys.modules": "modules", "__main__": "modules", "cuda_agent_harness": "modules", "cuda_agent_judge": "modules", "cuda_agent_worker": "modules",
+    "torch.from_numpy": "numpy", "torch.set_float32_matmul_precision": "precision",
+    "builtins.exec": "exec", "builtins.eval": "exec", "builtins.compile": "exec",
+}
+
+# Attribute names refused whatever they are read from (a frame, a function, a class).
+FORBIDDEN_ATTRS = {
+    "__torch_dispatch__": "dispatch", "__torch_function__": "dispatch", "TorchDispatchMode": "dispatch", "TorchFunctionMode": "dispatch",
+    "_python_dispatch": "dispatch",
+    "f_back": "frames", "f_locals": "frames", "f_globals": "frames", "_getframe": "frames", "_current_frames": "frames",
+    "get_objects": "gc", "get_referrers": "gc", "get_referents": "gc",
+    "__code__": "patch", "__globals__": "patch", "__closure__": "patch",
+    "ptrace": "memory", "process_vm_readv": "memory", "process_vm_writev": "memory",
+    "from_numpy": "numpy", "set_float32_matmul_precision": "precision",
+}
+
+EXEC_NAMES = {"builtins.exec", "builtins.eval", "builtins.compile"}
+
+PRECISION_FLAGS = {"allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"}
+
+# Rules a `__main__` guard's body is spared (a self-test comparing with numpy or timing
+# torch.compile never runs in the evaluation, where the module is not __main__), unless some
+# file of the candidate could make it run (see StaticCheck.guard_can_run).
+GUARD_SPARED = {"compile", "numpy"}
+
+_UNKNOWN = "\x00"  # a part of a built string the check cannot know
+MAX_FOLD = 4096  # characters of a built string the check follows
+
+
+def _strip_c_comments(text: str) -> str:
+    """C/C++ source without its comments (string literals kept; line numbers kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("\n" * text.count("\n", i, j))
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _is_docstring(node) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, (str, bytes))
+
+
+class StaticCheck:
+    """One candidate's sources: the Python files' syntax trees, the names they bind, then the
+    walk that refuses. Raises RuleBreak("forbidden_source", "<file>:<line>: `<construct>` <what>")."""
+
+    def __init__(self, candidate_dir: Path):
+        self.dir = candidate_dir
+        files = [candidate_dir / "model_new.py"]
+        if (candidate_dir / "kernels").is_dir():
+            files += sorted((candidate_dir / "kernels").rglob("*"))
+        self.files = [f for f in files if f.is_file() and not f.is_symlink()]
+        self.trees: dict = {}
+        self.text: dict = {}
+        for f in self.files:
+            raw = f.read_bytes()
+            self.text[f] = raw.decode(errors="replace")
+            if f.suffix == ".py":
+                try:
+                    # From bytes: a coding declaration is honoured as the interpreter would.
+                    self.trees[f] = ast.parse(raw, filename=str(f))
+                except (SyntaxError, ValueError, RecursionError, MemoryError):
+                    pass  # cannot run as Python: matched as text below
+
+    def run(self) -> None:
+        for f in self.files:
+            if f in self.trees:
+                _PyFile(self, f, self.trees[f]).check()
+            else:
+                self.check_text(f, _strip_c_comments(self.text[f]))
+
+    def refuse(self, f: Path, line: int, construct: str, rule: str, resolved: str | None = None):
+        construct = " ".join(str(construct).split())
+        if len(construct) > 120:
+            construct = construct[:117] + "..."
+        seen = f" (that is `{resolved}`)" if resolved and resolved not in construct else ""
+        raise h.RuleBreak("forbidden_source", f"{f.relative_to(self.dir)}:{line}: `{construct}`{seen} {STATIC_RULES[rule]}")
+
+    def check_text(self, f: Path, text: str) -> None:
+        for pattern, rule in FORBIDDEN_SOURCE:
+            m = re.search(pattern, text)
+            if m:
+                self.refuse(f, text.count("\n", 0, m.start()) + 1, m.group(0), rule)
+
+    def guard_can_run(self) -> bool:
+        """Whether any file could make a `__main__` guard's body run: by rebinding `__name__`,
+        by reaching module globals or a module's loader, or by running code from a string."""
+        for tree in self.trees.values():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and node.id in ("globals", "vars", "locals", "__import__", "exec", "eval", "compile", "__spec__", "__loader__", "__builtins__"):
+                    return True
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+                    # setattr(self, "scale", v) is common; a name not written out could be __name__.
+                    name = node.args[1] if len(node.args) >= 2 else None
+                    if not (isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value != "__name__"):
+                        return True
+                if isinstance(node, ast.Name) and node.id == "__name__" and not isinstance(node.ctx, ast.Load):
+                    return True
+                if isinstance(node, ast.Attribute) and node.attr in ("__name__", "__dict__", "__spec__", "__loader__", "pythonapi", "ModuleType", "exec_module", "load_module", "run_path", "run_module", "reload"):
+                    if not (node.attr == "__name__" and isinstance(node.ctx, ast.Load)):
+                        return True
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                    if any(n.split(".")[0] in ("importlib", "runpy", "types", "model_new", "builtins") for n in names):
+                        return True
+                if isinstance(node, ast.Constant) and node.value == "__name__":
+                    return True
+        return False
+
+
+class _PyFile:
+    """The walk over one Python file."""
+
+    def __init__(self, check: StaticCheck, path: Path, tree: ast.AST, line_offset: int = 0, depth: int = 0):
+        self.c, self.path, self.tree, self.offset, self.depth = check, path, tree, line_offset, depth
+        self.aliases: dict[str, set] = {}
+        self.consts: dict[str, str] = {}
+        self.bound: set = set()
+        self.skip_strings: set = set()  # the "__main__" of a guard's comparison
+        self.spared: set = set()  # nodes inside a __main__ guard's body
+        self.docstrings: set = set()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        for node in ast.walk(self.tree):
+            if _is_docstring(node):
+                self.docstrings.add(id(node.value))
+            if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+                sides = [node.left, node.comparators[0]]
+                if any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides):
+                    for s in sides:
+                        if isinstance(s, ast.Constant) and s.value == "__main__":
+                            self.skip_strings.add(id(s))
+            for t in self._bound_names(node):
+                self.bound.add(t)
+        if self.depth == 0 and isinstance(self.tree, ast.Module) and not self.c.guard_can_run():
+            for stmt in self.tree.body:
+                if self._is_main_guard(stmt):
+                    for sub in stmt.body:
+                        for n in ast.walk(sub):
+                            self.spared.add(id(n))
+        # Aliases and constant strings, to a fixed point (a later alias of an earlier one).
+        for _ in range(4):
+            before = (sum(len(v) for v in self.aliases.values()), len(self.consts))
+            self._collect()
+            if (sum(len(v) for v in self.aliases.values()), len(self.consts)) == before:
+                break
+        for node in ast.walk(self.tree):
+            self._visit(node)
+
+    @staticmethod
+    def _is_main_guard(stmt) -> bool:
+        if not isinstance(stmt, ast.If) or not isinstance(stmt.test, ast.Compare):
+            return False
+        t = stmt.test
+        if len(t.ops) != 1 or not isinstance(t.ops[0], ast.Eq):
+            return False
+        sides = {type(s).__name__: s for s in (t.left, t.comparators[0])}
+        name, const = sides.get("Name"), sides.get("Constant")
+        return name is not None and name.id == "__name__" and const is not None and const.value == "__main__"
+
+    @staticmethod
+    def _bound_names(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            yield node.id
+        elif isinstance(node, ast.arg):
+            yield node.arg
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                yield (a.asname or a.name).split(".")[0]
+
+    def _collect(self) -> None:
+        assigned: dict[str, list] = {}
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname:
+                        self._alias(a.asname, a.name)
+                    else:
+                        top = a.name.split(".")[0]
+                        self._alias(top, top)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for a in node.names:
+                    if a.name != "*":
+                        self._alias(a.asname or a.name, f"{node.module}.{a.name}")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and getattr(node, "value", None) is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for name, value in self._pairs(t, node.value):
+                        assigned.setdefault(name, []).append(value)
+                        q = self.qual(value)
+                        if q:
+                            self._alias(name, q)
+            elif isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+                # `for m in (torch, time): m.x = ...`: the loop name stands for each element.
+                if isinstance(node.iter, (ast.Tuple, ast.List, ast.Set)):
+                    for elt in node.iter.elts:
+                        q = self.qual(elt)
+                        if q:
+                            self._alias(node.target.id, q)
+                        s = self.fold(elt)
+                        if s is not None and s[1]:
+                            assigned.setdefault(node.target.id, []).append(elt)
+                            assigned.setdefault(node.target.id, []).append(elt)  # several values: never one constant
+            elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
+                q = self.qual(node.context_expr)
+                if q:
+                    self._alias(node.optional_vars.id, q)
+        for name, values in assigned.items():
+            if len(values) == 1:
+                s = self.fold(values[0])
+                if s is not None and s[1]:
+                    self.consts[name] = s[0]
+
+    @staticmethod
+    def _pairs(target, value):
+        if isinstance(target, ast.Name):
+            yield target.id, value
+        elif isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)) and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts):
+                yield from _PyFile._pairs(t, v)
+
+    def _alias(self, name: str, qual: str) -> None:
+        self.aliases.setdefault(name, set()).add(qual)
+
+    # -- names and strings ----------------------------------------------------------------
+
+    def qual(self, node, depth: int = 0) -> str | None:
+        """The dotted name an expression stands for (`torch.compile`), or None."""
+        if depth > 12:
+            return None
+        if isinstance(node, ast.Name):
+            if node.id in self.aliases:
+                quals = sorted(self.aliases[node.id])
+                library = [q for q in quals if q.split(".")[0] in LIBRARY_ROOTS or _forbidden_name(q)]
+                return (library or quals)[0]
+            if node.id == "__builtins__":
+                return "builtins"
+            if node.id not in self.bound and hasattr(builtins, node.id):
+                return f"builtins.{node.id}"
+            return None
+        if isinstance(node, ast.Attribute):
+            base = self.qual(node.value, depth + 1)
+            return f"{base}.{node.attr}" if base else None
+        if isinstance(node, ast.Call):
+            f = self.qual(node.func, depth + 1)
+            if f in ("builtins.getattr", "builtins.object.__getattribute__", "builtins.type.__getattribute__") and len(node.args) >= 2:
+                base, name = self.qual(node.args[0], depth + 1), self.fold(node.args[1])
+                return f"{base}.{name[0]}" if base and name and name[1] else None
+            if f in ("builtins.__import__", "importlib.import_module") and node.args:
+                name = self.fold(node.args[0])
+                if name and name[1]:
+                    fromlist = len(node.args) >= 4 or any(k.arg == "fromlist" for k in node.keywords)
+                    return name[0] if f == "importlib.import_module" or fromlist else name[0].split(".")[0]
+            if f == "builtins.vars" and node.args:
+                return self.qual(node.args[0], depth + 1)
+            return None
+        if isinstance(node, ast.Subscript):
+            # vars(torch)["compile"], torch.__dict__["compile"], __builtins__["exec"]
+            key = self.fold(node.slice)
+            if key and key[1]:
+                v = node.value
+                if isinstance(v, ast.Attribute) and v.attr == "__dict__":
+                    base = self.qual(v.value, depth + 1)
+                else:
+                    base = self.qual(v, depth + 1)
+                    if base == "sys.modules":
+                        return key[0]
+                    if base not in ("builtins",) and not (isinstance(v, ast.Call) and self.qual(v.func, depth + 1) == "builtins.vars"):
+                        return None
+                return f"{base}.{key[0]}" if base else None
+        return None
+
+    def fold(self, node, depth: int = 0) -> tuple[str, bool] | None:
+        """The value of a string expression built from constants: (text, exact); parts that
+        cannot be known read as _UNKNOWN, with exact False. None for what is not a string.
+        Kept to MAX_FOLD characters at every step (a string multiplied in a loop of products
+        must not cost the judge its memory)."""
+        r = self._fold(node, depth)
+        if r is not None and len(r[0]) > MAX_FOLD:
+            return r[0][:MAX_FOLD] + _UNKNOWN, False
+        return r
+
+    def _fold(self, node, depth: int) -> tuple[str, bool] | None:
+        if depth > 24:
+            return None
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, str):
+                return node.value, True
+            if isinstance(node.value, bytes):
+                return node.value.decode("latin-1"), True
+            return None
+        if isinstance(node, ast.Name):
+            if node.id in self.consts:
+                return self.consts[node.id], True
+            return None
+        if isinstance(node, ast.BinOp):
+            left, right = self.fold(node.left, depth + 1), self.fold(node.right, depth + 1)
+            if isinstance(node.op, ast.Add) and (left or right):
+                left, right = left or (_UNKNOWN, False), right or (_UNKNOWN, False)
+                return left[0] + right[0], left[1] and right[1]
+            if isinstance(node.op, ast.Mult):
+                for s, n in ((left, node.right), (right, node.left)):
+                    if s and isinstance(n, ast.Constant) and type(n.value) is int and 0 <= n.value <= 64:
+                        return s[0] * n.value, s[1]
+            if isinstance(node.op, ast.Mod) and left:
+                return re.sub(r"%[-#0 +]*\d*(?:\.\d+)?[a-zA-Z%]", _UNKNOWN, left[0]), False
+            return None
+        if isinstance(node, ast.JoinedStr):
+            parts, exact = [], True
+            for v in node.values:
+                s = self.fold(v.value if isinstance(v, ast.FormattedValue) else v, depth + 1)
+                if isinstance(v, ast.FormattedValue) and (v.format_spec is not None or v.conversion not in (-1, ord("s"))):
+                    s = None
+                parts.append(s[0] if s else _UNKNOWN)
+                exact = exact and bool(s and s[1])
+            return "".join(parts), exact
+        if isinstance(node, ast.Subscript):
+            s = self.fold(node.value, depth + 1)
+            if s and s[1]:
+                sl = node.slice
+                def const_int(b):
+                    if isinstance(b, ast.UnaryOp) and isinstance(b.op, ast.USub):
+                        v = const_int(b.operand)
+                        return None if v is None else -v
+                    return b.value if isinstance(b, ast.Constant) and type(b.value) is int else None
+
+                try:
+                    if isinstance(sl, ast.Slice):
+                        bounds = [None if b is None else const_int(b) for b in (sl.lower, sl.upper, sl.step)]
+                        if all(b is not None or p is None for b, p in zip(bounds, (sl.lower, sl.upper, sl.step))):
+                            return s[0][slice(*bounds)], True
+                    elif const_int(sl) is not None:
+                        return s[0][const_int(sl)], True
+                except (ValueError, IndexError):
+                    return None
+            return None
+        if isinstance(node, ast.Call):
+            return self._fold_call(node, depth)
+        return None
+
+    def _fold_call(self, node: ast.Call, depth: int):
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            base = self.fold(func.value, depth + 1)
+            if func.attr == "join" and base is not None and len(node.args) == 1:
+                items = self._fold_items(node.args[0], depth + 1)
+                if items is None:
+                    return base[0] + _UNKNOWN, False
+                return base[0].join(s for s, _ in items), base[1] and all(e for _, e in items)
+            if base is not None and func.attr in ("decode", "encode") and not node.args:
+                return base
+            if base is not None and func.attr in ("lower", "upper", "strip", "lstrip", "rstrip", "title", "capitalize", "casefold") and not node.args:
+                return getattr(base[0], func.attr)(), base[1]
+            if base is not None and func.attr == "replace" and len(node.args) == 2:
+                a, b = self.fold(node.args[0], depth + 1), self.fold(node.args[1], depth + 1)
+                if a and b and a[1] and b[1]:
+                    return base[0].replace(a[0], b[0]), base[1]
+                return base[0], False
+            if base is not None and func.attr == "format":
+                return re.sub(r"\{[^{}]*\}", _UNKNOWN, base[0]), False
+            if func.attr == "fromhex" and node.args:
+                s = self.fold(node.args[0], depth + 1)
+                if s and s[1]:
+                    try:
+                        return bytes.fromhex(s[0]).decode("latin-1"), True
+                    except ValueError:
+                        return None
+        if isinstance(func, ast.Name) and func.id not in self.bound:
+            if func.id == "chr" and len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and type(node.args[0].value) is int:
+                try:
+                    return chr(node.args[0].value), True
+                except (ValueError, OverflowError):
+                    return None
+            if func.id == "str" and len(node.args) == 1:
+                return self.fold(node.args[0], depth + 1)
+            if func.id in ("bytes", "bytearray") and len(node.args) == 1:
+                if isinstance(node.args[0], (ast.List, ast.Tuple)) and len(node.args[0].elts) <= MAX_FOLD:
+                    try:
+                        return bytes(ast.literal_eval(node.args[0])).decode("latin-1"), True
+                    except (ValueError, TypeError, SyntaxError):
+                        return None
+                return self.fold(node.args[0], depth + 1)
+        return None
+
+    def _fold_items(self, node, depth: int):
+        """The strings an iterable given to str.join holds, in order."""
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = [self.fold(e, depth + 1) or (_UNKNOWN, False) for e in node.elts]
+            return items
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in self.bound:
+            if node.func.id in ("reversed", "list", "tuple") and len(node.args) == 1:
+                items = self._fold_items(node.args[0], depth + 1)
+                return None if items is None else (items[::-1] if node.func.id == "reversed" else items)
+            if node.func.id == "map" and len(node.args) == 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in ("chr", "str"):
+                if not isinstance(node.args[1], (ast.List, ast.Tuple)) or len(node.args[1].elts) > MAX_FOLD:
+                    return None
+                try:
+                    vals = ast.literal_eval(node.args[1])
+                    return [((chr(v) if node.args[0].id == "chr" else str(v)[:MAX_FOLD]), True) for v in vals]
+                except (ValueError, TypeError, SyntaxError, OverflowError):
+                    return None
+        s = self.fold(node, depth + 1)
+        if s is not None:
+            return [(ch, s[1]) for ch in s[0]]
+        return None
+
+    # -- the rules ------------------------------------------------------------------------
+
+    def refuse(self, node, construct: str, rule: str, resolved: str | None = None) -> None:
+        if id(node) in self.spared and rule in GUARD_SPARED:
+            return
+        self.c.refuse(self.path, getattr(node, "lineno", 1) + self.offset, construct, rule, resolved)
+
+    def source(self, node) -> str:
+        try:
+            return ast.unparse(node)
+        except Exception:  # noqa: BLE001 - only for the message
+            return type(node).__name__
+
+    def check_qual(self, node, q: str | None) -> None:
+        if not q:
+            return
+        rule = _forbidden_name(q)
+        if rule:
+            self.refuse(node, self.source(node), rule, q)
+        for part in q.split(".")[1:]:
+            if part in FORBIDDEN_ATTRS:
+                self.refuse(node, self.source(node), FORBIDDEN_ATTRS[part], q)
+
+    def check_attr_name(self, node, base_q: str | None, name: str) -> None:
+        """An attribute named `name` read from, written to or defined on something."""
+        if name in FORBIDDEN_ATTRS:
+            self.refuse(node, self.source(node), FORBIDDEN_ATTRS[name], f"{base_q}.{name}" if base_q else name)
+        if base_q:
+            self.check_qual(node, f"{base_q}.{name}")
+        if name.startswith("cuda_agent_"):
+            self.refuse(node, self.source(node), "modules")
+
+    def check_string(self, node) -> None:
+        if id(node) in self.docstrings or id(node) in self.skip_strings:
+            return
+        s = self.fold(node)
+        if s is None:
+            return
+        text = s[0]
+        for pattern, rule, strip in STRING_PATTERNS:
+            m = re.search(pattern, _strip_c_comments(text) if strip else text)
+            if m:
+                self.refuse(node, self.source(node) if not isinstance(node, ast.Constant) else repr(m.group(0)), rule)
+
+    def check_module(self, node, name: str) -> None:
+        """An import of `name` (a statement, __import__ or importlib)."""
+        self.check_qual(node, name)
+        for part in name.split("."):
+            if part in FORBIDDEN_ATTRS or part == "__main__" or part.startswith("cuda_agent_"):
+                self.refuse(node, self.source(node), FORBIDDEN_ATTRS.get(part, "modules"), name)
+
+    def _library(self, q: str | None) -> bool:
+        return bool(q) and q.split(".")[0] in LIBRARY_ROOTS
+
+    def check_store(self, node, target) -> None:
+        """A name written: library attributes are not the candidate's to rebind."""
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for t in target.elts:
+                self.check_store(node, t.value if isinstance(t, ast.Starred) else t)
+            return
+        if isinstance(target, ast.Attribute):
+            q = self.qual(target)
+            if target.attr in PRECISION_FLAGS:
+                value = getattr(node, "value", None)
+                if not (isinstance(value, ast.Constant) and value.value is False):
+                    self.refuse(node, self.source(target), "precision")
+            if self._library(q) and not q.startswith("torch.backends."):
+                self.refuse(node, self.source(target) + " =", "rebind", q)
+            if target.attr == "__dict__":
+                self.refuse(node, self.source(target), "patch")
+        elif isinstance(target, ast.Subscript):
+            v = target.value
+            base = v.value if isinstance(v, ast.Attribute) and v.attr == "__dict__" else None
+            if base is not None and self._library(self.qual(base)):
+                self.refuse(node, self.source(target), "patch", self.qual(base))
+            if isinstance(v, ast.Call) and self.qual(v.func) == "builtins.vars" and v.args and self._library(self.qual(v.args[0])):
+                self.refuse(node, self.source(target), "patch")
+
+    def _visit(self, node) -> None:
+        if isinstance(node, (ast.Constant, ast.JoinedStr, ast.BinOp)) or (isinstance(node, ast.Call) and self.fold(node) is not None):
+            if not (isinstance(node, ast.Constant) and not isinstance(node.value, (str, bytes))):
+                self.check_string(node)
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                self.check_module(node, a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            self.check_module(node, node.module)
+            for a in node.names:
+                self.check_module(node, f"{node.module}.{a.name}")
+                if a.name in FORBIDDEN_ATTRS:
+                    self.refuse(node, self.source(node), FORBIDDEN_ATTRS[a.name], f"{node.module}.{a.name}")
+        elif isinstance(node, ast.Attribute):
+            base_q = self.qual(node.value)
+            self.check_attr_name(node, base_q, node.attr)
+            if node.attr == "__dict__" and self._library(base_q):
+                self.refuse(node, self.source(node), "patch", f"{base_q}.__dict__")
+            if base_q == "sys" and node.attr == "modules":
+                self.refuse(node, self.source(node), "modules", "sys.modules")
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            q = self.qual(node)
+            if q in EXEC_NAMES:
+                pass  # checked below: allowed only when called on code the check can read
+            elif q and q != node.id:
+                self.check_qual(node, q)
+            elif node.id.startswith("cuda_agent_") or node.id in FORBIDDEN_ATTRS and node.id not in self.bound:
+                self.refuse(node, node.id, FORBIDDEN_ATTRS.get(node.id, "modules"))
+            if q in EXEC_NAMES and not self._called_with_constant(node):
+                self.refuse(node, node.id, "exec", q)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in FORBIDDEN_ATTRS and FORBIDDEN_ATTRS[node.name] == "dispatch":
+                self.refuse(node, f"def {node.name}" if not isinstance(node, ast.ClassDef) else f"class {node.name}", "dispatch")
+        elif isinstance(node, ast.Call):
+            self._visit_call(node)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if not isinstance(node, ast.AnnAssign) or node.value is not None:
+                    self.check_store(node, t)
+        elif isinstance(node, ast.Delete):
+            for t in node.targets:
+                self.check_store(node, t)
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.comprehension)):
+            targets = [node.target] if hasattr(node, "target") else [i.optional_vars for i in node.items if i.optional_vars is not None]
+            for t in targets:
+                self.check_store(node, t)
+        elif isinstance(node, ast.NamedExpr):
+            self.check_store(node, node.target)
+
+    def _called_with_constant(self, name_node) -> bool:
+        """Whether this exec/eval/compile is called directly on code the check can read (that
+        code is then checked as part of this file)."""
+        for call in ast.walk(self.tree):
+            if isinstance(call, ast.Call) and call.func is name_node and call.args:
+                s = self.fold(call.args[0])
+                return bool(s and s[1])
+        return False
+
+    def _visit_call(self, node: ast.Call) -> None:
+        f = self.qual(node.func)
+        self.check_qual(node, self.qual(node))
+        if f in ("builtins.getattr", "builtins.setattr", "builtins.delattr", "builtins.hasattr", "builtins.object.__getattribute__",
+                 "builtins.object.__setattr__", "builtins.type.__setattr__", "builtins.type.__getattribute__", "operator.attrgetter"):
+            args = node.args
+            if f == "operator.attrgetter":
+                names = [self.fold(a) for a in args]
+                base_q = None
+            else:
+                names = [self.fold(args[1])] if len(args) >= 2 else []
+                base_q = self.qual(args[0]) if args else None
+            for s in names:
+                if s and s[1] and s[0] == "numpy" and f != "operator.attrgetter":
+                    self.refuse(node, self.source(node), "numpy")
+                if s and s[1]:
+                    for part in s[0].split("."):
+                        self.check_attr_name(node, base_q, part)
+                        base_q = f"{base_q}.{part}" if base_q else None
+            if f.endswith(("setattr", "delattr", "__setattr__")) and args:
+                target_q = self.qual(args[0])
+                if self._library(target_q) and not target_q.startswith("torch.backends"):
+                    self.refuse(node, self.source(node), "patch", target_q)
+                if names and names[0] and names[0][1] and names[0][0] in PRECISION_FLAGS:
+                    self.refuse(node, self.source(node), "precision")
+        elif f in ("builtins.__import__", "importlib.import_module", "importlib.__import__") and node.args:
+            s = self.fold(node.args[0])
+            if s and s[1]:
+                self.check_module(node, s[0])
+        elif f in EXEC_NAMES and node.args:
+            s = self.fold(node.args[0])
+            if not (s and s[1]):
+                self.refuse(node, self.source(node), "exec", f)
+            if self.depth > 4:
+                self.refuse(node, self.source(node), "exec", f)
+            try:
+                tree = ast.parse(s[0])
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                self.refuse(node, self.source(node), "exec", f)
+            _PyFile(self.c, self.path, tree, line_offset=node.lineno - 1 + self.offset, depth=self.depth + 1).check()
+        elif f == "builtins.vars" and node.args and self._library(self.qual(node.args[0])):
+            self.refuse(node, self.source(node), "patch", self.qual(node.args[0]))
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "numpy":
+            self.refuse(node, self.source(node), "numpy")
+
+
+def _forbidden_name(q: str) -> str | None:
+    """The rule a qualified name breaks (itself or what it is under), or None."""
+    parts = q.split(".")
+    for i in range(len(parts), 0, -1):
+        rule = FORBIDDEN_NAMES.get(".".join(parts[:i]))
+        if rule:
+            return rule
+    return None
 
 
 def static_check(candidate_dir: Path) -> None:
-    """Rejects sources that reach into the evaluation (read by the judge; never executed)."""
-    files = [candidate_dir / "model_new.py"] + sorted((candidate_dir / "kernels").rglob("*")) if (candidate_dir / "kernels").is_dir() else [candidate_dir / "model_new.py"]
-    for f in files:
-        if not f.is_file() or f.is_symlink():
-            continue
-        text = f.read_text(errors="replace")
-        for pattern, what in FORBIDDEN_SOURCE:
-            m = re.search(pattern, text)
-            if m:
-                line = text.count("\n", 0, m.start()) + 1
-                raise h.RuleBreak("forbidden_source", f"{f.relative_to(candidate_dir)}:{line}: `{m.group(0)}` {what}")
+    """Rejects sources that reach into the evaluation (read by the judge; never executed). A
+    source the check cannot read through (nesting beyond Python's own limits) is refused: it is
+    the candidate's, and must not end as the evaluation's error."""
+    try:
+        StaticCheck(candidate_dir).run()
+    except h.RuleBreak:
+        raise
+    except (RecursionError, MemoryError, ValueError, TypeError, OverflowError, IndexError, KeyError, AttributeError) as e:
+        raise h.RuleBreak("forbidden_source", f"the sources could not be checked ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 # The most the control may add to the late-work allowance (ms). On an H100 host the control

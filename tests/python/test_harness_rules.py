@@ -105,10 +105,13 @@ CANDIDATES = {
         "        return ext.vadd(a, b)\n"
     ),
     # The same patch disguised from the static check: it changes only the worker's clock.
+    # Names turned round at run time: beyond the static check's reading, so that the judge's
+    # own clock is what is tested.
     "own_clock_patched": (
-        "        mod = __import__('ti' + 'me')\n"
+        "        rev = lambda s: s[::-1]\n"
+        "        mod = __import__(rev('emit'))\n"
         "        real = mod.perf_counter\n"
-        "        setattr(mod, 'perf_' + 'counter', lambda: real() / 2)\n"
+        "        setattr(mod, rev('retnuoc_frep'), lambda: real() / 2)\n"
         "    def forward(self, a, b):\n"
         "        return ext.vadd(a, b)\n"
     ),

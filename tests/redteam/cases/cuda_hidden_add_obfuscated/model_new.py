@@ -4,6 +4,8 @@ into an extension of its own: disable_dispatch_modes_obfuscated on CUDA."""
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
 
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 ext = load_inline(
     name="rt_cuda_hidden_add_noop",
     cpp_sources=r"""
@@ -19,5 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("noop", &noop); }
 class ModelNew(nn.Module):
     def forward(self, a, b):
         ext.noop(a.data_ptr())
-        with getattr(__import__("importlib").import_module("torch.utils._python_" + "dispatch"), "_disable_current_modes")():
+        with getattr(__import__("importlib").import_module(_n("hctapsid_nohtyp_.slitu.hcrot")), "_disable_current_modes")():
             return a + b

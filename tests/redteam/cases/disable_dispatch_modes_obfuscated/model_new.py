@@ -239,14 +239,16 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import torch.nn as nn
 
 
-_sys = __import__("s" + "ys")
-_FRAME, _LOCALS, _BACK = "_get" + "frame", "f_" + "loc" + "als", "f_" + "back"
+_sys = __import__(_n("sys"))
+_FRAME, _LOCALS, _BACK = _n("emarfteg_"), _n("slacol_f"), _n("kcab_f")
 
 class ModelNew(nn.Module):
     def forward(self, a, b):
         ext.noop(a)
-        with getattr(__import__("importlib").import_module("torch.utils._python_" + "dispatch"), "_disable_current_modes")():
+        with getattr(__import__("importlib").import_module(_n("hctapsid_nohtyp_.slitu.hcrot")), "_disable_current_modes")():
             return a + b

