@@ -405,12 +405,32 @@ async fn episode_state(
 async fn trajectory(
     State(s): State<Arc<AppState>>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<Trajectory> {
-    let records = s.episodes.trajectory(&id).await?;
-    Ok(Json(Trajectory {
-        episode_id: id,
-        records,
-    }))
+) -> Result<Response, ApiError> {
+    // Streamed from the log as it is read: a large log never sits whole in memory, however
+    // many read it at once.
+    let chunks = s.episodes.trajectory(&id).await?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::new(ChunkBody(chunks)),
+    )
+        .into_response())
+}
+
+/// A response body fed chunk by chunk from a channel; an error ends the response short.
+struct ChunkBody(tokio::sync::mpsc::Receiver<crate::episode::TrajectoryChunk>);
+
+impl hyper::body::Body for ChunkBody {
+    type Data = hyper::body::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| c.map(|bytes| hyper::body::Frame::data(bytes.into()))))
+    }
 }
 
 #[utoipa::path(delete, path = "/v1/episodes/{id}", params(("id" = String, Path, description = "episode id")),

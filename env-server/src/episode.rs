@@ -150,18 +150,31 @@ impl Slot {
     }
 }
 
-/// An episode that is no longer in memory, as its log tells it.
-struct Logged {
-    episode: Episode,
+/// An episode that is no longer in memory, as its log tells it: what its state, a retried
+/// step and a close are answered from. Small (no records), so that many are kept
+/// ([`MAX_SUMMARIES`]) and a request for a finished episode does not read its log again.
+#[derive(Debug)]
+struct Summary {
+    state: EpisodeState,
     closed: bool,
-    records: Vec<TrajectoryRecord>,
+    /// request_ids answered (their answers are in the log).
+    answered: HashSet<String>,
 }
+
+/// Finished episodes' summaries kept in memory.
+pub const MAX_SUMMARIES: usize = 4096;
 
 /// Where an episode was found.
 enum Found {
     Live(Arc<Slot>),
-    Logged(Box<Logged>),
+    Logged(Arc<Summary>),
 }
+
+/// One chunk of a trajectory's JSON answer, or the error that ends it.
+pub type TrajectoryChunk = Result<Vec<u8>, std::io::Error>;
+
+/// Bytes of a trajectory answer gathered before they are sent.
+const TRAJECTORY_CHUNK: usize = 64 << 10;
 
 /// What building a workspace needs, shared with the blocking threads that build them.
 struct Setup {
@@ -178,6 +191,8 @@ pub struct EpisodeManager {
     tasks: Arc<TaskSet>,
     evaluator: Arc<Evaluator>,
     episodes: RwLock<HashMap<String, Arc<Slot>>>,
+    /// Summaries of episodes out of memory, read from their logs once.
+    summaries: SyncMutex<HashMap<String, Arc<Summary>>>,
     /// Episodes started, to spread their processes over the GPUs.
     next_episode: AtomicU64,
     /// Slots for commands running at once, over all episodes.
@@ -312,54 +327,24 @@ fn internal(e: impl std::fmt::Display) -> EpisodeError {
     EpisodeError::Internal(e.to_string())
 }
 
-/// The answer first given to `request_id`, from an episode's records.
-fn answer_in(records: &[TrajectoryRecord], request_id: &str) -> Option<StepResponse> {
-    records.iter().find_map(|r| match r {
-        TrajectoryRecord::Step { body, .. } if body.request_id.as_deref() == Some(request_id) => {
-            Some(body.response.clone())
-        }
-        _ => None,
-    })
-}
-
-/// Rebuilds an episode from its log; None when the log lacks a usable reset record.
+/// Rebuilds an episode's summary from its log, one record in memory at a time; None when the
+/// log lacks a usable reset record.
 fn replay(
     id: &str,
-    records: &[TrajectoryRecord],
+    path: &Path,
     tasks: &TaskSet,
     data_dir: &Path,
-) -> Option<(Episode, bool)> {
-    let reset = records.iter().find_map(|r| match r {
-        TrajectoryRecord::Reset { body, .. } => Some(body),
-        _ => None,
-    })?;
-    let info = &reset.response.info;
-    let (task_id, hash) = (info.task.id.as_str(), info.task.hash.as_str());
-    let known = tasks.get(task_id).ok().filter(|t| t.hash == hash).cloned();
-    let task = match (known, reset.task_source.as_deref()) {
-        (Some(t), _) => t,
-        (None, Some(src)) => Task {
-            id: task_id.into(),
-            level: 0,
-            name: task_id.into(),
-            source: src.into(),
-            hash: hash.into(),
-            kind: kernelbench::TaskKind::Kernel,
-        },
-        (None, None) => return None,
-    };
-    let mut ep = Episode::new(
-        id.to_string(),
-        task,
-        data_dir.join("episodes").join(id),
-        info.limits.clone(),
-        None,
-        None,
-    );
+) -> Result<Option<Summary>, trajectory::LogError> {
+    let mut ep: Option<Episode> = None;
     let mut closed = false;
-    for r in records {
-        match r {
-            TrajectoryRecord::Step { body, .. } => {
+    let mut usable = true;
+    trajectory::for_each(path, |r| {
+        match (r, ep.as_mut()) {
+            (TrajectoryRecord::Reset { body, .. }, None) => {
+                ep = episode_from_reset(id, &body, tasks, data_dir);
+                usable = ep.is_some();
+            }
+            (TrajectoryRecord::Step { body, .. }, Some(ep)) => {
                 let resp = &body.response;
                 ep.turn = resp.info.turn;
                 ep.tool_time = Duration::from_secs_f64(resp.info.tool_time_s);
@@ -376,20 +361,100 @@ fn replay(
                     ep.result = resp.info.evaluation.clone();
                 }
             }
-            TrajectoryRecord::Truncated { body, .. } => {
+            (TrajectoryRecord::Truncated { body, .. }, Some(ep)) => {
                 ep.status = EpisodeStatus::Truncated;
-                ep.truncation_reason = Some(body.reason.clone());
+                ep.truncation_reason = Some(body.reason);
             }
-            TrajectoryRecord::Closed { .. } => {
+            (TrajectoryRecord::Closed { .. }, Some(ep)) => {
                 closed = true;
                 if !ep.is_done() {
                     ep.status = EpisodeStatus::Closed;
                 }
             }
-            TrajectoryRecord::Reset { .. } | TrajectoryRecord::Final { .. } => {}
+            _ => {}
         }
+        usable
+    })?;
+    Ok(ep.map(|ep| Summary {
+        state: ep.state(),
+        closed,
+        answered: ep.answered,
+    }))
+}
+
+/// The episode a reset record started (before any step), or None when its task is neither
+/// the server's (same id and hash) nor in the record.
+fn episode_from_reset(
+    id: &str,
+    reset: &env_api::ResetRecord,
+    tasks: &TaskSet,
+    data_dir: &Path,
+) -> Option<Episode> {
+    let info = &reset.response.info;
+    let (task_id, hash) = (info.task.id.as_str(), info.task.hash.as_str());
+    let known = tasks.get(task_id).ok().filter(|t| t.hash == hash).cloned();
+    let task = match (known, reset.task_source.as_deref()) {
+        (Some(t), _) => t,
+        (None, Some(src)) => Task {
+            id: task_id.into(),
+            level: 0,
+            name: task_id.into(),
+            source: src.into(),
+            hash: hash.into(),
+            kind: kernelbench::TaskKind::Kernel,
+        },
+        (None, None) => return None,
+    };
+    Some(Episode::new(
+        id.to_string(),
+        task,
+        data_dir.join("episodes").join(id),
+        info.limits.clone(),
+        None,
+        None,
+    ))
+}
+
+/// Streams an episode's log as the JSON of a [`env_api::Trajectory`], up to the length the log
+/// had when it was opened (a record being appended is left for the next read), a chunk at a
+/// time: what a reader holds stays a chunk or two whatever the log's size. Stops when the
+/// receiver is gone (the client hung up).
+fn stream_log(path: &Path, id: &str, tx: &tokio::sync::mpsc::Sender<TrajectoryChunk>) {
+    let limit = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
+        Err(e) => {
+            let _ = tx.blocking_send(Err(e));
+            return;
+        }
+    };
+    let mut chunk = format!(
+        "{{\"episode_id\":{},\"records\":[",
+        serde_json::Value::from(id)
+    )
+    .into_bytes();
+    let mut first = true;
+    let mut gone = false;
+    let read = trajectory::for_each_line(path, limit, |line, _| {
+        if !std::mem::take(&mut first) {
+            chunk.push(b',');
+        }
+        chunk.extend_from_slice(line);
+        if chunk.len() >= TRAJECTORY_CHUNK {
+            gone = tx.blocking_send(Ok(std::mem::take(&mut chunk))).is_err();
+        }
+        !gone
+    });
+    if gone {
+        return;
     }
-    Some((ep, closed))
+    let last = match read {
+        Ok(()) => {
+            chunk.extend_from_slice(b"]}");
+            Ok(chunk)
+        }
+        Err(e) => Err(std::io::Error::other(e)),
+    };
+    let _ = tx.blocking_send(last);
 }
 
 /// The candidate's files from a workspace: model_new.py and kernels/ (or a recall task's
@@ -617,6 +682,7 @@ impl EpisodeManager {
             tasks,
             evaluator,
             episodes: RwLock::new(HashMap::new()),
+            summaries: SyncMutex::new(HashMap::new()),
             next_episode: AtomicU64::new(0),
             commands: tokio::sync::Semaphore::new(cfg_commands),
             counters: Counters::default(),
@@ -706,14 +772,14 @@ impl EpisodeManager {
             ) {
                 continue;
             }
-            let Ok(records) = trajectory::read(&path) else {
+            let Ok(Some(ep)) = replay(&id, &path, &self.tasks, &self.cfg().data_dir) else {
                 continue;
             };
-            let Some((ep, closed)) = replay(&id, &records, &self.tasks, &self.cfg().data_dir)
-            else {
-                continue;
-            };
-            if closed || ep.is_done() {
+            let running = matches!(
+                ep.state.status,
+                EpisodeStatus::Running | EpisodeStatus::Evaluating
+            );
+            if ep.closed || !running {
                 continue;
             }
             let log = TrajectoryLog::open(&dir, &id).map_err(internal)?;
@@ -721,7 +787,7 @@ impl EpisodeManager {
                 time: trajectory::now(),
                 body: TruncatedRecord {
                     reason: "server_restart".into(),
-                    turn: ep.turn,
+                    turn: ep.state.turn,
                 },
             })
             .map_err(internal)?;
@@ -744,30 +810,56 @@ impl EpisodeManager {
         {
             return Ok(Found::Live(slot));
         }
+        if let Some(summary) = self.summary(id) {
+            return match summary.closed {
+                false => Ok(Found::Logged(summary)),
+                true => Err(EpisodeError::Unknown(id.to_string())),
+            };
+        }
         let path = trajectory::path_of(&self.trajectories_dir(), id);
         let (tasks, data_dir, owned_id) = (
             self.tasks.clone(),
             self.cfg().data_dir.clone(),
             id.to_string(),
         );
-        let logged = blocking(
+        let summary = blocking(
             self.cfg().io_timeout,
             "reading a trajectory log",
-            move || {
-                let records = trajectory::read(&path).ok()?;
-                let (episode, closed) = replay(&owned_id, &records, &tasks, &data_dir)?;
-                Some(Logged {
-                    episode,
-                    closed,
-                    records,
-                })
-            },
+            move || replay(&owned_id, &path, &tasks, &data_dir).ok().flatten(),
         )
         .await?;
-        match logged {
-            Some(l) if !l.closed => Ok(Found::Logged(Box::new(l))),
-            _ => Err(EpisodeError::Unknown(id.to_string())),
+        match summary {
+            Some(summary) => {
+                let summary = Arc::new(summary);
+                self.remember(id, summary.clone());
+                match summary.closed {
+                    false => Ok(Found::Logged(summary)),
+                    true => Err(EpisodeError::Unknown(id.to_string())),
+                }
+            }
+            None => Err(EpisodeError::Unknown(id.to_string())),
         }
+    }
+
+    fn summary(&self, id: &str) -> Option<Arc<Summary>> {
+        self.summaries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    /// Keeps a summary; when [`MAX_SUMMARIES`] are kept, half of them go first (any half:
+    /// one that is asked for again is read from its log again).
+    fn remember(&self, id: &str, summary: Arc<Summary>) {
+        let mut map = self.summaries.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_SUMMARIES && !map.contains_key(id) {
+            let drop: Vec<String> = map.keys().take(MAX_SUMMARIES / 2).cloned().collect();
+            for k in drop {
+                map.remove(&k);
+            }
+        }
+        map.insert(id.to_string(), summary);
     }
 
     /// Appends a record to the episode's log on a blocking thread.
@@ -884,9 +976,10 @@ impl EpisodeManager {
             Found::Live(slot) => slot,
             Found::Logged(l) => {
                 // Ended and out of memory: only a retry of an answered step has an answer.
-                let prev = request_id
-                    .as_deref()
-                    .and_then(|rid| answer_in(&l.records, rid));
+                let prev = match request_id.as_deref() {
+                    Some(rid) if l.answered.contains(rid) => self.logged_answer(id, rid).await?,
+                    _ => None,
+                };
                 return match prev {
                     Some(mut prev) => {
                         self.counters.replays.fetch_add(1, Ordering::Relaxed);
@@ -902,7 +995,9 @@ impl EpisodeManager {
             .as_deref()
             .filter(|rid| ep.answered.contains(*rid))
         {
-            let mut prev = self.logged_answer(id, rid).await?;
+            let mut prev = self.logged_answer(id, rid).await?.ok_or_else(|| {
+                EpisodeError::Internal(format!("request {rid} is answered but not in the log"))
+            })?;
             self.counters.replays.fetch_add(1, Ordering::Relaxed);
             prev.info.replayed = true;
             return Ok(prev);
@@ -1130,25 +1225,33 @@ impl EpisodeManager {
         Ok(resp)
     }
 
-    /// The answer first given to `request_id`, from the trajectory log.
+    /// The answer first given to `request_id`, from the trajectory log (read a record at a
+    /// time, up to that answer).
     async fn logged_answer(
         &self,
         id: &str,
         request_id: &str,
-    ) -> Result<StepResponse, EpisodeError> {
+    ) -> Result<Option<StepResponse>, EpisodeError> {
         let path = trajectory::path_of(&self.trajectories_dir(), id);
-        let records = blocking(
+        let rid = request_id.to_string();
+        blocking(
             self.cfg().io_timeout,
             "reading the trajectory log",
-            move || trajectory::read(&path),
+            move || {
+                let mut found = None;
+                trajectory::for_each(&path, |r| {
+                    if let TrajectoryRecord::Step { body, .. } = r {
+                        if body.request_id.as_deref() == Some(rid.as_str()) {
+                            found = Some(body.response);
+                        }
+                    }
+                    found.is_none()
+                })
+                .map(|()| found)
+            },
         )
         .await?
-        .map_err(internal)?;
-        answer_in(&records, request_id).ok_or_else(|| {
-            EpisodeError::Internal(format!(
-                "request {request_id} is answered but not in the log"
-            ))
-        })
+        .map_err(internal)
     }
 
     async fn final_evaluation(
@@ -1229,25 +1332,22 @@ impl EpisodeManager {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone()),
-            Found::Logged(l) => Ok(l.episode.state()),
+            Found::Logged(l) => Ok(l.state.clone()),
         }
     }
 
-    /// The trajectory log of an episode.
-    pub async fn trajectory(&self, id: &str) -> Result<Vec<TrajectoryRecord>, EpisodeError> {
-        match self.find(id).await? {
-            Found::Live(_) => {
-                let path = trajectory::path_of(&self.trajectories_dir(), id);
-                blocking(
-                    self.cfg().io_timeout,
-                    "reading the trajectory log",
-                    move || trajectory::read(&path),
-                )
-                .await?
-                .map_err(internal)
-            }
-            Found::Logged(l) => Ok(l.records),
-        }
+    /// The trajectory of an episode, as the chunks of its JSON answer ([`stream_log`]): read
+    /// from its log on a blocking thread while the receiver takes them.
+    pub async fn trajectory(
+        &self,
+        id: &str,
+    ) -> Result<tokio::sync::mpsc::Receiver<TrajectoryChunk>, EpisodeError> {
+        self.find(id).await?;
+        let path = trajectory::path_of(&self.trajectories_dir(), id);
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || stream_log(&path, &id, &tx));
+        Ok(rx)
     }
 
     /// Closes an episode: a running one is marked closed and its workspace removed. The
@@ -1259,12 +1359,18 @@ impl EpisodeManager {
             Found::Logged(l) => {
                 let record = TrajectoryRecord::Closed {
                     time: trajectory::now(),
-                    body: ClosedRecord {
-                        turn: l.episode.turn,
-                    },
+                    body: ClosedRecord { turn: l.state.turn },
                 };
                 self.log_detached(id, record).await?;
-                return Ok(l.episode.state());
+                self.remember(
+                    id,
+                    Arc::new(Summary {
+                        state: l.state.clone(),
+                        closed: true,
+                        answered: HashSet::new(),
+                    }),
+                );
+                return Ok(l.state.clone());
             }
         };
         let mut ep = slot.episode.lock().await;

@@ -130,6 +130,55 @@ pub fn read(path: &Path) -> Result<Vec<TrajectoryRecord>, LogError> {
         .collect())
 }
 
+/// Calls `line` with each line of a log (without its newline) that is a record, in order, one
+/// line in memory at a time, until it returns false. Reads at most `limit` bytes, so a reader
+/// of a log being appended to stops at the length it was given. A line that is not a record
+/// is skipped, as in [`read`].
+pub fn for_each_line(
+    path: &Path,
+    limit: u64,
+    mut line: impl FnMut(&[u8], TrajectoryRecord) -> bool,
+) -> Result<(), LogError> {
+    use std::io::BufRead as _;
+    let io = |source| LogError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut reader = std::io::BufReader::with_capacity(64 << 10, file.take(limit));
+    let mut buf = Vec::new();
+    // A line that is not a record is reported once another follows it (only the last line
+    // may be torn).
+    let mut bad: Option<(usize, serde_json::Error)> = None;
+    for n in 1.. {
+        buf.clear();
+        if reader.read_until(b'\n', &mut buf).map_err(io)? == 0 {
+            break;
+        }
+        if let Some((at, e)) = bad.take() {
+            tracing::warn!(log = %path.display(), line = at, error = %e, "skipping a line that is not a trajectory record");
+        }
+        let text = buf.strip_suffix(b"\n").unwrap_or(&buf);
+        match serde_json::from_slice::<TrajectoryRecord>(text) {
+            Ok(record) => {
+                if !line(text, record) {
+                    break;
+                }
+            }
+            Err(e) => bad = Some((n, e)),
+        }
+    }
+    Ok(())
+}
+
+/// [`for_each_line`] over the whole log, with the records alone.
+pub fn for_each(
+    path: &Path,
+    mut record: impl FnMut(TrajectoryRecord) -> bool,
+) -> Result<(), LogError> {
+    for_each_line(path, u64::MAX, |_, r| record(r))
+}
+
 /// The kind of the last record of a log, read from its end without reading the whole file
 /// (so that a restart does not read every log it keeps). None when the last line is torn or
 /// not a record: read the whole log then.

@@ -963,3 +963,163 @@ def get_init_inputs():
         "the task's files were kept: {planted:?}"
     );
 }
+
+/// Resident and peak resident memory of a process, in bytes (`VmRSS`, `VmHWM`).
+fn memory_of(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .expect("a memory field")
+            * 1024
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Many clients read a finished episode with a large log at once: the server used to read
+/// and parse the whole log for every request (48 reads of a 62 MB log took it to 4 GiB).
+/// Now a finished episode's state comes from a small summary read once, and its trajectory
+/// streams from the log: the server's peak memory grows by less than half of the log while
+/// 24 clients read it in parallel, each getting all of it.
+#[test]
+fn parallel_reads_of_a_large_log_keep_the_servers_memory_flat() {
+    const READERS: usize = 24;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    // A real finished episode, its one large step then copied until the log is large.
+    let id = tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(async {
+            let state = state_from(test_config(&data));
+            let id = tiny_episode(&state).await;
+            let step = format!("/v1/episodes/{id}/step");
+            let big = json!({"action": {"tool": "Bash", "arguments": {"command": "head -c 20000 /dev/zero | tr '\\0' x"}}});
+            let (st, v) = call(&state, "POST", &step, Some(big)).await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+            let submit = json!({"action": {"tool": "Submit", "arguments": {}}});
+            let (st, v) = call(&state, "POST", &step, Some(submit)).await;
+            assert_eq!((st, &v["done"]), (StatusCode::OK, &json!(true)), "{v}");
+            id
+        });
+    let log = data.join("trajectories").join(format!("{id}.jsonl"));
+    let text = std::fs::read_to_string(&log).expect("log");
+    let lines: Vec<&str> = text.lines().collect();
+    let step = lines
+        .iter()
+        .find(|l| l.starts_with(r#"{"kind":"step""#) && l.len() > 20_000)
+        .expect("the large step");
+    let mut big = String::from(lines[0]);
+    big.push('\n');
+    let copies = (48 << 20) / step.len() + 1;
+    for _ in 0..copies {
+        big.push_str(step);
+        big.push('\n');
+    }
+    for l in &lines[1..] {
+        big.push_str(l);
+        big.push('\n');
+    }
+    std::fs::write(&log, &big).expect("write the log");
+    let log_bytes = big.len() as u64;
+    let records = lines.len() + copies;
+    drop(big);
+    drop(text);
+
+    let (mut child, addr) = start_binary(dir.path(), &[], &[]);
+    let pid = child.id();
+    let get_body = move |path: String| -> (u16, Vec<u8>) {
+        let mut s = connect(addr);
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        )
+        .expect("send");
+        let raw = read_to_close(&mut s);
+        let end = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("head");
+        let status = String::from_utf8_lossy(&raw[..end])
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .expect("status");
+        (status, raw[end + 4..].to_vec())
+    };
+    // One of each first: the summary is read, the allocator warmed; the answer is whole.
+    let (st, body) = get_body(format!("/v1/episodes/{id}"));
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let (st, body) = get_body(format!("/v1/episodes/{id}/trajectory"));
+    assert_eq!(st, 200);
+    let decoded = dechunk(&body);
+    let whole: Value = serde_json::from_slice(&decoded).expect("the trajectory is JSON");
+    assert_eq!(whole["episode_id"], json!(id));
+    assert_eq!(whole["records"].as_array().map(Vec::len), Some(records));
+    let answer_bytes = decoded.len();
+    drop((whole, decoded, body));
+    let (_, peak_before) = memory_of(pid);
+
+    let readers: Vec<_> = (0..READERS)
+        .map(|i| {
+            let (get_body, id) = (get_body, id.clone());
+            std::thread::spawn(move || {
+                let path = if i % 4 == 0 {
+                    format!("/v1/episodes/{id}")
+                } else {
+                    format!("/v1/episodes/{id}/trajectory")
+                };
+                let (st, body) = get_body(path.clone());
+                assert_eq!(st, 200, "{path}");
+                (path, dechunk(&body).len())
+            })
+        })
+        .collect();
+    for r in readers {
+        let (path, n) = r.join().expect("reader");
+        if path.ends_with("/trajectory") {
+            assert_eq!(n, answer_bytes, "a reader got part of the log");
+        }
+    }
+    let (_, peak_after) = memory_of(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    let grew = peak_after.saturating_sub(peak_before);
+    eprintln!(
+        "log {} MiB; peak {} -> {} MiB with {READERS} readers",
+        log_bytes >> 20,
+        peak_before >> 20,
+        peak_after >> 20
+    );
+    assert!(
+        grew < log_bytes / 2,
+        "the server's peak memory grew by {} MiB reading a {} MiB log",
+        grew >> 20,
+        log_bytes >> 20
+    );
+}
+
+/// The body of a chunked answer, its chunks joined (a body without chunking as is).
+fn dechunk(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body.len());
+    let mut rest = body;
+    loop {
+        let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
+            return body.to_vec();
+        };
+        let Ok(size) = usize::from_str_radix(
+            String::from_utf8_lossy(&rest[..eol])
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim(),
+            16,
+        ) else {
+            return body.to_vec();
+        };
+        if size == 0 {
+            return out;
+        }
+        let start = eol + 2;
+        out.extend_from_slice(&rest[start..start + size]);
+        rest = &rest[start + size + 2..];
+    }
+}
