@@ -232,13 +232,63 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(programs_only))
         .layer(middleware::from_fn_with_state(state.clone(), detach))
         .with_state(state)
 }
 
+/// Refuses what a web browser sends: any request with an `Origin` header (browsers add it to
+/// every POST, cross-site or not, and programs never do), and a body that is not JSON (a
+/// page may send text/plain or a form to any address without asking first). A page the
+/// operator visits then cannot start episodes or evaluations on a server it can reach.
+async fn programs_only(req: Request, next: Next) -> Response {
+    if req.headers().contains_key(header::ORIGIN) {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "browser_request",
+            "requests from web pages (with an Origin header) are refused: this API is for programs",
+        )
+        .into_response();
+    }
+    if let Some(kind) = req.headers().get(header::CONTENT_TYPE) {
+        let essence = kind
+            .to_str()
+            .unwrap_or("")
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        if essence != "application/json" && !essence.ends_with("+json") {
+            return ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                format!(
+                    "request bodies are JSON (content-type: application/json), not {essence:?}"
+                ),
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Aborts a spawned request when the connection's future is dropped (its client hung up).
+struct AbortOnDrop(Option<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h.abort();
+        }
+    }
+}
+
 /// Runs the rest of the request in its own task, holding one of the in-flight permits, and
 /// waits for it. With no permit left (clients that send and hang up, again and again) the
-/// answer is 503 `busy`; `/v1/health` needs none.
+/// answer is 503 `busy`; `/v1/health` needs none. A step runs to its end whoever waits for it
+/// (it is logged, and a retry gets its answer); an evaluation whose client hung up is
+/// cancelled, its processes ended (nobody gets its result, and its device time is others').
 async fn detach(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let (method, path) = (req.method().clone(), req.uri().path().to_string());
     let permit = if path == "/v1/health" {
@@ -261,7 +311,10 @@ async fn detach(State(state): State<Arc<AppState>>, req: Request, next: Next) ->
         drop(permit);
         resp
     };
-    match tokio::spawn(run).await {
+    let cancel_on_hang_up = path == "/v1/evaluate";
+    let task = tokio::spawn(run);
+    let _abort = AbortOnDrop(cancel_on_hang_up.then(|| task.abort_handle()));
+    match task.await {
         Ok(resp) => resp,
         Err(e) => {
             tracing::error!(%method, %path, error = %e, "request handler failed");

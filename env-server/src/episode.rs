@@ -251,6 +251,29 @@ fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
     )
 }
 
+/// `text` with control characters escaped (`\x1b`, `\x07`, `\x00`, C1 controls as `\u{9b}`):
+/// tabs, newlines and carriage returns stay.
+pub fn escape_controls(text: &str) -> String {
+    if !text
+        .chars()
+        .any(|c| c.is_control() && !matches!(c, '\t' | '\n' | '\r'))
+    {
+        return text.to_string();
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        match c {
+            '\t' | '\n' | '\r' => out.push(c),
+            c if (c as u32) < 0x80 && c.is_control() => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// `text` with the server's paths made relative to the workspace: the episode's workspace
 /// (`.`), its temp dir (`$TMPDIR`), the harness (its files are in the workspace too), an
 /// evaluation's copy of the solution (the workspace's files) and the build cache (`build/`).
@@ -1177,6 +1200,9 @@ impl EpisodeManager {
                 .text
                 .push_str(&budget_line(&ep, terminated || truncated));
         }
+        // Terminal controls the command printed (or a file held) are shown, not obeyed, by
+        // whatever displays or parses the observation.
+        observation.text = escape_controls(&observation.text);
         let resp = StepResponse {
             observation,
             reward,

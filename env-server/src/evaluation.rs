@@ -280,14 +280,29 @@ impl Evaluator {
         }
         for name in files.keys() {
             let p = Path::new(name);
+            // Each name is a file's: no trailing `/`, no `.` or `..`, no empty part.
             let ok = !name.is_empty()
+                && !name.ends_with('/')
+                && !name.contains("//")
                 && p.is_relative()
                 && p.components()
                     .all(|c| matches!(c, std::path::Component::Normal(_)))
-                && (name == "model_new.py" || name.starts_with("kernels/"));
+                && (name == "model_new.py"
+                    || name.strip_prefix("kernels/").is_some_and(|f| !f.is_empty()));
             if !ok {
                 return Err(EvalError::BadSolution(format!(
-                    "bad solution path {name:?}: use model_new.py and kernels/..."
+                    "bad solution path {name:?}: use model_new.py and kernels/<file>"
+                )));
+            }
+            // A file cannot also be a directory of another file.
+            if let Some(dir) = p
+                .ancestors()
+                .skip(1)
+                .find(|a| files.contains_key(&*a.to_string_lossy()))
+            {
+                return Err(EvalError::BadSolution(format!(
+                    "bad solution path {name:?}: {:?} is a file, not a directory",
+                    dir.display()
                 )));
             }
         }
@@ -327,11 +342,15 @@ impl Evaluator {
         }
         let id = uuid::Uuid::new_v4().simple().to_string();
         let dir = self.cfg.data_dir.join("evals").join(&id);
+        // Removed however the evaluation ends: here once it has, or by the guard when it is
+        // cancelled (its client hung up).
+        let mut remove = RemoveOnDrop(Some(dir.clone()));
         let result = self
             .evaluate_in(&dir, requester, task, files, tolerance)
             .await;
-        let gone = dir.clone();
-        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(gone)).await;
+        if let Some(gone) = remove.0.take() {
+            let _ = tokio::task::spawn_blocking(move || remove_eval_dir(&gone)).await;
+        }
         self.finished.fetch_add(1, Ordering::Relaxed);
         result
     }
@@ -1423,6 +1442,30 @@ fn hand_over(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A directory removed, on a blocking thread, when this is dropped still holding it (its
+/// processes, dropped before it, are ended by then).
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let Some(dir) = self.0.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(move || remove_eval_dir(&dir))),
+            Err(_) => remove_eval_dir(&dir),
+        }
+    }
+}
+
+fn remove_eval_dir(dir: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(dir = %dir.display(), error = %e, "removing an evaluation directory");
+        }
+    }
 }
 
 struct Decrement<'a>(&'a AtomicUsize);

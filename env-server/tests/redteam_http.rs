@@ -1123,3 +1123,164 @@ fn dechunk(body: &[u8]) -> Vec<u8> {
         rest = &rest[start + size + 2..];
     }
 }
+
+/// A web page the operator visits can send a "simple" cross-site POST (text/plain, no
+/// preflight) to a server on localhost, and used to start episodes with a task of its own.
+/// A text/plain body is refused, and so is any request a browser sends (it carries Origin);
+/// a program's JSON request and an empty reset still start episodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_page_cannot_start_episodes() {
+    let (_dir, state, addr) = server(short_limits(), |c| c).await;
+    let body = json!({"task": "tiny/0_red"}).to_string();
+    let answers = blocking(move || {
+        [
+            post(addr, "/v1/episodes", "content-type: text/plain\r\n", &body),
+            post(
+                addr,
+                "/v1/episodes",
+                "content-type: application/x-www-form-urlencoded\r\n",
+                &body,
+            ),
+            post(
+                addr,
+                "/v1/episodes",
+                "content-type: application/json\r\norigin: http://evil.example\r\n",
+                &body,
+            ),
+            post(
+                addr,
+                "/v1/episodes",
+                "content-type: text/plain\r\norigin: null\r\n",
+                &body,
+            ),
+            post(
+                addr,
+                "/v1/episodes",
+                "content-type: application/json\r\n",
+                &body,
+            ),
+            post(addr, "/v1/episodes", "", ""),
+        ]
+    })
+    .await
+    .expect("posts");
+    let statuses: Vec<u16> = answers.iter().map(|(s, _)| *s).collect();
+    assert_eq!(statuses, [415, 415, 403, 403, 200, 200], "{answers:?}");
+    for (_, body) in &answers[..4] {
+        let v: Value = serde_json::from_slice(body).expect("a JSON error");
+        assert!(v["error"]["message"].as_str().is_some(), "{v}");
+    }
+    assert_eq!(
+        state.episodes.live_ids().len(),
+        2,
+        "a refused request started an episode"
+    );
+}
+
+/// Solution file names that are directories (`kernels/`), or a file and a directory at once,
+/// used to fail while the files were written: a 500 that named the server's own paths. They
+/// are a 400 that names the file alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn solution_names_that_are_directories_are_refused_plainly() {
+    let (dir, _state, addr) = server(short_limits(), |c| c).await;
+    let model = "import torch\nclass ModelNew(torch.nn.Module):\n    pass\n";
+    let bad = [
+        json!({"model_new.py": model, "kernels/": "x"}),
+        json!({"model_new.py": model, "kernels/a.cu": "x", "kernels/a.cu/b.cu": "y"}),
+        json!({"model_new.py": model, "kernels": "x"}),
+    ];
+    let root = dir.path().display().to_string();
+    for files in bad {
+        let body = json!({"task": "L1/2_Add", "solution": {"files": files}});
+        let (st, v) = blocking(move || post_json(addr, "/v1/evaluate", &body))
+            .await
+            .expect("post");
+        assert_eq!(
+            (st, v["error"]["code"].as_str()),
+            (400, Some("bad_solution")),
+            "{v}"
+        );
+        let text = v.to_string();
+        assert!(!text.contains(&root) && !text.contains("/evals/"), "{text}");
+    }
+}
+
+/// Terminal controls in a command's output (ESC sequences that clear or retitle a screen,
+/// BEL, NUL) used to reach observations raw, to whatever shows or parses them. They arrive
+/// escaped, visible as text; tabs and newlines stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_bytes_reach_observations_escaped() {
+    let (_dir, state, addr) = server(short_limits(), |c| c).await;
+    let id = tiny_episode(&state).await;
+    let body = json!({"action": {"tool": "Bash", "arguments": {"command": r"printf 'a\033[2Jb\007c\000d\te\x9bf\n'"}}});
+    let (st, v) = blocking(move || post_json(addr, &format!("/v1/episodes/{id}/step"), &body))
+        .await
+        .expect("step");
+    assert_eq!(st, 200, "{v}");
+    let text = v["observation"]["text"].as_str().expect("text");
+    for c in ['\u{1b}', '\u{7}', '\u{0}', '\u{9b}'] {
+        assert!(!text.contains(c), "{c:?} reached the observation: {text:?}");
+    }
+    assert!(text.contains(r"a\x1b[2Jb\x07c\x00d"), "{text:?}");
+    assert!(text.contains("d\te"), "{text:?}");
+}
+
+/// Processes whose command line names the data directory's evaluations.
+fn evaluation_processes(data_dir: &std::path::Path) -> Vec<String> {
+    let evals = data_dir.join("evals").display().to_string();
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&evals))
+        .collect()
+}
+
+/// A client that posts evaluations and hangs up at once used to leave each running to its
+/// time limit (a thousand in seconds). One whose client is gone is cancelled: its processes
+/// end and its directory goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evaluation_whose_client_hung_up_is_cancelled() {
+    let (dir, _state, addr) = server(short_limits(), |c| c).await;
+    // Its build would take ten minutes.
+    let slow = "import time\ntime.sleep(600)\n";
+    let body = json!({"task": "L1/2_Add", "solution": slow}).to_string();
+    let data = dir.path().to_path_buf();
+    blocking(move || {
+        let mut s = connect(addr);
+        write!(
+            s,
+            "POST /v1/evaluate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        let started = Instant::now();
+        while evaluation_processes(&data).is_empty() {
+            assert!(started.elapsed() < BOUND, "the build never started");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        drop(s);
+        let started = Instant::now();
+        loop {
+            let left = evaluation_processes(&data);
+            let dirs = std::fs::read_dir(data.join("evals")).map(|d| d.count()).unwrap_or(0);
+            if left.is_empty() && dirs == 0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < BOUND,
+                "still running after the client left: {left:?}, {dirs} evaluation dirs"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+    .await
+    .expect("hang up");
+}
