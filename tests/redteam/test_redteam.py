@@ -2,11 +2,15 @@
 
 Adversarial cases must fail with one of the rules cases.toml lists for them (or, where the case
 says so, be judged correct only at an honest time); legitimate ones must pass. CUDA cases are
-skipped without a GPU. Cases run one at a time and share one TORCH_EXTENSIONS_DIR, so the
-shared extension is built once.
+skipped without a GPU. Cases run REDTEAM_JOBS at a time (default: one per CPU), each in its own
+directory and process group, and share one TORCH_EXTENSIONS_DIR, so the shared extension is
+built once (torch's build lock makes the others wait for it).
 
-    python -m pytest tests/redteam            # the whole corpus (about 10-20 minutes on 2 cores)
+    python -m pytest tests/redteam            # the whole corpus
     python -m pytest tests/redteam -k legit   # only the legitimate candidates
+    python -m pytest tests/redteam/test_redteam.py --one-per-class   # one case of each class
+    REDTEAM_JOBS=1 python -m pytest tests/redteam   # one case at a time
+    REDTEAM_EXT_DIR=DIR python -m pytest tests/redteam   # keep the extensions' builds in DIR
     REDTEAM_SERVER=http://127.0.0.1:8099 python -m pytest tests/redteam   # through env-server
 """
 
@@ -15,10 +19,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from corpus import HERE, cuda_available, judge, load_cases, run_case, run_case_server
+from pool import Pool, selected_params
 
 pytestmark = pytest.mark.redteam
 
@@ -27,12 +33,40 @@ CASES = load_cases()
 
 @pytest.fixture(scope="session")
 def ext_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("torch_extensions")
+    # REDTEAM_EXT_DIR keeps the builds from one run to the next (scripts/test.sh --quick, where
+    # building the shared extension is most of the run); torch rebuilds what changed.
+    kept = os.environ.get("REDTEAM_EXT_DIR")
+    if not kept:
+        return tmp_path_factory.mktemp("torch_extensions")
+    path = Path(kept)
+    path.mkdir(parents=True, exist_ok=True)
+    # A run stopped mid-build leaves torch's build lock behind, and torch would wait for it
+    # forever.
+    for lock in path.glob("*/lock"):
+        lock.unlink(missing_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
 def has_cuda():
     return cuda_available()
+
+
+@pytest.fixture(scope="session")
+def outcomes(request, ext_dir, has_cuda, tmp_path_factory):
+    """Every selected case's evaluation, queued at the first case's test and run REDTEAM_JOBS
+    at a time in the order the tests run; each test waits for its own."""
+    server = os.environ.get("REDTEAM_SERVER")
+
+    def run(case, work):
+        return run_case_server(case, server) if server else run_case(case, work, ext_dir)
+
+    pool = Pool()
+    for case in selected_params(request.session, "test_case", "case"):
+        if case.device == "cpu" or has_cuda:
+            pool.submit(case.name, run, case, tmp_path_factory.mktemp(case.name))
+    yield pool
+    pool.close()
 
 
 def test_the_corpus_is_complete_and_consistent():
@@ -58,13 +92,15 @@ def test_every_case_embeds_the_shared_extension_verbatim():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_case(case, tmp_path, ext_dir, has_cuda, request):
+def test_case(case, outcomes, has_cuda, request):
     if case.device == "cuda" and not has_cuda:
         pytest.skip("no GPU")
     if case.known_gap:
         # Still run: the day the judge stops it, the report shows it as passing unexpectedly.
         request.applymarker(pytest.mark.xfail(reason=f"known gap: {case.known_gap}", strict=False))
-    server = os.environ.get("REDTEAM_SERVER")
-    outcome = run_case_server(case, server) if server else run_case(case, tmp_path, ext_dir)
+    outcome = outcomes.result(case.name)
+    # The case's own wall time (the test's duration includes waiting for its turn); in
+    # --junitxml reports.
+    request.node.user_properties.append(("case_seconds", round(outcome.seconds, 1)))
     held, why = judge(case, outcome.result)
     assert held, f"{case.name} ({case.klass}): {why}\nverdict: {outcome.result}\nstderr: {outcome.stderr_tail}"
