@@ -125,6 +125,12 @@ pub struct EvaluatorConfig {
     /// judges load. A task whose source came with the request gets a cache of its own,
     /// removed with its evaluation.
     pub shared_cache_tasks: Arc<std::collections::HashSet<String>>,
+    /// Most bytes the build cache holds once the evaluations in flight are done (each of
+    /// those may add up to `build_cache_entry_max_bytes` until it ends).
+    pub build_cache_max_bytes: u64,
+    /// Most bytes one build-cache entry may hold, after the build and after the run; an entry
+    /// over it fails its evaluation (`build_size`) and is removed.
+    pub build_cache_entry_max_bytes: u64,
 }
 
 /// Evaluations per device whose judge and workers are alive at once with `prestart`, unless
@@ -210,6 +216,8 @@ pub struct Evaluator {
     next_slot: AtomicUsize,
     waiting: AtomicUsize,
     build_locks: Mutex<HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while the build cache is pruned (one pass at a time).
+    pruning: Arc<Mutex<()>>,
     /// Evaluations finished.
     pub finished: AtomicU64,
 }
@@ -251,6 +259,7 @@ impl Evaluator {
             next_slot: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             build_locks: Mutex::new(HashMap::new()),
+            pruning: Arc::new(Mutex::new(())),
             finished: AtomicU64::new(0),
         }
     }
@@ -351,6 +360,7 @@ impl Evaluator {
         if let Some(gone) = remove.0.take() {
             let _ = tokio::task::spawn_blocking(move || remove_eval_dir(&gone)).await;
         }
+        self.prune_build_cache().await;
         self.finished.fetch_add(1, Ordering::Relaxed);
         result
     }
@@ -416,8 +426,11 @@ impl Evaluator {
                     let _permit = self.builds.acquire(requester).await;
                     phases.build_queue_s = t.elapsed().as_secs_f64();
                     let t = Instant::now();
-                    let report = self.build(&worker_jail, &layout).await?;
+                    let mut report = self.build(&worker_jail, &layout).await?;
                     phases.build_s = t.elapsed().as_secs_f64();
+                    if let Some(reason) = self.entry_over_cap(&ext, &built_mark, "build").await {
+                        report = build_failed(reason);
+                    }
                     if report.built {
                         write_built_mark(&built_mark, &report);
                     }
@@ -484,6 +497,11 @@ impl Evaluator {
         details.timing = verdict.timing.clone();
         details.noise_band = verdict.noise_band.clone();
         details.env = verdict.env.clone();
+        // The worker may write into its entry too (at import, in the run).
+        if let Some(reason) = self.entry_over_cap(&ext, &built_mark, "run").await {
+            details.rule = Some("build_size".into());
+            return Ok(fail(reason, details));
+        }
         if !verdict.correct {
             details.rule = verdict.rule.clone();
             let reason = verdict.reason.unwrap_or_else(|| "evaluation failed".into());
@@ -951,6 +969,67 @@ impl Evaluator {
         }
         sc.spawn()
             .map_err(|source| EvalError::Spawn { what, source })
+    }
+
+    /// When the build-cache entry `ext` holds more than its cap: the entry and its record of
+    /// a finished build are removed, and the reason is returned.
+    async fn entry_over_cap(&self, ext: &Path, mark: &Path, when: &str) -> Option<String> {
+        let cap = self.cfg.build_cache_entry_max_bytes;
+        let (ext, mark) = (ext.to_path_buf(), mark.to_path_buf());
+        let over = tokio::task::spawn_blocking(move || {
+            let bytes = crate::retention::tree_bytes(&ext, cap);
+            if bytes <= cap {
+                return false;
+            }
+            for p in [&ext, &mark] {
+                if let Err(e) = crate::retention::remove_entry(p) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(path = %p.display(), error = %e, "removing a build-cache entry over its cap");
+                    }
+                }
+            }
+            true
+        })
+        .await
+        .unwrap_or(false);
+        over.then(|| {
+            format!("build_size: the build directory holds more than {cap} bytes after the {when}")
+        })
+    }
+
+    /// Brings the build cache back under its bound, least recently used entries first,
+    /// sparing those of evaluations in flight (their hash's lock is held). One pass at a time;
+    /// a pass waits for the one before, so the bound holds once a burst is over.
+    async fn prune_build_cache(&self) {
+        let in_use: std::collections::HashSet<String> = self
+            .build_locks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, l)| Arc::strong_count(l) > 1)
+            .map(|(d, _)| d.clone())
+            .collect();
+        let (dir, max, pruning) = (
+            self.cfg.data_dir.join("build-cache"),
+            self.cfg.build_cache_max_bytes,
+            self.pruning.clone(),
+        );
+        let _ = tokio::task::spawn_blocking(move || {
+            let _one = pruning.lock().unwrap_or_else(|e| e.into_inner());
+            let removed = crate::retention::prune_build_cache_sparing(&dir, max, |entry, _| {
+                entry
+                    .file_name()
+                    .is_some_and(|n| in_use.contains(&*n.to_string_lossy()))
+            });
+            if removed.entries > 0 {
+                tracing::debug!(
+                    entries = removed.entries,
+                    bytes = removed.bytes,
+                    "build cache pruned to its bound"
+                );
+            }
+        })
+        .await;
     }
 
     fn build_lock(&self, digest: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {

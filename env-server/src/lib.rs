@@ -105,6 +105,8 @@ pub struct ServerConfig {
     pub trajectory_retention: retention::TrajectoryRetention,
     /// Most bytes of compiled extensions kept in the build cache.
     pub build_cache_max_bytes: u64,
+    /// Most bytes one build-cache entry may hold (after its build, and after its run).
+    pub build_cache_entry_max_bytes: u64,
     /// Most commands (Bash steps) running at once over all episodes.
     pub max_commands: usize,
     /// How often retention runs (it also runs at start).
@@ -148,6 +150,7 @@ impl Default for ServerConfig {
                 max_bytes: Some(16 << 30),
             },
             build_cache_max_bytes: 8 << 30,
+            build_cache_entry_max_bytes: 1 << 30,
             max_commands: 256,
             retention_interval: Duration::from_secs(300),
         }
@@ -315,6 +318,8 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             prestart_depth: cfg.prestart_depth,
             observe: cfg.observe && observer.is_ok(),
             shared_cache_tasks: Arc::new(tasks.iter().map(|t| t.hash.clone()).collect()),
+            build_cache_max_bytes: cfg.build_cache_max_bytes,
+            build_cache_entry_max_bytes: cfg.build_cache_entry_max_bytes,
         },
         sandbox.clone(),
         python.clone(),
@@ -393,6 +398,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             "trajectory_max_age_s": cfg.trajectory_retention.max_age.map(|d| d.as_secs_f64()),
             "trajectory_max_bytes": cfg.trajectory_retention.max_bytes,
             "build_cache_max_bytes": cfg.build_cache_max_bytes,
+            "build_cache_entry_max_bytes": cfg.build_cache_entry_max_bytes,
             "max_log_bytes": cfg.max_log_bytes,
         },
         "sandbox": status,

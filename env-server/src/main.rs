@@ -146,6 +146,10 @@ struct Args {
     /// least recently used first.
     #[arg(long, default_value_t = 8 << 30)]
     build_cache_max_bytes: u64,
+    /// Most bytes one build-cache entry may hold after its build and after its run; an
+    /// evaluation over it fails (`build_size`) and its entry is removed.
+    #[arg(long, default_value_t = 1 << 30)]
+    build_cache_entry_max_bytes: u64,
     /// Seconds between retention passes (logs, build cache); one also runs at start.
     #[arg(long, default_value_t = 300)]
     retention_interval_s: u64,
@@ -291,6 +295,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
             max_bytes: Some(args.trajectory_max_bytes).filter(|&b| b > 0),
         },
         build_cache_max_bytes: args.build_cache_max_bytes,
+        build_cache_entry_max_bytes: args.build_cache_entry_max_bytes,
         max_commands: args.max_commands,
         retention_interval: Duration::from_secs(args.retention_interval_s.max(1)),
         ..ServerConfig::default()

@@ -146,6 +146,20 @@ pub fn prune_trajectories(
 /// the entry's directory, which the evaluator touches on every use) until the cache holds at
 /// most `policy.max_bytes`, sparing entries used within `policy.in_use_window`.
 pub fn prune_build_cache(dir: &Path, policy: &BuildCacheRetention) -> Removed {
+    let now = SystemTime::now();
+    prune_build_cache_sparing(dir, policy.max_bytes, |_, used| {
+        now.duration_since(used).unwrap_or_default() < policy.in_use_window
+    })
+}
+
+/// Removes the least recently used entries of the build cache until it holds at most
+/// `max_bytes`, sparing those for which `spare(entry, last_used)` holds (the evaluator spares
+/// the entries of evaluations in flight, whatever their age).
+pub fn prune_build_cache_sparing(
+    dir: &Path,
+    max_bytes: u64,
+    spare: impl Fn(&Path, SystemTime) -> bool,
+) -> Removed {
     let mut removed = Removed::default();
     let Ok(entries) = std::fs::read_dir(dir) else {
         return removed;
@@ -166,12 +180,11 @@ pub fn prune_build_cache(dir: &Path, policy: &BuildCacheRetention) -> Removed {
     let mut total: u64 = all.iter().map(|e| e.1).sum();
     // Oldest first: what is removed is a prefix.
     all.sort_by_key(|e| e.0);
-    let now = SystemTime::now();
     for (time, bytes, path) in all {
-        if total <= policy.max_bytes {
+        if total <= max_bytes {
             break;
         }
-        if now.duration_since(time).unwrap_or_default() < policy.in_use_window {
+        if spare(&path, time) {
             continue;
         }
         match remove_entry(&path) {

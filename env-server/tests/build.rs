@@ -263,3 +263,84 @@ async fn solutions_whose_joined_files_are_equal_get_distinct_build_entries() {
         .count();
     assert_eq!(entries, 2, "one build-cache entry per solution");
 }
+
+/// Bytes under `dir` (apparent sizes of its files).
+fn bytes_under(dir: &Path) -> u64 {
+    walkdir::WalkDir::new(dir)
+        .into_iter()
+        .flatten()
+        .filter(|e| e.file_type().is_file())
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// A candidate that writes `mib` MiB into its build-cache entry on import, in the build
+/// (`when = "build"`) or in the run (`when = "run"`), and then fails its build or not.
+fn filler(tag: usize, mib: usize, when: &str, fail_build: bool) -> String {
+    format!(
+        "import os, sys\n\
+         # {tag}\n\
+         _in_build = 'build' in sys.argv\n\
+         if _in_build == ({when:?} == 'build'):\n\
+         \x20   with open(os.path.join(os.environ['TORCH_EXTENSIONS_DIR'], 'fill'), 'wb') as f:\n\
+         \x20       f.write(b'x' * ({mib} << 20))\n\
+         if _in_build and {fail_build}:\n\
+         \x20   raise RuntimeError('this build fails')\n\
+         import torch\n\
+         class ModelNew(torch.nn.Module):\n\
+         \x20   def forward(self, a, b):\n\
+         \x20       return a + b\n",
+        fail_build = if fail_build { "True" } else { "False" },
+    )
+}
+
+/// The build cache's bounds under attack: a flood of evaluations, each leaving 1.5 MiB in its
+/// entry, used to stay on disk past the cache's bound (retention spares entries used in the
+/// last two evaluation timeouts); an entry over its own cap, written in the build or in the
+/// run, used to stay too. The cache is back under its bound once the flood is over, and an
+/// entry over its cap fails its evaluation (`build_size`) and is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_build_cache_holds_its_bounds_under_a_flood() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state_from(ServerConfig {
+        build_cache_max_bytes: 4 << 20,
+        build_cache_entry_max_bytes: 2 << 20,
+        max_body_bytes: 1 << 20,
+        ..test_config(dir.path())
+    });
+    let cache = dir.path().join("build-cache");
+    let flood: Vec<_> = (0..8)
+        .map(|i| {
+            let s = s.clone();
+            let body = json!({"task": "L1/2_Add", "solution": filler(i, 1, "build", true)});
+            tokio::spawn(async move { call(&s, "POST", "/v1/evaluate", Some(body)).await })
+        })
+        .collect();
+    for f in flood {
+        let (st, v) = f.await.unwrap();
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["details"]["build"]["built"], false, "{v}");
+    }
+    let left = bytes_under(&cache);
+    assert!(left <= 4 << 20, "{left} bytes left in the build cache");
+
+    for when in ["build", "run"] {
+        let body = json!({"task": "L1/2_Add", "solution": filler(100, 3, when, false)});
+        let (st, v) = call(&s, "POST", "/v1/evaluate", Some(body)).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["correct"], false, "{v}");
+        assert!(
+            v["reason"].as_str().unwrap_or("").starts_with("build_size"),
+            "a {when} over the entry's cap: {v}"
+        );
+        let big: Vec<_> = walkdir::WalkDir::new(&cache)
+            .into_iter()
+            .flatten()
+            .filter(|e| e.file_name() == "fill")
+            .filter(|e| e.metadata().is_ok_and(|m| m.len() > 2 << 20))
+            .map(|e| e.path().to_path_buf())
+            .collect();
+        assert!(big.is_empty(), "an entry over its cap was kept: {big:?}");
+    }
+}
