@@ -106,6 +106,9 @@ impl From<EpisodeError> for ApiError {
             EpisodeError::AtCapacity(_) | EpisodeError::Exhausted(_) => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "at_capacity", msg)
             }
+            EpisodeError::HostBusy(_) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "host_busy", msg)
+            }
             EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
             EpisodeError::Internal(_) => {
                 tracing::error!(error = %msg, "episode request failed inside the server");

@@ -43,6 +43,9 @@ pub enum EpisodeError {
     /// Too many episodes are open.
     #[error("the server is at capacity ({0} open episodes); retry later")]
     AtCapacity(usize),
+    /// The host is short of a resource (memory) for another episode.
+    #[error("{0}")]
+    HostBusy(String),
     /// A resource episodes share (the uid pool) is used up.
     #[error("{0}; retry later")]
     Exhausted(String),
@@ -80,6 +83,8 @@ pub struct EpisodeConfig {
     pub max_log_bytes: u64,
     /// Most commands (Bash steps) running at once over all episodes; more wait their turn.
     pub max_commands: usize,
+    /// What the host admits (a new episode is refused while its memory is short).
+    pub admission: crate::admission::Admission,
     /// Tool output limits.
     pub tool_limits: ToolLimits,
     /// Environment every tool process gets on top of the standard one.
@@ -919,6 +924,10 @@ impl EpisodeManager {
         let open = self.open_count();
         if open >= self.cfg().max_episodes {
             return Err(EpisodeError::AtCapacity(open));
+        }
+        // Volumes are tmpfs: an episode takes host memory as it writes.
+        if let Some(why) = self.cfg().admission.refuse_episode() {
+            return Err(EpisodeError::HostBusy(why));
         }
         let task = match (&req.task_source, &req.task) {
             (Some(_), Some(_)) => {

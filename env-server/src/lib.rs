@@ -2,6 +2,7 @@
 //! workspace in which an agent calls tools until it submits, then a final evaluation and a
 //! milestone reward.
 //!
+//! - [`admission`]: what the host offers and the bounds derived from it.
 //! - [`api`]: routes, errors, auth, metrics, OpenAPI ([`api::router`] builds the app).
 //! - [`http`]: serving the app over TCP with connection, header, idle and write limits.
 //! - [`mcp`]: the MCP front (`/mcp`): one MCP session per episode, the same tools and log.
@@ -14,6 +15,7 @@
 //! - [`reward`]: the milestone reward.
 //! - [`runtime`]: Python/torch/device discovery and the pristine harness.
 
+pub mod admission;
 pub mod api;
 pub mod build;
 pub mod episode;
@@ -107,8 +109,14 @@ pub struct ServerConfig {
     pub build_cache_max_bytes: u64,
     /// Most bytes one build-cache entry may hold (after its build, and after its run).
     pub build_cache_entry_max_bytes: u64,
-    /// Most commands (Bash steps) running at once over all episodes.
+    /// Most commands (Bash steps) running at once over all episodes (with `host_admission`,
+    /// at most what the host's pids allow).
     pub max_commands: usize,
+    /// Bound admission by the host (memory kept free, pids): on by default.
+    pub host_admission: bool,
+    /// With `host_admission`, memory a new episode must find available on the host; None: a
+    /// tenth of the host's memory, at least 1 GiB.
+    pub min_available_memory_bytes: Option<u64>,
     /// How often retention runs (it also runs at start).
     pub retention_interval: Duration,
 }
@@ -152,6 +160,8 @@ impl Default for ServerConfig {
             build_cache_max_bytes: 8 << 30,
             build_cache_entry_max_bytes: 1 << 30,
             max_commands: 256,
+            host_admission: true,
+            min_available_memory_bytes: None,
             retention_interval: Duration::from_secs(300),
         }
     }
@@ -325,6 +335,13 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         python.clone(),
         harness_dir.clone(),
     ));
+    let admission = admission::Admission::derive(
+        admission::HostFacts::probe(),
+        cfg.host_admission,
+        cfg.min_available_memory_bytes,
+        cfg.max_commands,
+        cfg.limits.total_processes,
+    );
     let tool_limits = ToolLimits::default();
     let episodes = episode::EpisodeManager::new(
         episode::EpisodeConfig {
@@ -337,7 +354,8 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             finished_grace: cfg.finished_grace,
             io_timeout: cfg.io_timeout,
             max_log_bytes: cfg.max_log_bytes,
-            max_commands: cfg.max_commands,
+            max_commands: admission.max_commands,
+            admission,
             tool_limits,
             extra_env,
             gpus,
@@ -380,7 +398,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "torch_cuda": python.torch_cuda,
         "task_size": task_size,
         "tasks": tasks.len(),
-        "capacity": {"max_commands": cfg.max_commands, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1),
+        "capacity": {"max_commands": admission.max_commands, "admission": admission, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1),
             // Evaluations per device started ahead of their lease (null: prestart off).
             "prestart_depth": evaluator.prestart_depth()},
         "build": {"cuda_arch_list": toolchain.cuda_arch_list, "precompiled_headers": toolchain.pch_dir.as_ref().map(|_| variants.clone())},

@@ -107,6 +107,13 @@ struct Args {
     /// (the wait is not tool time).
     #[arg(long, default_value_t = 256)]
     max_commands: usize,
+    /// Admit by the configured caps alone, not bounded by the host's memory and pids.
+    #[arg(long)]
+    no_host_admission: bool,
+    /// Memory a new episode must find available on the host (default: a tenth of the host's,
+    /// at least 1 GiB); below it a reset is answered 503 with Retry-After.
+    #[arg(long)]
+    min_available_memory_bytes: Option<u64>,
     /// Most HTTP connections open at once; more are answered 503 and closed.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
@@ -297,6 +304,8 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         build_cache_max_bytes: args.build_cache_max_bytes,
         build_cache_entry_max_bytes: args.build_cache_entry_max_bytes,
         max_commands: args.max_commands,
+        host_admission: !args.no_host_admission,
+        min_available_memory_bytes: args.min_available_memory_bytes,
         retention_interval: Duration::from_secs(args.retention_interval_s.max(1)),
         ..ServerConfig::default()
     };

@@ -1284,3 +1284,53 @@ async fn an_evaluation_whose_client_hung_up_is_cancelled() {
     .await
     .expect("hang up");
 }
+
+/// Episode volumes are tmpfs (RAM) and a command may start hundreds of processes: the caps
+/// alone admitted 4096 episodes of 1 GiB on a 23 GiB host and 256 commands of 512 processes
+/// against a pid_max of 32768. A reset that finds the host's memory under the reserve is a 503
+/// with Retry-After (here a reserve no host meets), and commands at once are bounded by the
+/// host's pids; both shown in /v1/info.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_is_bounded_by_the_host() {
+    let (_dir, state, addr) = server(short_limits(), |c| ServerConfig {
+        min_available_memory_bytes: Some(u64::MAX / 4),
+        ..c
+    })
+    .await;
+    let raw = blocking(move || {
+        let mut s = connect(addr);
+        let body = json!({"task": "tiny/0_red"}).to_string();
+        write!(
+            s,
+            "POST /v1/episodes HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        read_to_close(&mut s)
+    })
+    .await
+    .expect("reset");
+    let text = String::from_utf8_lossy(&raw).to_ascii_lowercase();
+    assert!(text.starts_with("http/1.1 503"), "{text}");
+    assert!(text.contains("\r\nretry-after:"), "{text}");
+    assert!(
+        text.contains("host_busy") && text.contains("memory"),
+        "{text}"
+    );
+    assert_eq!(state.episodes.live_ids().len(), 0);
+
+    let pid_max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .expect("pid_max")
+        .trim()
+        .parse()
+        .expect("a number");
+    let (_, info) = call(&state, "GET", "/v1/info", None).await;
+    let cap = &info["capacity"];
+    assert_eq!(cap["admission"]["host"]["pid_max"], json!(pid_max), "{cap}");
+    let per_command = ServerConfig::default().limits.total_processes;
+    let max_commands = cap["max_commands"].as_u64().expect("max_commands");
+    assert!(
+        max_commands * per_command <= pid_max / 2,
+        "{max_commands} commands of {per_command} processes against pid_max {pid_max}"
+    );
+}
