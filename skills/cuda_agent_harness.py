@@ -296,11 +296,16 @@ class PeerFile:
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
         if nbytes > self.MAX:
             raise RuleBreak("protocol", f"{self.path.name}: {nbytes} bytes announced")
+        if offset + nbytes > self.size():
+            raise RuleBreak("protocol", f"{self.path.name} ends before the {nbytes} bytes announced at {offset}")
         out = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(out.numpy()).cast("B")
         done = 0
         while done < nbytes:
-            n = os.preadv(self._fd, [view[done:]], offset + done)
+            try:
+                n = os.preadv(self._fd, [view[done:]], offset + done)
+            except OSError as e:
+                raise RuleBreak("protocol", f"{self.path.name}: {e.strerror} reading {nbytes} bytes at {offset}") from e
             if n <= 0:
                 raise RuleBreak("protocol", f"{self.path.name} ends before the {nbytes} bytes announced at {offset}")
             done += n
@@ -492,7 +497,10 @@ class Channel:
         (n,) = struct.unpack(">I", self._read_exact(4, deadline))
         if n > MAX_MESSAGE:
             raise ValueError(f"a {n}-byte message (the limit is {MAX_MESSAGE})")
-        msg = json.loads(self._read_exact(n, deadline))
+        try:
+            msg = json.loads(self._read_exact(n, deadline))
+        except RecursionError:
+            raise ValueError("a message nested too deep") from None
         if not isinstance(msg, dict):
             raise ValueError("a message that is not an object")
         return msg

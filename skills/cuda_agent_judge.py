@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import json
 import math
 import os
 import random
@@ -864,6 +865,8 @@ class WorkerLink:
     # Every forward asked of this worker: (model, sent, replied) in CLOCK_MONOTONIC ns, the
     # clock of the server's outside observation of the worker's CPU.
     runs: list = field(default_factory=list)
+    # The evaluation's device type ("cpu", "cuda"): where announced outputs must be.
+    device_type: str = "cpu"
 
     def __post_init__(self):
         try:
@@ -955,21 +958,11 @@ class WorkerLink:
             raise h.RuleBreak("protocol", f"the {self.name} worker sent garbage: {e}") from e
         if self.track_cpu:
             self.last_reply_cpu = self.cpu.total()
-            if msg["op"] == "load":
-                # Loading is one thread's copy: CPU beyond the request's own wall time was
-                # spent by something else of the worker's.
+            if msg["op"] in ("load", "inputs"):
+                # Loading and the input check are one thread's copy or compare: CPU beyond the
+                # request's own wall time was spent by something else of the worker's.
                 self.gap.add_excess(before, self.last_reply_cpu, self.replied_at - self.sent_at)
-        if reply.get("seq") != self.seq:
-            raise h.RuleBreak("protocol", f"the {self.name} worker answered a request it was not asked (seq {reply.get('seq')!r}, expected {self.seq})")
-        if not reply.get("ok"):
-            rule = reply.get("rule")
-            if rule not in WORKER_RULES:
-                raise h.RuleBreak("protocol", f"the {self.name} worker reported an unknown failure {rule!r}")
-            text = str(reply.get("message", ""))[:4000]
-            if reply.get("traceback"):
-                text += "\n" + str(reply["traceback"])[-2000:]
-            raise h.RuleBreak(rule, text)
-        return reply
+        return parse_reply(msg["op"], reply, self.seq, self.name, self.device_type)
 
     def close(self) -> None:
         for r in self.opened:
@@ -1027,8 +1020,220 @@ def weights_hint(link: "WorkerLink | None") -> str:
     return "\n[weights: " + "; ".join(parts) + ". Weights are shared by parameter name and shape: declare the reference's modules under the same names, or copy them in __init__.]"
 
 
+# ---------------------------------------------------------------------------------------------
+# The worker's replies. Every field the judge reads is listed here with its type, op by op, and
+# read through parse_reply alone: a reply that does not fit (a field missing or of the wrong
+# type, a number out of range or not finite, a string the verdict's JSON could not carry) is a
+# `protocol` break of the worker that sent it: -1 for the candidate's (whose process can write
+# anything on its channel), the evaluation's own error for the reference's. Fields not listed
+# are ignored. docs/EVALUATION.md ("The worker's messages") has the same table; a test holds
+# the two, and the worker's ops, together.
+
 # Failures a worker may report about itself (anything else it says is a protocol break).
 WORKER_RULES = {"compile", "missing_solution", "runtime_error", "wrong_output", "precision", "pytorch_compute", "no_custom_kernel", "input_mutation"}
+
+# The most of anything a reply may hold: dimensions, list items, characters.
+MAX_DIMS = 64
+MAX_DIM = 1 << 48
+MAX_ITEMS = 64
+MAX_TEXT = 8000
+
+# op -> {field: (type, required)}. Types: "int" (a JSON integer, not a boolean, 0 <= n < 2**62),
+# "seconds" (a finite number >= 0), "text", "texts" (a list of text), "seconds_by_name" (an
+# object of finite numbers), "weights", "outputs", "trace". Every reply also has `seq` (int) and
+# `ok` (bool); a failure (`ok` false) has `rule` (one of WORKER_RULES), `message` (text) and
+# optionally `traceback` (text), and nothing else is read of it.
+REPLY_FIELDS: dict[str, dict[str, tuple[str, bool]]] = {
+    "ready": {},
+    "hello": {"pid": ("int", False), "build_s": ("seconds", False), "extensions": ("texts", False), "steps_s": ("seconds_by_name", False)},
+    "model": {"weights": ("weights", False)},
+    "slot": {},
+    "load": {},
+    "run": {"outputs": ("outputs", True), "trace": ("trace", False)},
+    "inputs": {},
+    "stats": {"peak_rss_bytes": ("int", False), "peak_cuda_reserved_bytes": ("int", False)},
+    "drop": {},
+}
+
+
+# The dtypes an output may announce: those the judge can read as bytes and compare.
+OUTPUT_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "int16", "int32", "int64",
+                 "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+class Malformed(Exception):
+    """A field of a reply that does not fit its type (turned into a protocol break)."""
+
+
+def _text(v, what: str) -> str:
+    if not isinstance(v, str):
+        raise Malformed(f"{what} is not text")
+    # Lone surrogates cannot be written as UTF-8 (the verdict's JSON reader refuses them).
+    return v[:MAX_TEXT].encode("utf-8", "replace").decode("utf-8")
+
+
+def _int(v, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v < hi:
+        raise Malformed(f"{what} is not an integer in [{lo}, {hi})")
+    return v
+
+
+def _seconds(v, what: str) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+        raise Malformed(f"{what} is not a finite number of seconds")
+    return float(v)
+
+
+def _list(v, what: str, limit: int = MAX_ITEMS) -> list:
+    if not isinstance(v, list) or len(v) > limit:
+        raise Malformed(f"{what} is not a list of at most {limit} items")
+    return v
+
+
+def _object(v, what: str) -> dict:
+    if not isinstance(v, dict):
+        raise Malformed(f"{what} is not an object")
+    return v
+
+
+@dataclass
+class IpcRef:
+    handle: str
+    alloc_bytes: int
+    offset: int
+
+
+@dataclass
+class OutputItem:
+    """One output as the worker announced it: a value, or a tensor's place."""
+
+    kind: str
+    value: object = None
+    device: str = ""
+    dtype: torch.dtype | None = None
+    shape: tuple = ()
+    offset: int = 0
+    nbytes: int = 0
+    stride: tuple = ()
+    ipc: IpcRef | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _output(v, i: int, device_type: str) -> OutputItem:
+    what = f"output {i}"
+    it = _object(v, what)
+    kind = it.get("kind")
+    if kind == "value":
+        value = it.get("value")
+        if isinstance(value, str):
+            value = _text(value, f"{what}'s value")
+        elif not (value is None or type(value) in (bool, int, float)):
+            raise Malformed(f"{what}'s value is not a number, a boolean, text or null")
+        if type(value) is int and not -(1 << 63) <= value < (1 << 64):
+            raise Malformed(f"{what}'s value is out of range")
+        return OutputItem("value", value=value)
+    if kind != "tensor":
+        raise Malformed(f"{what} is neither a tensor nor a value")
+    device = _text(it.get("device"), f"{what}'s device")[:64]
+    name = it.get("dtype")
+    if not isinstance(name, str) or name not in OUTPUT_DTYPES:
+        raise Malformed(f"{what}'s dtype {str(name)[:40]!r} is not one the judge can read")
+    shape = tuple(_int(s, f"{what}'s shape", 0, MAX_DIM) for s in _list(it.get("shape"), f"{what}'s shape", MAX_DIMS))
+    item = OutputItem("tensor", device=device, dtype=OUTPUT_DTYPES[name], shape=shape)
+    if item.numel >= 1 << 62:
+        raise Malformed(f"{what}'s shape holds too many elements")
+    if device != device_type:
+        return item  # on the wrong device: a wrong output, whatever else it says
+    if device_type == "cpu":
+        item.offset = _int(it.get("offset"), f"{what}'s offset")
+        item.nbytes = _int(it.get("nbytes"), f"{what}'s nbytes")
+    else:
+        stride = _list(it.get("stride"), f"{what}'s stride", MAX_DIMS)
+        item.stride = tuple(_int(s, f"{what}'s stride", 0, MAX_DIM) for s in stride)
+        if len(item.stride) != len(shape):
+            raise Malformed(f"{what}'s stride does not match its shape")
+        if item.numel:
+            ipc = _object(it.get("ipc"), f"{what}'s ipc")
+            handle = _text(ipc.get("handle"), f"{what}'s IPC handle")
+            if len(handle) != 128 or any(c not in "0123456789abcdefABCDEF" for c in handle):
+                raise Malformed(f"{what}'s IPC handle is not 64 bytes in hex")
+            item.ipc = IpcRef(handle, _int(ipc.get("alloc_bytes"), f"{what}'s alloc_bytes", 1), _int(ipc.get("offset"), f"{what}'s IPC offset"))
+    return item
+
+
+def _field(kind: str, v, name: str, device_type: str):
+    if kind == "int":
+        return _int(v, name)
+    if kind == "seconds":
+        return _seconds(v, name)
+    if kind == "text":
+        return _text(v, name)
+    if kind == "texts":
+        return [_text(x, name)[:200] for x in _list(v, name)]
+    if kind == "seconds_by_name":
+        return {_text(k, name)[:32]: _seconds(x, name) for k, x in list(_object(v, name).items())[:MAX_ITEMS]}
+    if kind == "weights":
+        w = _object(v, name)
+        out = {"loaded": _int(w.get("loaded", 0), f"{name}.loaded")}
+        for key in ("reference_not_loaded", "candidate_own"):
+            out[key] = [_text(x, f"{name}.{key}")[:200] for x in _list(w.get(key, []), f"{name}.{key}")]
+        return out
+    if kind == "outputs":
+        return [_output(x, i, device_type) for i, x in enumerate(_list(v, name))]
+    if kind == "trace":
+        t = _object(v, name)
+        out = {"forbidden": [_text(x, f"{name}.forbidden")[:200] for x in _list(t.get("forbidden", []), f"{name}.forbidden")],
+               "extension_calls": _int(t.get("extension_calls", 0), f"{name}.extension_calls")}
+        if t.get("profiler_unavailable") is not None:
+            out["profiler_unavailable"] = _text(t["profiler_unavailable"], f"{name}.profiler_unavailable")[:300]
+        return out
+    raise ValueError(f"no field type {kind!r}")  # the table's own mistake, never a reply's
+
+
+def parse_reply(op: str, reply, seq: int, worker: str, device_type: str) -> dict:
+    """The reply to request `op` (number `seq`), typed: a dict of the listed fields that are
+    present (required ones always). Raises RuleBreak: the worker's own failure report (one of
+    WORKER_RULES), or `protocol` for anything that does not fit."""
+    if not isinstance(reply, dict):
+        raise h.RuleBreak("protocol", f"the {worker} worker's reply is not an object")
+    if reply.get("seq") != seq or type(reply.get("seq")) is not int:
+        raise h.RuleBreak("protocol", f"the {worker} worker answered a request it was not asked (seq {str(reply.get('seq'))[:40]!r}, expected {seq})")
+    ok = reply.get("ok")
+    if type(ok) is not bool:
+        raise h.RuleBreak("protocol", f"the {worker} worker's reply to {op} says neither success nor failure")
+    try:
+        if not ok:
+            rule = reply.get("rule")
+            if not isinstance(rule, str) or rule not in WORKER_RULES:
+                raise h.RuleBreak("protocol", f"the {worker} worker reported an unknown failure {str(rule)[:80]!r}")
+            text = _text(reply.get("message", ""), "the failure's message")[:4000]
+            if reply.get("traceback"):
+                text += "\n" + _text(reply["traceback"], "the failure's traceback")[-2000:]
+            raise h.RuleBreak(rule, text)
+        out = {}
+        for name, (kind, required) in REPLY_FIELDS[op].items():
+            if name not in reply or (reply[name] is None and not required):
+                if required:
+                    raise Malformed(f"{name} is missing")
+                continue
+            out[name] = _field(kind, reply[name], name, device_type)
+        return out
+    except Malformed as e:
+        raise h.RuleBreak("protocol", f"the {worker} worker's reply to {op}: {e}") from None
+    except RecursionError:
+        raise h.RuleBreak("protocol", f"the {worker} worker's reply to {op} is nested too deep") from None
+
+
 
 
 def worker_env() -> dict:
@@ -1118,6 +1323,9 @@ class Judge:
         self.regions: dict = {}
         self.input_bytes = 0  # of the last input set given to the workers
         self.input_shapes: list[tuple] = []
+        # The most bytes the reference's outputs have held (a bound on what a candidate's
+        # announcement may make the judge read).
+        self.reference_output_bytes = 0
         self.ref: WorkerLink | None = None
         self.cand: WorkerLink | None = None
 
@@ -1134,6 +1342,8 @@ class Judge:
         before its lease. The reference worker's hello is all of its setup (torch.compile's
         imports included when the baseline is wanted)."""
         self.set_stage("start of the workers")
+        for link in (self.ref, self.cand):
+            link.device_type = self.device.type
         self.ref.request({"op": "hello", "compile": bool(compile_too)}, setup_timeout)
         self.cand.request({"op": "ready"}, setup_timeout)
 
@@ -1195,51 +1405,64 @@ class Judge:
     # -- outputs ------------------------------------------------------------------------
 
     def outputs(self, link: WorkerLink, model: str, reply: dict) -> list:
-        """The outputs a reply announces, as tensors over the worker's memory (read-only on
-        CPU). Nothing in the reply is trusted beyond where to look: sizes are checked against
-        the region, and the file is found by the judge's own path, not the reply's."""
-        items = reply.get("outputs")
-        if not isinstance(items, list) or len(items) > 64:
-            raise h.RuleBreak("protocol", f"the {link.name} worker announced no output list")
+        """The outputs a reply announces (typed by parse_reply), as tensors over the worker's
+        memory (read-only on CPU). Nothing in the reply is trusted beyond where to look: sizes
+        are checked against the region, and the file is found by the judge's own path, not the
+        reply's. What does not fit is the candidate's `protocol` break; the reference worker's
+        is the evaluation's error."""
+        try:
+            out = self._outputs(link, model, reply["outputs"])
+        except h.RuleBreak as e:
+            if link is self.ref:
+                raise ReferenceFailure(f"the reference worker's outputs ({e.rule}): {e}") from e
+            raise
+        if link is self.ref:
+            self.reference_output_bytes = max(self.reference_output_bytes, sum(t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor)))
+        return out
+
+    def _outputs(self, link: WorkerLink, model: str, items: list) -> list:
+        if link is self.cand and self.reference_output_bytes:
+            # Copied into the judge's memory on CPU: a candidate announcing far more than the
+            # reference's outputs (a sparse file of 60 GiB) must not make the judge allocate it.
+            announced = sum(it.numel * it.dtype.itemsize for it in items if it.kind == "tensor")
+            if announced > 2 * self.reference_output_bytes + (1 << 20):
+                raise h.RuleBreak("wrong_output", f"the outputs hold {announced} bytes; the reference's hold {self.reference_output_bytes}")
         out = []
         file_region = None
         opened: dict = {}
         for i, it in enumerate(items):
-            if not isinstance(it, dict) or it.get("kind") not in ("tensor", "value"):
-                raise h.RuleBreak("protocol", f"output {i}: a malformed announcement")
-            if it["kind"] == "value":
-                out.append(it.get("value"))
+            if it.kind == "value":
+                out.append(it.value)
                 continue
-            if it.get("device") != self.device.type:
-                raise h.RuleBreak("wrong_output", f"output {i} is on {it.get('device')}, expected {self.device.type}")
-            dtype = h.dtype_of(str(it["dtype"]))
-            shape = [int(s) for s in it["shape"]]
-            numel = 1
-            for s in shape:
-                numel *= s
-            esize = torch.empty(0, dtype=dtype).element_size()
+            if it.device != self.device.type:
+                raise h.RuleBreak("wrong_output", f"output {i} is on {it.device}, expected {self.device.type}")
+            dtype, shape, numel = it.dtype, list(it.shape), it.numel
+            esize = dtype.itemsize
             if self.device.type == "cpu":
                 if file_region is None:
                     file_region = h.PeerFile(link.out_dir / f"out-{model}.bin", owner=link.uid)
                     link.opened.append(file_region)
-                off, nbytes = int(it["offset"]), int(it["nbytes"])
-                if nbytes != numel * esize or off < 0 or off % esize:
+                off, nbytes = it.offset, it.nbytes
+                if nbytes != numel * esize or off % esize:
                     raise h.RuleBreak("protocol", f"output {i}: announced bytes do not fit its region")
                 out.append(file_region.read(off, nbytes).view(dtype).view(shape))
             else:
-                stride = [int(s) for s in it["stride"]]
+                stride = list(it.stride)
                 if numel == 0:
                     out.append(torch.empty(shape, dtype=dtype, device=self.device))
                     continue
-                ipc = it["ipc"]
-                alloc_bytes, off = int(ipc["alloc_bytes"]), int(ipc["offset"])
+                alloc_bytes, off = it.ipc.alloc_bytes, it.ipc.offset
                 extent = (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * esize
-                if off < 0 or off % esize or off + extent > alloc_bytes or min(stride, default=0) < 0:
+                if off % esize or off + extent > alloc_bytes:
                     raise h.RuleBreak("protocol", f"output {i}: announced memory does not fit its allocation")
                 # Two outputs in one allocation share one mapping (a handle opens once).
-                region = opened.get(ipc["handle"])
+                region = opened.get(it.ipc.handle)
                 if region is None:
-                    region = opened[ipc["handle"]] = h.CudaRegion.open_peer(ipc["handle"], alloc_bytes, self.device)
+                    try:
+                        region = h.CudaRegion.open_peer(it.ipc.handle, alloc_bytes, self.device)
+                    except (RuntimeError, OSError, ValueError) as e:
+                        raise h.RuleBreak("protocol", f"output {i}: its memory could not be mapped ({str(e)[:200]})") from e
+                    opened[it.ipc.handle] = region
                     link.opened.append(region)
                 if region.nbytes < alloc_bytes:
                     raise h.RuleBreak("protocol", f"output {i}: two sizes announced for one allocation")
@@ -1275,6 +1498,15 @@ class Judge:
             err = {k: max(err[k], e[k]) for k in err}
         return err
 
+    def inputs_intact(self) -> None:
+        """Has the candidate's worker compare its inputs with the judge's (CPU, where they are
+        its private copy; on GPU they are the judge's own memory). Asked after the run's reply
+        and after its outputs are copied out (so nothing done meanwhile reaches them), out of
+        the timed call: the reference worker makes no such check, and inside the call it cost
+        the candidate alone up to a third of an elementwise task's time."""
+        if self.device.type == "cpu":
+            self.cand.request({"op": "inputs"}, self.call_timeout)
+
     # -- the evaluation -----------------------------------------------------------------
 
     def fresh_pair(self, seed: int, make, key: str, cand_dir: Path, ref_dir: Path) -> list:
@@ -1283,7 +1515,7 @@ class Judge:
         for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
             reply = link.request({"op": "model", "name": "check", "kind": kind, "seed": seed}, self.call_timeout)
             if link is self.cand:
-                link.weights = reply.get("weights") if isinstance(reply.get("weights"), dict) else None
+                link.weights = reply.get("weights")
         inputs = h.seeded_inputs(make, self.rng.getrandbits(62), self.device)
         self.give_inputs(inputs, key, cand_dir, ref_dir)
         del inputs
@@ -1301,13 +1533,17 @@ class Judge:
                 reply = self.cand.request({"op": "run", "model": "check", "trace": trace}, self.call_timeout)
             except h.RuleBreak as e:
                 raise h.RuleBreak(e.rule, f"{label}: {e}") from e
+            got = self.outputs(self.cand, "check", reply)
+            try:
+                self.inputs_intact()
+            except h.RuleBreak as e:
+                raise h.RuleBreak(e.rule, f"{label}: {e}") from e
             if trace:
                 t = reply.get("trace") or {}
                 if t.get("forbidden"):
                     raise h.RuleBreak("pytorch_compute", f"{label}: the forward dispatched PyTorch compute operators: {', '.join(map(str, t['forbidden']))}")
                 if not t.get("extension_calls"):
                     raise h.RuleBreak("no_custom_kernel", f"{label}: no compiled extension function was called in the forward")
-            got = self.outputs(self.cand, "check", reply)
             try:
                 errors.append(self.compare(want, got, label))
             except h.RuleBreak as e:
@@ -1350,6 +1586,7 @@ class Judge:
             label = f"an input set off the task's distribution (inputs centred, then {', '.join(moves)})"
             try:
                 got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
+                self.inputs_intact()
             except h.RuleBreak as e:
                 raise h.RuleBreak(e.rule, f"{label}: {e}") from e
             # At ten times the task's tolerance: moved inputs change the rounding of long sums
@@ -1371,6 +1608,7 @@ class Judge:
         want = self.fresh_pair(seed, self.task.get_inputs_alt, "main", cand_dir, ref_dir)
         try:
             got = self.outputs(self.cand, "check", self.cand.request({"op": "run", "model": "check"}, self.call_timeout))
+            self.inputs_intact()
             self.compare(want, got, "second input shape")
         except h.RuleBreak as e:
             if e.rule in ("wrong_output", "runtime_error", "precision"):
@@ -1458,6 +1696,9 @@ class Judge:
                     fingerprint = self.fingerprint(link, model, outs[name])
                 if timed:
                     times[name].append((t1 - t0) * 1e3)
+            # After the round's calls, not between them: the compare reads every input byte, and
+            # whoever was timed next would start on caches it left.
+            self.inputs_intact()
             try:
                 self.compare(outs["eager"], outs["candidate"], f"timed call {rounds + 1}", rule="timed_output")
             except h.RuleBreak as e:
@@ -1540,6 +1781,39 @@ def stats(xs: list[float]) -> dict:
     }
 
 
+# The milestone reward's rule, as the server applies it (env-server/src/reward.rs): a baseline
+# is beaten when the candidate's median time is more than 5% below the baseline's median, that
+# is a speedup (ratio of medians) above 1 / 0.95 = 1.0526. The noise band decides nothing.
+MILESTONE_MARGIN = 0.05
+
+
+def beats(candidate_ms: float | None, baseline_ms: float | None) -> bool:
+    """Whether the candidate beats a baseline by the reward's rule (a missing time: no)."""
+    return candidate_ms is not None and baseline_ms is not None and baseline_ms > 0 and (baseline_ms - candidate_ms) / baseline_ms > MILESTONE_MARGIN
+
+
+def milestone(correct: bool, candidate_ms: float | None, eager_ms: float | None, compile_ms: float | None) -> int:
+    """The reward: -1 incorrect, 1 correct, 2 beats eager, 3 beats eager and torch.compile."""
+    if not correct:
+        return -1
+    if not beats(candidate_ms, eager_ms):
+        return 1
+    return 3 if beats(candidate_ms, compile_ms) else 2
+
+
+def milestone_note(candidate_ms: float, baseline_ms: float, band: tuple[float, float] | None) -> str:
+    """What the candidate's time against one baseline means for the reward (decided by beats,
+    the rule itself), and whether the speedup's band says another evaluation could land on
+    the other side of the threshold."""
+    threshold = 1.0 / (1.0 - MILESTONE_MARGIN)
+    reached = beats(candidate_ms, baseline_ms)
+    text = ("more than 5% faster on the medians: milestone reached" if reached
+            else "not more than 5% faster on the medians: no milestone")
+    if band is not None and band[0] <= threshold < band[1]:
+        text += f" (the band straddles {threshold:.3f}: another evaluation may {'not reach it' if reached else 'reach it'})"
+    return text
+
+
 def speedup_band(base: list[float], cand: list[float], rng: random.Random, resamples: int = 400) -> dict:
     """The speedup (ratio of medians) and a 90% band from resampling the paired rounds."""
     ratio = statistics.median(base) / statistics.median(cand)
@@ -1571,6 +1845,25 @@ class Options:
     allow_ops: str | None = None
     max_cv: float = 0.5
     static: bool = True
+
+
+def _json_safe(v):
+    """`v` as the server's JSON reader takes it: non-finite numbers as null, text without lone
+    surrogates."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, str):
+        return v.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(v, dict):
+        return {_json_safe(str(k)): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def verdict_json(result: dict) -> str:
+    """The verdict as one line of strict JSON (whatever text or numbers reached it)."""
+    return json.dumps(_json_safe(result), allow_nan=False)
 
 
 def wait_for_go() -> None:

@@ -15,7 +15,6 @@ last one). Prints one JSON object on stdout (and writes it to --out when given).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -70,7 +69,7 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - the judge's own failure, never the candidate's verdict
         tb = traceback.format_exc()
         result = {"correct": False, "rule": "harness_error", "reason": f"harness_error: {type(e).__name__}: {e}\n{tb[-1500:]}", "traceback": tb[-4000:]}
-    text = json.dumps(result)
+    text = judge.verdict_json(result)
     if args.out:
         Path(args.out).write_text(text)
     sys.stdout.write(text + "\n")
