@@ -1,18 +1,67 @@
 #!/usr/bin/env bash
 # Runs every test: Rust unit, integration and end-to-end tests, against the real sandbox and
 # real PyTorch (CPU). Installs what it needs (the Python venv with torch) on first use.
+#
+#   scripts/test.sh                 every test (what CI runs)
+#   scripts/test.sh --quick         every crate's unit tests, one evaluation end to end and one
+#                                   red-team case of each class (a few minutes)
+#   scripts/test.sh -p env-server   other arguments go to `cargo test`
+#
+# Each phase prints its time on stderr.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+quick=0
+if [ "${1:-}" = --quick ]; then
+  quick=1
+  shift
+fi
+phase() {
+  local name="$1" start=$SECONDS status=0
+  shift
+  "$@" || status=$?
+  echo "test.sh: $name: $((SECONDS - start)) s (exit status $status)" >&2
+  return "$status"
+}
 venv="$(scripts/python-env.sh)"
 export CUDA_AGENT_PYTHON="$venv/bin/python"
 # Servers the tests start build no precompiled headers unless a test asks (`--pch`).
 export CUDA_AGENT_PCH=none
 echo "python: $CUDA_AGENT_PYTHON ($("$CUDA_AGENT_PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
-cargo test --workspace --locked "$@"
-# The Python tests start the server binary cargo just built, wherever its target dir is.
-export CUDA_AGENT_SERVER_BIN="${CUDA_AGENT_SERVER_BIN:-$(cargo metadata --format-version 1 --no-deps --locked | "$CUDA_AGENT_PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/env-server}"
-# The Python client against the real server binary cargo just built, the judge's rules, and the
-# red-team corpus of adversarial and legitimate candidates (CPU ones; torch.compile is left out
-# of the corpus's timing there: it is one more contestant and changes no verdict).
-"$CUDA_AGENT_PYTHON" -m pytest -q tests/python
-REDTEAM_NO_COMPILE=1 "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam
+target="$(cargo metadata --format-version 1 --no-deps --locked | "$CUDA_AGENT_PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+# The Python tests start the server binary cargo builds for the tests, wherever its target dir is.
+export CUDA_AGENT_SERVER_BIN="${CUDA_AGENT_SERVER_BIN:-$target/debug/env-server}"
+# The red-team corpus leaves torch.compile out of its timing on CPU: it is one more contestant
+# and changes no verdict.
+export REDTEAM_NO_COMPILE=1
+
+if [ "$quick" = 1 ]; then
+  # --workspace throughout: the features cargo resolves, and so the build, are the full run's.
+  phase "unit tests" cargo test --workspace --locked --lib --bins "$@"
+  # The end-to-end evaluation (mostly one compiler on one core) runs beside the red-team sample;
+  # its output follows when both are done.
+  e2e_log="$(mktemp)"
+  trap 'rm -f "$e2e_log"' EXIT
+  phase "one evaluation end to end" cargo test --workspace --locked --test episode -- --exact an_episode_with_every_tool_then_submit >"$e2e_log" 2>&1 &
+  e2e=$!
+  redteam=0
+  # The extensions the cases build are kept in the target dir between quick runs.
+  REDTEAM_EXT_DIR="$target/redteam-torch-extensions" \
+    phase "red-team, one case per class" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam/test_redteam.py --one-per-class || redteam=$?
+  e2e_status=0
+  wait "$e2e" || e2e_status=$?
+  cat "$e2e_log"
+  [ "$redteam" = 0 ] && [ "$e2e_status" = 0 ]
+  exit
+fi
+
+# The learning test runs the trainer as a release binary (its ML code is 40-55x slower in
+# debug); built here once, not by the test.
+phase "release trainer build" cargo build --release --locked -p trainer --bin trainer
+export CUDA_AGENT_TRAINER_BIN="$target/release/trainer"
+phase "cargo test" cargo test --workspace --locked "$@"
+# The Python client against the real server binary cargo just built and the judge's rules, a
+# test file per core at a time (a file's module fixtures, its server or its extension build,
+# stay in one process); then the red-team corpus of adversarial and legitimate candidates (CPU
+# ones), several cases at a time.
+phase "python tests" "$CUDA_AGENT_PYTHON" -m pytest -q -n auto --dist loadfile tests/python
+phase "red-team corpus" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam

@@ -6,8 +6,9 @@
 //! pre-training; multi-turn PPO then trains on the policy's own rollouts; the single-turn
 //! warm-up runs too. The policy's mean reward is measured before and after.
 //!
-//! The trainer is built in release (ML code is ~50x slower in debug); the server binary is the
-//! test profile's.
+//! The trainer runs as a release binary (ML code is 40-55x slower in debug), which this test
+//! does not build: `CUDA_AGENT_TRAINER_BIN` names it, as scripts/test.sh sets it after
+//! `cargo build --release -p trainer`. The server binary is the test profile's.
 
 mod server;
 
@@ -25,19 +26,16 @@ const WORDS: [&str; 8] = [
     "red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl",
 ];
 
+/// The release trainer binary scripts/test.sh built before the tests.
 fn trainer_release() -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    let target = exe
-        .parent()
-        .and_then(Path::parent)
-        .and_then(Path::parent)
-        .expect("target dir");
-    let ok = Command::new(env!("CARGO"))
-        .args(["build", "--release", "-p", "trainer", "--bin", "trainer"])
-        .status()
-        .expect("cargo build");
-    assert!(ok.success(), "building the trainer failed");
-    target.join("release").join("trainer")
+    let bin = std::env::var_os("CUDA_AGENT_TRAINER_BIN").map(PathBuf::from);
+    match bin {
+        Some(bin) if bin.is_file() => bin,
+        _ => panic!(
+            "CUDA_AGENT_TRAINER_BIN must name a release trainer binary (scripts/test.sh builds \
+             one: cargo build --release -p trainer, then target/release/trainer); got {bin:?}"
+        ),
+    }
 }
 
 fn run_trainer(bin: &Path, args: &[&str]) -> String {
@@ -182,6 +180,7 @@ fn reward_of(summary: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn four_stages_raise_the_reward_of_a_tiny_policy() {
+    let bin = trainer_release();
     let mut dir = tempfile::tempdir().unwrap();
     // LEARNING_KEEP=1 keeps the run directory for inspection.
     if std::env::var_os("LEARNING_KEEP").is_some() {
@@ -190,7 +189,6 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
     }
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
     let (good, flawed) = demonstrations(&server.client()).await;
-    let bin = tokio::task::spawn_blocking(trainer_release).await.unwrap();
     let model = tiny_model(dir.path());
     let seed = std::env::var("LEARNING_SEED")
         .ok()

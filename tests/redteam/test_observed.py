@@ -6,7 +6,8 @@ OpenMP, ATen's parallel_for, a strided output the worker copies, an integer outp
 Runs through a real server binary (`CUDA_AGENT_SERVER_BIN`, as scripts/test.sh sets it), since
 the observation is the server's: it samples the workers' threads with the kernel's perf events,
 which needs root. Where the kernel refuses, the server says so in `details.observed` and these
-tests are skipped with that reason."""
+tests are skipped with that reason. The cases go to the server REDTEAM_JOBS at a time (it builds
+them at once and times one at a time per device)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from corpus import judge, load_cases, run_case_server, start_server
+from pool import Pool, selected_params
 
 CASES = {c.name: c for c in load_cases()}
 # (disable_dispatch_modes_obfuscated left this list when the worker's trace took the profiler's
@@ -39,6 +41,17 @@ def server():
     shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def outcomes(request, server):
+    """The selected cases' verdicts from the server, requested as the module begins."""
+    pool = Pool()
+    for test_name in ("test_hidden_pytorch_compute_is_observed", "test_legitimate_candidates_stay_clear"):
+        for name in selected_params(request.session, test_name, "name"):
+            pool.submit(name, run_case_server, CASES[name], server)
+    yield pool
+    pool.close()
+
+
 def observed(result: dict) -> dict:
     obs = (result.get("details") or {}).get("observed")
     if result.get("correct") is None:
@@ -47,9 +60,8 @@ def observed(result: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", HIDDEN)
-def test_hidden_pytorch_compute_is_observed(server, name):
-    case = CASES[name]
-    result = run_case_server(case, server).result
+def test_hidden_pytorch_compute_is_observed(outcomes, name):
+    result = outcomes.result(name).result
     obs = observed(result)
     if result.get("correct") and not obs.get("available"):
         pytest.skip(f"the server could not observe: {obs.get('reason')}")
@@ -59,10 +71,9 @@ def test_hidden_pytorch_compute_is_observed(server, name):
 
 
 @pytest.mark.parametrize("name", LEGIT)
-def test_legitimate_candidates_stay_clear(server, name):
-    case = CASES[name]
-    result = run_case_server(case, server).result
-    held, why = judge(case, result)
+def test_legitimate_candidates_stay_clear(outcomes, name):
+    result = outcomes.result(name).result
+    held, why = judge(CASES[name], result)
     assert held, f"{name}: {why}\n{result}"
     obs = observed(result)
     if obs.get("available") and obs.get("kernel_time_threshold") is not None:
