@@ -708,7 +708,11 @@ class _PyFile:
                 tree = ast.parse(s[0])
             except (SyntaxError, ValueError, RecursionError, MemoryError):
                 self.refuse(node, self.source(node), "exec", f)
-            _PyFile(self.c, self.path, tree, line_offset=node.lineno - 1 + self.offset, depth=self.depth + 1).check()
+            inner = _PyFile(self.c, self.path, tree, line_offset=node.lineno - 1 + self.offset, depth=self.depth + 1)
+            # The code runs among this file's names: `import torch` here, `torch.compile` there.
+            inner.aliases = {k: set(v) for k, v in self.aliases.items()}
+            inner.consts = dict(self.consts)
+            inner.check()
         elif f == "builtins.vars" and node.args and self._library(self.qual(node.args[0])):
             self.refuse(node, self.source(node), "patch", self.qual(node.args[0]))
         if isinstance(node.func, ast.Attribute) and node.func.attr == "numpy":

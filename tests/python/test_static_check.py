@@ -128,6 +128,7 @@ ATTACKS = [
     ("import ctypes\nlibc = ctypes.CDLL(None)\nr = getattr(libc, 'pt' + 'race')\n", "ptrace"),
     # code from strings
     ("exec('import sys\\nf = sys._getframe(0)')\n", "sys._getframe"),
+    ("import torch\nexec('f = torch.compile(lambda x: x)')\n", "torch.compile"),
     ("import base64\nexec(base64.b64decode('aW1wb3J0IHN5cw=='))\n", "exec"),
     ("run = exec\n", "exec"),
     ("import builtins\ngetattr(builtins, 'ex' + 'ec')('x = 1')\n", "builtins.exec"),
