@@ -410,12 +410,27 @@ impl Pch {
             .join(format!("{name}.gch"))
     }
 
-    /// The compiler with torch's extension flags and the variant's own `flags`.
+    /// The compiler with torch's extension flags and the variant's own `flags`, in a process
+    /// group of its own ([`run_compiler`] runs it).
     fn compiler(&self, flags: &str, path: &std::ffi::OsStr) -> Command {
+        use std::os::unix::process::CommandExt;
         let mut c = Command::new(&self.flags.cxx);
         c.args(&self.flags.cflags)
             .args(flags.split_whitespace())
-            .env("PATH", path);
+            .env("PATH", path)
+            .process_group(0);
+        // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the
+        // parent's; the closure runs in the child between fork and exec.
+        unsafe {
+            c.pre_exec(|| {
+                // The driver ends with the thread that started it (a server killed outright);
+                // its own children (cc1plus) are ended by [`stop_compilers`].
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         c
     }
 
@@ -438,14 +453,12 @@ impl Pch {
         };
         // Written beside the directory gcc reads, then renamed in: never seen half made.
         let tmp = self.dir.join("torch").join(scratch_name("variant", "tmp"));
-        let run = self
-            .compiler(flags, path)
-            .args(["-x", "c++-header"])
+        let mut cmd = self.compiler(flags, path);
+        cmd.args(["-x", "c++-header"])
             .arg(&self.flags.header)
             .arg("-o")
-            .arg(&tmp)
-            .output()
-            .map_err(|e| io(Path::new(&self.flags.cxx), e))?;
+            .arg(&tmp);
+        let run = run_compiler(cmd).map_err(|e| io(Path::new(&self.flags.cxx), e))?;
         if !run.status.success() {
             let _ = std::fs::remove_file(&tmp);
             return Err(PchError::Compile {
@@ -478,21 +491,58 @@ impl Pch {
             path: src.clone(),
             source: e,
         })?;
-        let run = self
-            .compiler(flags, path)
-            .args(["-fsyntax-only", "-H", "-DTORCH_EXTENSION_NAME=probe"])
+        let mut cmd = self.compiler(flags, path);
+        cmd.args(["-fsyntax-only", "-H", "-DTORCH_EXTENSION_NAME=probe"])
             .arg(&src)
-            .env("CPATH", &self.dir)
-            .output()
-            .map_err(|e| PchError::Io {
-                path: PathBuf::from(&self.flags.cxx),
-                source: e,
-            })?;
+            .env("CPATH", &self.dir);
+        let run = run_compiler(cmd).map_err(|e| PchError::Io {
+            path: PathBuf::from(&self.flags.cxx),
+            source: e,
+        })?;
         let _ = std::fs::remove_file(&src);
         let err = String::from_utf8_lossy(&run.stderr);
         Ok(err
             .lines()
             .any(|l| l.starts_with("! ") && l.contains("extension.h.gch")))
+    }
+}
+
+/// Process groups of the compilers running for the precompiled headers.
+static COMPILERS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+/// Runs a compiler made by [`Pch::compiler`] to its end, its process group known to
+/// [`stop_compilers`] meanwhile.
+fn run_compiler(mut cmd: Command) -> std::io::Result<std::process::Output> {
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = cmd.spawn()?;
+    let group = child.id() as i32;
+    COMPILERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(group);
+    let out = child.wait_with_output();
+    COMPILERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|g| *g != group);
+    out
+}
+
+/// Ends every compiler still precompiling headers, with all its processes: a precompile
+/// takes a core-minute, and a stopped server's must not run on, orphaned. Called as the
+/// server stops.
+pub fn stop_compilers() {
+    for group in COMPILERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain(..)
+    {
+        // SAFETY: killpg only sends a signal, to a process group this server made.
+        unsafe {
+            libc::killpg(group, libc::SIGKILL);
+        }
     }
 }
 

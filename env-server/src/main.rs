@@ -328,6 +328,8 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let counters = Arc::clone(&state.http);
     env_server::http::serve(listener, router(state), http, counters, shutdown_signal()).await?;
+    // A header precompile still running would outlive the server otherwise.
+    env_server::build::stop_compilers();
     tracing::info!("stopped");
     Ok(())
 }

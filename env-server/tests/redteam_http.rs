@@ -1334,3 +1334,52 @@ async fn admission_is_bounded_by_the_host() {
         "{max_commands} commands of {per_command} processes against pid_max {pid_max}"
     );
 }
+
+/// Processes (the compiler's driver and its cc1plus) precompiling the torch headers for the
+/// server under `data_dir`.
+fn header_compilers(data_dir: &std::path::Path) -> Vec<u32> {
+    let pch = data_dir.join("pch").display().to_string();
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+                .is_ok_and(|c| c.contains(&pch))
+        })
+        .collect()
+}
+
+/// The server precompiles torch's headers in the background (a core-minute each); a server
+/// stopped meanwhile left its compiler running, orphaned. It ends with the server.
+#[test]
+fn the_header_precompile_ends_with_the_server() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut child, _addr) = start_binary(dir.path(), &["--pch", "-O3"], &[]);
+    let data = dir.path().join("data");
+    let started = Instant::now();
+    while header_compilers(&data).is_empty() {
+        assert!(
+            started.elapsed() < BOUND,
+            "no header precompile started: {}",
+            std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: kill sends a signal to the server this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let _ = child.wait();
+    let stopped = Instant::now();
+    loop {
+        let left = header_compilers(&data);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            stopped.elapsed() < BOUND,
+            "the compiler outlived the server: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
