@@ -105,6 +105,9 @@ pub struct RolloutSection {
     pub failure_reward: f32,
     /// Conversations sampled together in one batched generation.
     pub generation_batch: usize,
+    /// Memory for live conversations' keys and values kept between turns, in GiB (each turn
+    /// then prefills only what it added); past it, the least recently continued lose theirs.
+    pub kv_cache_gib: f64,
 }
 
 impl Default for RolloutSection {
@@ -125,6 +128,7 @@ impl Default for RolloutSection {
             max_observation_tokens: 4096,
             failure_reward: -1.0,
             generation_batch: 32,
+            kv_cache_gib: 16.0,
         }
     }
 }

@@ -62,7 +62,22 @@ pub fn rft_verdict(s: &Sample, min_reward: f32, max_tokens: usize) -> Result<(),
     Ok(())
 }
 
-/// Whether some edit reverses an earlier one on the same file: a MultiEdit whose
+/// A call's arguments in the one form every log source agrees on: an object. Clients that
+/// follow OpenAI's wire format (agent-runner among them) send and log `arguments` as a JSON
+/// string; the trainer's own turns and MCP clients give the object. A string that holds an
+/// object becomes that object; anything else is left as it is (and fails the calls' checks
+/// like any malformed argument).
+pub fn canonical_arguments(arguments: Value) -> Value {
+    match &arguments {
+        Value::String(text) => match serde_json::from_str::<Value>(text) {
+            Ok(object @ Value::Object(_)) => object,
+            _ => arguments,
+        },
+        _ => arguments,
+    }
+}
+
+/// Whether some edit reverses an earlier one on the same file: an Edit or a MultiEdit whose
 /// (old, new) pair is an earlier pair swapped, or a Write that restores the content the file
 /// had before its previous Write.
 fn has_undone_edit(turns: &[TurnRecord]) -> bool {
@@ -79,13 +94,17 @@ fn has_undone_edit(turns: &[TurnRecord]) -> bool {
             .unwrap_or("")
             .to_string();
         match tool {
-            "MultiEdit" => {
-                let edits = t
-                    .arguments
-                    .get("edits")
-                    .and_then(Value::as_array)
-                    .cloned()
-                    .unwrap_or_default();
+            "Edit" | "MultiEdit" => {
+                // An Edit is a MultiEdit of one pair.
+                let edits = match tool {
+                    "Edit" => vec![t.arguments.clone()],
+                    _ => t
+                        .arguments
+                        .get("edits")
+                        .and_then(Value::as_array)
+                        .cloned()
+                        .unwrap_or_default(),
+                };
                 let seen = pairs.entry(file).or_default();
                 for e in edits {
                     let old = e
@@ -181,7 +200,7 @@ pub fn sample_from_log(
     });
     for body in steps {
         let tool = body.action.tool.as_str();
-        let arguments = body.action.arguments.clone();
+        let arguments = canonical_arguments(body.action.arguments.clone());
         let step = &body.response;
         let call = renderer.call_tokens(tool, &arguments)?;
         s.push_policy(&call, None);

@@ -95,108 +95,257 @@ pub fn generate_observed<B: Backend>(
     device: &B::Device,
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Vec<Generation> {
-    let n = prompts.len();
-    let mut out: Vec<Generation> = (0..n)
-        .map(|_| Generation {
-            tokens: Vec::new(),
-            logprobs: Vec::new(),
-            finish: FinishReason::Length,
+    let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let run = Sampling {
+        lm,
+        arch,
+        params,
+        tokenizer,
+        device,
+    };
+    let cache = KvCache::new(arch.config.num_hidden_layers);
+    run.sample(cache, &prompts, seed, on_token, false).0
+}
+
+/// A conversation's keys and values kept between its turns, so that the next turn prefills
+/// only what was added since (the tokens are the ones sampled and rendered, never text
+/// encoded again, so the prefix matches token for token).
+pub struct PrefixCache<B: Backend> {
+    tokens: Vec<u32>,
+    cache: KvCache<B>,
+}
+
+impl<B: Backend> PrefixCache<B> {
+    /// The token ids whose keys and values are held, in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+/// What [`generate_continuing`] returns.
+pub struct Continued<B: Backend> {
+    /// One generation per context.
+    pub generations: Vec<Generation>,
+    /// Each conversation's cache after its turn, to hand back with its next context.
+    pub caches: Vec<PrefixCache<B>>,
+    /// Tokens run through the model before sampling (the new part of each context).
+    pub prefilled_tokens: usize,
+    /// Context tokens taken from the caches instead.
+    pub reused_tokens: usize,
+}
+
+/// [`generate`] for conversations that continue: row `i` reuses `prefixes[i]` for the part
+/// of `contexts[i]` it holds (the longest common prefix; a cache that diverged is cut there)
+/// and prefills only the rest. The result is what [`generate`] gives from scratch, up to
+/// floating-point order.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_continuing<B: Backend>(
+    lm: &CausalLm<B>,
+    arch: &Architecture<B>,
+    contexts: &[Vec<u32>],
+    prefixes: Vec<Option<PrefixCache<B>>>,
+    params: &SamplingParams,
+    tokenizer: Option<&TextTokenizer>,
+    seed: u64,
+    device: &B::Device,
+) -> Continued<B> {
+    let layers = arch.config.num_hidden_layers;
+    let (mut prefilled_tokens, mut reused_tokens) = (0, 0);
+    let mut rows = Vec::with_capacity(contexts.len());
+    let mut suffixes = Vec::with_capacity(contexts.len());
+    let mut prefixes = prefixes.into_iter();
+    for ctx in contexts {
+        let (mut cache, tokens) = match prefixes.next().flatten() {
+            Some(p) => (p.cache, p.tokens),
+            None => (KvCache::new(layers), Vec::new()),
+        };
+        // At least one token is fed, whose logits the first sample is drawn from.
+        let common = tokens
+            .iter()
+            .zip(ctx)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(ctx.len().saturating_sub(1));
+        if common == 0 {
+            cache = KvCache::new(layers);
+        } else {
+            cache.truncate(common);
+        }
+        reused_tokens += common;
+        prefilled_tokens += ctx.len() - common;
+        rows.push(cache);
+        suffixes.push(&ctx[common..]);
+    }
+    let run = Sampling {
+        lm,
+        arch,
+        params,
+        tokenizer,
+        device,
+    };
+    let cache = KvCache::stack(rows, layers, device);
+    let (generations, ended) = run.sample(cache, &suffixes, seed, &mut |_, _| {}, true);
+    let caches = contexts
+        .iter()
+        .zip(&generations)
+        .zip(ended)
+        .map(|((ctx, g), cache)| {
+            let fed = g.tokens.len().saturating_sub(1);
+            let tokens: Vec<u32> = ctx.iter().chain(&g.tokens[..fed]).copied().collect();
+            let cache = cache.unwrap_or_else(|| KvCache::new(layers));
+            debug_assert_eq!(cache.len(), tokens.len());
+            PrefixCache { tokens, cache }
         })
         .collect();
-    if n == 0 || params.max_new_tokens == 0 {
-        return out;
+    Continued {
+        generations,
+        caches,
+        prefilled_tokens,
+        reused_tokens,
     }
-    let mut rng = ReplayRng::new(seed);
-    let max_len = prompts.iter().map(Vec::len).max().unwrap_or(0).max(1);
-    let mut ids = Vec::with_capacity(n * max_len);
-    let mut valid = Vec::with_capacity(n * max_len);
-    for p in prompts {
-        let pad = max_len - p.len();
-        ids.extend(std::iter::repeat_n(0i32, pad).chain(p.iter().map(|&t| t as i32)));
-        valid.extend(std::iter::repeat_n(false, pad).chain(std::iter::repeat_n(true, p.len())));
-    }
-    let mut cache = KvCache::new(arch.config.num_hidden_layers);
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, max_len]), device);
-    let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [n, max_len]), device);
-    let mut last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
-    let vocab = last.dims()[1];
-    // Rows still generating, as indices into `out`.
-    let mut live: Vec<usize> = (0..n).collect();
-    // Sampling from the whole distribution (PPO's default) and greedy decoding choose on the
-    // device and bring back a few numbers per row; top-k / top-p bring back whole rows.
-    let on_device = params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0);
-    for step in 0..params.max_new_tokens {
-        let rows = live.len();
-        // In f32 whatever the model's precision: a bf16 log-softmax over a large vocabulary
-        // is too coarse to sample from.
-        let last32 = last.cast(FloatDType::F32);
-        let scaled = if params.temperature > 0.0 {
-            last32 / params.temperature
-        } else {
-            last32
-        };
-        let lp = log_softmax_last(scaled);
-        let picks: Vec<(usize, f32)> = if on_device {
-            if params.temperature <= 0.0 {
-                greedy_on_device(lp)
+}
+
+/// One call's model, settings and device.
+struct Sampling<'a, B: Backend> {
+    lm: &'a CausalLm<B>,
+    arch: &'a Architecture<B>,
+    params: &'a SamplingParams,
+    tokenizer: Option<&'a TextTokenizer>,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> Sampling<'_, B> {
+    /// Continues each row of `cache` with its `prompts` row (left-padded internally), then
+    /// samples. With `keep_rows`, also returns each row's cache as it ended: every token fed
+    /// to the model, which is all but the last one sampled.
+    fn sample(
+        &self,
+        mut cache: KvCache<B>,
+        prompts: &[&[u32]],
+        seed: u64,
+        on_token: &mut dyn FnMut(usize, u32),
+        keep_rows: bool,
+    ) -> (Vec<Generation>, Vec<Option<KvCache<B>>>) {
+        let Sampling {
+            lm,
+            arch,
+            params,
+            tokenizer,
+            device,
+        } = *self;
+        let n = prompts.len();
+        let mut ended: Vec<Option<KvCache<B>>> = (0..n).map(|_| None).collect();
+        let mut out: Vec<Generation> = (0..n)
+            .map(|_| Generation {
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                finish: FinishReason::Length,
+            })
+            .collect();
+        if n == 0 || params.max_new_tokens == 0 {
+            return (out, ended);
+        }
+        let mut rng = ReplayRng::new(seed);
+        let max_len = prompts.iter().map(|p| p.len()).max().unwrap_or(0).max(1);
+        let mut ids = Vec::with_capacity(n * max_len);
+        let mut valid = Vec::with_capacity(n * max_len);
+        for p in prompts {
+            let pad = max_len - p.len();
+            ids.extend(std::iter::repeat_n(0i32, pad).chain(p.iter().map(|&t| t as i32)));
+            valid.extend(std::iter::repeat_n(false, pad).chain(std::iter::repeat_n(true, p.len())));
+        }
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, max_len]), device);
+        let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [n, max_len]), device);
+        let mut last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
+        let vocab = last.dims()[1];
+        // Rows still generating, as indices into `out`.
+        let mut live: Vec<usize> = (0..n).collect();
+        // Sampling from the whole distribution (PPO's default) and greedy decoding choose on the
+        // device and bring back a few numbers per row; top-k / top-p bring back whole rows.
+        let on_device = params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0);
+        for step in 0..params.max_new_tokens {
+            let rows = live.len();
+            // In f32 whatever the model's precision: a bf16 log-softmax over a large vocabulary
+            // is too coarse to sample from.
+            let last32 = last.cast(FloatDType::F32);
+            let scaled = if params.temperature > 0.0 {
+                last32 / params.temperature
             } else {
-                let us: Vec<f64> = (0..rows).map(|_| rng.unit_f64()).collect();
-                draw_on_device(lp, &us)
-            }
-        } else {
-            let host: Vec<f32> = lp.into_data().convert::<f32>().to_vec().unwrap_or_default();
-            (0..rows)
-                .map(|r| {
-                    let row = &host[r * vocab..(r + 1) * vocab];
-                    let tok = pick(row, params, &mut rng);
-                    (tok, row[tok])
-                })
-                .collect()
-        };
-        let mut next = Vec::with_capacity(rows);
-        let mut keep = Vec::with_capacity(rows);
-        for (r, (&seq, &(tok, logprob))) in live.iter().zip(&picks).enumerate() {
-            let g = &mut out[seq];
-            g.tokens.push(tok as u32);
-            on_token(seq, tok as u32);
-            g.logprobs.push(logprob);
-            let mut done = None;
-            if params.stop_token_ids.contains(&(tok as u32)) {
-                done = Some(FinishReason::StopToken);
-            } else if let (Some(tk), false) = (tokenizer, params.stop_strings.is_empty()) {
-                // Only the tail can newly complete a stop string.
-                let from = g.tokens.len().saturating_sub(32);
-                let tail = tk.decode(&g.tokens[from..]);
-                if params
-                    .stop_strings
-                    .iter()
-                    .any(|s| tail.contains(s.as_str()))
-                {
-                    done = Some(FinishReason::StopString);
+                last32
+            };
+            let lp = log_softmax_last(scaled);
+            let picks: Vec<(usize, f32)> = if on_device {
+                if params.temperature <= 0.0 {
+                    greedy_on_device(lp)
+                } else {
+                    let us: Vec<f64> = (0..rows).map(|_| rng.unit_f64()).collect();
+                    draw_on_device(lp, &us)
+                }
+            } else {
+                let host: Vec<f32> = lp.into_data().convert::<f32>().to_vec().unwrap_or_default();
+                (0..rows)
+                    .map(|r| {
+                        let row = &host[r * vocab..(r + 1) * vocab];
+                        let tok = pick(row, params, &mut rng);
+                        (tok, row[tok])
+                    })
+                    .collect()
+            };
+            let mut next = Vec::with_capacity(rows);
+            let mut keep = Vec::with_capacity(rows);
+            for (r, (&seq, &(tok, logprob))) in live.iter().zip(&picks).enumerate() {
+                let g = &mut out[seq];
+                g.tokens.push(tok as u32);
+                on_token(seq, tok as u32);
+                g.logprobs.push(logprob);
+                let mut done = None;
+                if params.stop_token_ids.contains(&(tok as u32)) {
+                    done = Some(FinishReason::StopToken);
+                } else if let (Some(tk), false) = (tokenizer, params.stop_strings.is_empty()) {
+                    // Only the tail can newly complete a stop string.
+                    let from = g.tokens.len().saturating_sub(32);
+                    let tail = tk.decode(&g.tokens[from..]);
+                    if params
+                        .stop_strings
+                        .iter()
+                        .any(|s| tail.contains(s.as_str()))
+                    {
+                        done = Some(FinishReason::StopString);
+                    }
+                }
+                match done {
+                    Some(reason) => g.finish = reason,
+                    None => {
+                        keep.push(r);
+                        next.push(tok as i32);
+                    }
                 }
             }
-            match done {
-                Some(reason) => g.finish = reason,
-                None => {
-                    keep.push(r);
-                    next.push(tok as i32);
+            let last_step = keep.is_empty() || step + 1 == params.max_new_tokens;
+            if keep_rows {
+                for r in 0..rows {
+                    if last_step || !keep.contains(&r) {
+                        ended[live[r]] = Some(cache.row(r, device));
+                    }
                 }
             }
+            if last_step {
+                break;
+            }
+            if keep.len() < rows {
+                cache.retain(&keep, device);
+            }
+            live = keep.iter().map(|&r| live[r]).collect();
+            let rows = live.len();
+            let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
+            let valid = Tensor::<B, 2, Bool>::from_data(
+                TensorData::new(vec![true; rows], [rows, 1]),
+                device,
+            );
+            last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
         }
-        if keep.is_empty() || step + 1 == params.max_new_tokens {
-            break;
-        }
-        if keep.len() < rows {
-            cache.retain(&keep, device);
-        }
-        live = keep.iter().map(|&r| live[r]).collect();
-        let rows = live.len();
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
-        let valid =
-            Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; rows], [rows, 1]), device);
-        last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
+        (out, ended)
     }
-    out
 }
 
 /// Width of the blocks of [`draw_on_device`]'s two-stage draw.

@@ -213,6 +213,13 @@ pub struct Throughput {
     pub tokens_per_min: f64,
     /// Policy tokens per minute.
     pub policy_tokens_per_min: f64,
+    /// Context tokens the policy prefilled during the rollout (with caches kept across
+    /// turns, only what each turn added).
+    #[serde(default)]
+    pub prefilled_tokens: usize,
+    /// Context tokens taken from caches kept across turns instead.
+    #[serde(default)]
+    pub reused_tokens: usize,
     /// Seconds per phase.
     pub time_s: TimeSplit,
 }

@@ -7,9 +7,11 @@ use burn::tensor::backend::Backend;
 use crate::chat::ChatTemplate;
 use crate::config::ModelSection;
 use crate::error::{ModelError, TrainError};
-use crate::generate::{generate, Generation, SamplingParams};
+use std::collections::HashMap;
+
+use crate::generate::{generate, generate_continuing, Generation, PrefixCache, SamplingParams};
 use crate::model::{Architecture, CausalLm, ModelConfig};
-use crate::rollout::Generator;
+use crate::rollout::{Generator, TurnBatch};
 use crate::tokenizer::TextTokenizer;
 
 /// A checkpoint loaded for training.
@@ -72,19 +74,106 @@ fn has_weights(dir: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// The policy sampling turns for rollouts (on a non-autodiff backend).
+/// The policy sampling turns for rollouts (on a non-autodiff backend). It keeps each live
+/// conversation's keys and values between turns, within a budget of cached tokens; past it,
+/// the least recently continued conversations lose theirs and prefill again next turn.
 pub struct PolicyGenerator<'a, B: Backend> {
-    /// Weights.
-    pub lm: &'a CausalLm<B>,
-    /// Config and RoPE tables.
-    pub arch: &'a Architecture<B>,
-    /// For stop strings.
-    pub tokenizer: &'a TextTokenizer,
-    /// Where it runs.
-    pub device: B::Device,
+    lm: &'a CausalLm<B>,
+    arch: &'a Architecture<B>,
+    tokenizer: &'a TextTokenizer,
+    device: B::Device,
+    /// Kept caches by conversation, with the call that last continued each.
+    prefixes: HashMap<usize, (u64, PrefixCache<B>)>,
+    calls: u64,
+    budget_tokens: usize,
+}
+
+impl<'a, B: Backend> PolicyGenerator<'a, B> {
+    /// A generator keeping at most `kv_budget_bytes` of conversations' caches between turns.
+    pub fn new(
+        lm: &'a CausalLm<B>,
+        arch: &'a Architecture<B>,
+        tokenizer: &'a TextTokenizer,
+        device: B::Device,
+        kv_budget_bytes: u64,
+    ) -> Self {
+        let c = &arch.config;
+        // Keys and values of every layer, at the model's element size.
+        let per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim;
+        let elem = lm.element_bytes().max(1);
+        Self {
+            lm,
+            arch,
+            tokenizer,
+            device,
+            prefixes: HashMap::new(),
+            calls: 0,
+            budget_tokens: (kv_budget_bytes / (per_token * elem).max(1) as u64) as usize,
+        }
+    }
+
+    /// Tokens whose keys and values are kept now.
+    pub fn cached_tokens(&self) -> usize {
+        self.prefixes.values().map(|(_, p)| p.tokens().len()).sum()
+    }
+
+    /// Drops the least recently continued caches until the kept ones fit the budget.
+    fn evict(&mut self) {
+        let mut total = self.cached_tokens();
+        while total > self.budget_tokens {
+            let Some((&key, _)) = self.prefixes.iter().min_by_key(|(_, (used, _))| *used) else {
+                break;
+            };
+            if let Some((_, p)) = self.prefixes.remove(&key) {
+                total -= p.tokens().len();
+                tracing::debug!(
+                    conversation = key,
+                    tokens = p.tokens().len(),
+                    "KV cache dropped for the budget"
+                );
+            }
+        }
+    }
 }
 
 impl<B: Backend> Generator for PolicyGenerator<'_, B> {
+    fn continue_conversations(
+        &mut self,
+        keys: &[usize],
+        contexts: &[Vec<u32>],
+        params: &SamplingParams,
+        seed: u64,
+    ) -> TurnBatch {
+        self.calls += 1;
+        let prefixes = keys
+            .iter()
+            .map(|k| self.prefixes.remove(k).map(|(_, p)| p))
+            .collect();
+        let out = generate_continuing(
+            self.lm,
+            self.arch,
+            contexts,
+            prefixes,
+            params,
+            Some(self.tokenizer),
+            seed,
+            &self.device,
+        );
+        for (&k, p) in keys.iter().zip(out.caches) {
+            self.prefixes.insert(k, (self.calls, p));
+        }
+        self.evict();
+        TurnBatch {
+            generations: out.generations,
+            prefilled_tokens: out.prefilled_tokens,
+            reused_tokens: out.reused_tokens,
+        }
+    }
+
+    fn end_conversation(&mut self, key: usize) {
+        self.prefixes.remove(&key);
+    }
+
     fn generate(
         &mut self,
         prompts: &[Vec<u32>],

@@ -29,6 +29,40 @@ pub trait Generator {
         params: &SamplingParams,
         seed: u64,
     ) -> Vec<Generation>;
+
+    /// One turn for each conversation `keys[i]`, whose whole context so far is
+    /// `contexts[i]`. A generator that keeps each conversation's cache between turns
+    /// prefills only what was added since its last one; by default, the whole context.
+    fn continue_conversations(
+        &mut self,
+        keys: &[usize],
+        contexts: &[Vec<u32>],
+        params: &SamplingParams,
+        seed: u64,
+    ) -> TurnBatch {
+        let _ = keys;
+        TurnBatch {
+            generations: self.generate(contexts, params, seed),
+            prefilled_tokens: contexts.iter().map(Vec::len).sum(),
+            reused_tokens: 0,
+        }
+    }
+
+    /// Conversation `key` has ended: what was kept for it can go.
+    fn end_conversation(&mut self, key: usize) {
+        let _ = key;
+    }
+}
+
+/// The turns of one [`Generator::continue_conversations`] call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnBatch {
+    /// One generation per conversation.
+    pub generations: Vec<Generation>,
+    /// Context tokens run through the model before sampling.
+    pub prefilled_tokens: usize,
+    /// Context tokens taken from kept caches instead.
+    pub reused_tokens: usize,
 }
 
 /// The environment servers, with requests spread across them and bounded in number.
@@ -100,6 +134,13 @@ pub struct RolloutStats {
     pub total_tokens: usize,
     /// Seconds spent generating.
     pub generate_s: f64,
+    /// Context tokens the policy prefilled (with caches kept across turns, only what each
+    /// turn added).
+    #[serde(default)]
+    pub prefilled_tokens: usize,
+    /// Context tokens taken from caches kept across turns.
+    #[serde(default)]
+    pub reused_tokens: usize,
     /// Seconds spent waiting for the servers (tools and evaluations).
     pub env_s: f64,
 }
@@ -243,7 +284,15 @@ fn rollout(
         ..Default::default()
     };
     let mut live = open(round, resets, turns, &mut stats);
+    let mut released = vec![false; live.len()];
     for n in 0u64.. {
+        // An ended conversation's cache goes at once, making room for the live ones.
+        for (i, l) in live.iter().enumerate() {
+            if l.done && !released[i] {
+                generator.end_conversation(i);
+                released[i] = true;
+            }
+        }
         let active: Vec<usize> = (0..live.len()).filter(|&i| !live[i].done).collect();
         if active.is_empty() {
             break;
@@ -379,12 +428,15 @@ fn generate_turns(
             .max_turn_tokens
             .min(settings.context.saturating_sub(longest))
             .max(1);
-        let gens = generator.generate(
+        let batch = generator.continue_conversations(
+            chunk,
             &prompts,
             &params,
             crate::seeds::derive(seed, round, c as u64),
         );
-        for (&i, g) in chunk.iter().zip(gens) {
+        stats.prefilled_tokens += batch.prefilled_tokens;
+        stats.reused_tokens += batch.reused_tokens;
+        for (&i, g) in chunk.iter().zip(batch.generations) {
             stats.turns += 1;
             stats.policy_tokens += g.tokens.len();
             live[i].sample.push_policy(&g.tokens, Some(&g.logprobs));

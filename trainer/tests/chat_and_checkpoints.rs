@@ -4,7 +4,9 @@ use burn::backend::NdArray;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 use serde_json::json;
 use trainer::chat::{parse_tool_call, ChatTemplate, ToolCallParseError};
-use trainer::generate::{draw_on_device, generate, FinishReason, SamplingParams};
+use trainer::generate::{
+    draw_on_device, generate, generate_continuing, FinishReason, PrefixCache, SamplingParams,
+};
 use trainer::model::{Architecture, CausalLm, Critic, ModelConfig};
 
 type B = NdArray<f32>;
@@ -439,4 +441,77 @@ fn mapped_and_whole_file_loading_give_the_same_weights() {
     let want = logits(&lm, &arch);
     assert_eq!(logits(&load(LoadMode::Mapped), &arch), want);
     assert_eq!(logits(&load(LoadMode::ReadWhole), &arch), want);
+}
+
+/// A multi-turn conversation continued from its kept cache samples what a from-scratch
+/// generation over the whole context samples (greedy: the same tokens; log-probabilities to
+/// float order), and each turn prefills only the tokens it added: the last sampled token,
+/// which was never fed, and the observation. Rows end at different steps (stop tokens), and
+/// one conversation's context is cut where it diverged from its cache.
+#[test]
+fn conversations_continue_from_their_kept_caches() {
+    let device = Default::default();
+    let cfg = tiny_config(false);
+    let arch = Architecture::<B>::new(cfg.clone(), 256, &device);
+    let lm = CausalLm::<B>::random(&cfg, &device);
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_new_tokens: 6,
+        stop_token_ids: vec![3, 11, 17, 29],
+        ..Default::default()
+    };
+    let mut contexts: Vec<Vec<u32>> =
+        vec![vec![1, 2, 3, 4, 5], vec![7], vec![9, 8, 7, 6, 5, 4, 3, 2]];
+    let mut kept: Vec<Option<PrefixCache<B>>> = vec![None, None, None];
+    for turn in 0..5u32 {
+        let before: Vec<usize> = contexts.iter().map(Vec::len).collect();
+        let cached: Vec<usize> = kept
+            .iter()
+            .map(|k| k.as_ref().map_or(0, |p| p.tokens().len()))
+            .collect();
+        let scratch = generate(&lm, &arch, &contexts, &params, None, 5, &device);
+        let out = generate_continuing(
+            &lm,
+            &arch,
+            &contexts,
+            std::mem::take(&mut kept),
+            &params,
+            None,
+            5,
+            &device,
+        );
+        for (a, b) in out.generations.iter().zip(&scratch) {
+            assert_eq!((&a.tokens, a.finish), (&b.tokens, b.finish), "turn {turn}");
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-4, "turn {turn}: {x} against {y}");
+            }
+        }
+        let reused: usize = cached.iter().sum();
+        assert_eq!(out.reused_tokens, reused, "turn {turn}");
+        assert_eq!(
+            out.prefilled_tokens,
+            before.iter().sum::<usize>() - reused,
+            "turn {turn}"
+        );
+        if turn > 0 {
+            // Only the last sampled token and the observation were new.
+            assert_eq!(out.prefilled_tokens, 3 * (1 + 2), "turn {turn}");
+        }
+        for (i, (g, cache)) in out.generations.iter().zip(out.caches).enumerate() {
+            assert_eq!(cache.tokens().len(), before[i] + g.tokens.len() - 1);
+            contexts[i].extend(&g.tokens);
+            contexts[i].extend([30 + turn, 31]);
+            kept.push(Some(cache));
+        }
+    }
+    // A context that no longer extends its cache (the conversation was cut and rewritten)
+    // continues from the common prefix only, and still matches a fresh generation.
+    contexts[1].truncate(3);
+    contexts[1].extend([12, 13]);
+    let scratch = generate(&lm, &arch, &contexts, &params, None, 9, &device);
+    let out = generate_continuing(&lm, &arch, &contexts, kept, &params, None, 9, &device);
+    for (a, b) in out.generations.iter().zip(&scratch) {
+        assert_eq!(a.tokens, b.tokens);
+    }
+    assert_eq!(out.prefilled_tokens, 2 * (1 + 2) + 2);
 }

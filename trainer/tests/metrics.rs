@@ -44,6 +44,8 @@ fn ppo_record(step: usize, entropy: f64) -> MetricsRecord {
             episodes_per_min: 12.0,
             tokens_per_min: 1440.0,
             policy_tokens_per_min: 480.0,
+            prefilled_tokens: 300,
+            reused_tokens: 900,
             time_s: TimeSplit {
                 generate: 20.0,
                 env: 10.0,

@@ -109,6 +109,11 @@ impl<B: Backend> CausalLm<B> {
         self.project(self.backbone.forward(tokens, valid, &arch.rope, cache))
     }
 
+    /// Bytes per element of the weights, and so of the keys and values it caches.
+    pub fn element_bytes(&self) -> usize {
+        self.backbone.embed_tokens.val().dtype().size()
+    }
+
     /// Logits `[batch, vocab]` of the last position only, continuing a KV cache: what
     /// decoding needs (projecting every prompt position onto the vocabulary would cost
     /// `prompt_len` times more).

@@ -200,12 +200,13 @@ impl<B: AutodiffBackend> Learner<B> {
         &'a self,
         lm: &'a CausalLm<B::InnerBackend>,
     ) -> PolicyGenerator<'a, B::InnerBackend> {
-        PolicyGenerator {
+        PolicyGenerator::new(
             lm,
-            arch: &self.infer_arch,
-            tokenizer: self.renderer.tokenizer(),
-            device: self.device.clone(),
-        }
+            &self.infer_arch,
+            self.renderer.tokenizer(),
+            self.device.clone(),
+            (self.cfg.rollout.kv_cache_gib * (1u64 << 30) as f64) as u64,
+        )
     }
 
     /// Writes a checkpoint of the current step.

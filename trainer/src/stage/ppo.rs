@@ -142,6 +142,8 @@ fn throughput(stats: &RolloutStats, rollout_s: f64, update_s: f64, total_s: f64)
         episodes_per_min: stats.episodes as f64 / minutes,
         tokens_per_min: stats.total_tokens as f64 / minutes,
         policy_tokens_per_min: stats.policy_tokens as f64 / minutes,
+        prefilled_tokens: stats.prefilled_tokens,
+        reused_tokens: stats.reused_tokens,
         time_s: TimeSplit {
             generate: stats.generate_s,
             env: stats.env_s,

@@ -35,7 +35,8 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     B::seed(&device, 0);
     let t_init = Instant::now();
     let lm = CausalLm::<B>::random(&cfg, &device);
-    let positions = a.seq.max(a.prompt + a.new_tokens) + 1;
+    let episode_len = a.prompt + a.turns * (a.new_tokens + a.observation);
+    let positions = a.seq.max(a.prompt + a.new_tokens).max(episode_len) + 1;
     let arch = Architecture::<B>::new(cfg.clone(), positions, &device);
     sync(&device)?;
     // Printed apart from the passes: on a fresh GPU machine kernel compilation lands here first.
@@ -127,6 +128,20 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
             }
         }
     }
+    let turns = if a.turns > 0 {
+        let gb = a.gen_batch.first().copied().unwrap_or(1);
+        Some(bench_turns::<B>(
+            a,
+            gb,
+            &lm,
+            &inner,
+            &inner_arch,
+            &arch,
+            &device,
+        )?)
+    } else {
+        None
+    };
     let products = if a.products {
         bench_products::<B::InnerBackend>(&cfg, &a.gen_batch, &device)?
     } else {
@@ -138,6 +153,7 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
         params: param_count(&cfg),
         train,
         generate: gen_rows,
+        turns,
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
@@ -262,6 +278,149 @@ struct Report {
     params: usize,
     train: Option<TrainRow>,
     generate: Vec<GenerateRow>,
+    turns: Option<TurnsRow>,
+}
+
+/// A synthetic multi-turn episode generated both ways.
+#[derive(serde::Serialize)]
+struct TurnsRow {
+    batch: usize,
+    turns: usize,
+    new_tokens: usize,
+    observation: usize,
+    /// Every turn prefilling each whole context.
+    from_scratch_s: f64,
+    /// Each turn continuing from the kept caches.
+    continuing_s: f64,
+    /// Context tokens prefilled per turn, continuing (after the first turn: the last sampled
+    /// token and the observation, per conversation).
+    prefilled_per_turn: Vec<usize>,
+    /// Context tokens prefilled in all, from scratch.
+    prefilled_from_scratch: usize,
+    /// Largest gap between a token's log-probability recorded at sampling and the one
+    /// recomputed over the whole episode by the training pass (temperature 1).
+    max_logprob_mismatch: f64,
+}
+
+/// Runs the `--turns` episode from scratch and continuing, and compares the log-probabilities
+/// sampled with the training pass's recomputation.
+#[allow(clippy::too_many_arguments)]
+fn bench_turns<B: AutodiffBackend>(
+    a: &BenchArgs,
+    batch: usize,
+    lm: &trainer::model::CausalLm<B>,
+    inner: &trainer::model::CausalLm<B::InnerBackend>,
+    inner_arch: &trainer::model::Architecture<B::InnerBackend>,
+    arch: &trainer::model::Architecture<B>,
+    device: &B::Device,
+) -> Result<TurnsRow> {
+    use burn::tensor::{Bool, Int, Tensor, TensorData};
+    use std::time::Instant;
+    use trainer::generate::{generate, generate_continuing, PrefixCache, SamplingParams};
+    let vocab = inner_arch.config.vocab_size;
+    let sync = |d: &B::Device| B::sync(d).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
+    let params = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: a.new_tokens,
+        ..Default::default()
+    };
+    let start: Vec<Vec<u32>> = (0..batch)
+        .map(|r| {
+            (0..a.prompt)
+                .map(|i| ((i * 7919 + 13 + r) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let observation = |turn: usize, r: usize| -> Vec<u32> {
+        (0..a.observation)
+            .map(|i| ((i * 104_729 + turn * 31 + r) % vocab) as u32)
+            .collect()
+    };
+    // Which context positions hold sampled tokens, and what was recorded for them.
+    let mut sampled: Vec<Vec<(usize, f32)>> = vec![Vec::new(); batch];
+    let mut run = |continuing: bool| -> Result<(f64, Vec<usize>, Vec<Vec<u32>>)> {
+        let mut contexts = start.clone();
+        let mut kept: Vec<Option<PrefixCache<B::InnerBackend>>> =
+            (0..batch).map(|_| None).collect();
+        let mut prefilled = Vec::with_capacity(a.turns);
+        sync(device)?;
+        let t0 = Instant::now();
+        for turn in 0..a.turns {
+            let seed = turn as u64;
+            let gens = if continuing {
+                let out = generate_continuing(
+                    inner,
+                    inner_arch,
+                    &contexts,
+                    std::mem::take(&mut kept),
+                    &params,
+                    None,
+                    seed,
+                    device,
+                );
+                prefilled.push(out.prefilled_tokens);
+                kept = out.caches.into_iter().map(Some).collect();
+                out.generations
+            } else {
+                prefilled.push(contexts.iter().map(Vec::len).sum());
+                generate(inner, inner_arch, &contexts, &params, None, seed, device)
+            };
+            for (r, g) in gens.iter().enumerate() {
+                if continuing {
+                    let at = contexts[r].len();
+                    sampled[r].extend(g.logprobs.iter().enumerate().map(|(i, &l)| (at + i, l)));
+                }
+                contexts[r].extend(&g.tokens);
+                contexts[r].extend(observation(turn, r));
+            }
+        }
+        sync(device)?;
+        let dt = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "{} turns, batch {batch}, {}: {dt:.3} s, prefilled {} tokens",
+            a.turns,
+            if continuing {
+                "continuing"
+            } else {
+                "from scratch"
+            },
+            prefilled.iter().sum::<usize>()
+        );
+        Ok((dt, prefilled, contexts))
+    };
+    let (from_scratch_s, scratch_prefill, _) = run(false)?;
+    let (continuing_s, prefilled_per_turn, contexts) = run(true)?;
+    // The training pass over the first conversation's whole episode.
+    let ctx = &contexts[0];
+    let t = ctx.len();
+    let tokens = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(ctx.iter().map(|&x| x as i32).collect::<Vec<_>>(), [1, t]),
+        device,
+    );
+    let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; t], [1, t]), device);
+    let recomputed: Vec<f32> = lm
+        .sequence_stats(tokens, valid, arch, 1.0)
+        .logprobs
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("log-probabilities: {e:?}"))?;
+    // logprobs[j] is that of token j + 1.
+    let max_logprob_mismatch = sampled[0]
+        .iter()
+        .filter_map(|&(pos, l)| Some((recomputed.get(pos.checked_sub(1)?)? - l).abs() as f64))
+        .fold(0.0, f64::max);
+    Ok(TurnsRow {
+        batch,
+        turns: a.turns,
+        new_tokens: a.new_tokens,
+        observation: a.observation,
+        from_scratch_s,
+        continuing_s,
+        prefilled_per_turn,
+        prefilled_from_scratch: scratch_prefill.iter().sum(),
+        max_logprob_mismatch,
+    })
 }
 
 /// The median training pass.

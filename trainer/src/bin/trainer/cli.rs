@@ -178,6 +178,15 @@ pub struct BenchArgs {
     /// a batch of vector products, transposed.
     #[arg(long)]
     pub products: bool,
+    /// Turns of a synthetic multi-turn episode (0: none): every conversation of the first
+    /// generation batch size samples `new_tokens`, gets `observation` tokens appended, and
+    /// goes on, once from each context's first token every turn and once continuing from
+    /// the caches kept between turns.
+    #[arg(long, default_value_t = 0)]
+    pub turns: usize,
+    /// Tokens of each synthetic observation (with `--turns`).
+    #[arg(long, default_value_t = 64)]
+    pub observation: usize,
 }
 
 /// The stage configuration: the TOML file (or the defaults), then the flags that override it.
