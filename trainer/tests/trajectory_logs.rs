@@ -91,7 +91,11 @@ fn the_filter_reads_string_and_object_arguments_alike() {
         log.iter()
             .cloned()
             .map(|mut r| {
-                if let Some(a) = r["body"]["action"].get_mut("arguments") {
+                // The fixture already holds one call logged as a string: left as it is.
+                if let Some(a) = r["body"]["action"]
+                    .get_mut("arguments")
+                    .filter(|a| a.is_object())
+                {
                     *a = Value::String(a.to_string());
                 }
                 r
