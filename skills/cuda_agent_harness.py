@@ -27,7 +27,13 @@ import time
 import types
 from pathlib import Path
 
-import torch
+# The judge's own OpenMP threads (its compares, checksums, input writes) sleep once their work
+# is done instead of spinning for a while on a core: spinning, they took CPU from whichever
+# contestant the judge called next (on a 2-core host, the one after the candidate, whose output
+# the judge checksums). Read by OpenMP when torch loads it; the workers get it from the judge.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Precision flags are pinned so that eager, compile and the candidate are compared alike.
 PINNED_FLAGS = {"allow_tf32_matmul": False, "allow_tf32_cudnn": False, "float32_matmul_precision": "highest"}

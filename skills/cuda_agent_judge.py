@@ -1317,6 +1317,8 @@ class L2Flusher:
         if device.type == "cpu":
             llc = cpu_last_level_cache_bytes()
             self.buf = torch.ones(min(max(2 * llc, 64 << 20), 1 << 30) // 4, dtype=torch.float32)
+            # Read by NumPy on this thread alone: no thread pool left running into the call.
+            self.host = self.buf.numpy()
         if device.type == "cuda":
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
             self.buf = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.float32, device=device)
@@ -1334,7 +1336,7 @@ class L2Flusher:
         if self.buf is None:
             return
         if self.buf.device.type == "cpu":
-            self.buf.sum()
+            self.host.sum()
             return
         if self.reset is not None:
             self.reset()  # lines a worker marked persisting go back to normal, then are evicted
