@@ -28,9 +28,9 @@ import types
 from pathlib import Path
 
 # The judge's own OpenMP threads (its compares, checksums, input writes) sleep once their work
-# is done instead of spinning for a while on a core: spinning, they took CPU from whichever
-# contestant the judge called next (on a 2-core host, the one after the candidate, whose output
-# the judge checksums). Read by OpenMP when torch loads it; the workers get it from the judge.
+# is done instead of spinning for a while on a core, where they would take CPU from the
+# contestant the judge calls next (after the candidate's call the judge checksums its output;
+# after eager's it does not). Read by OpenMP when torch loads it; the workers get it too.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
