@@ -1083,3 +1083,65 @@ print("found", found)
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Paths the agent shapes are never followed by root.
+// ---------------------------------------------------------------------------------------
+
+/// The Bash working directory is the agent's to shape: it can write the record the server
+/// reads it from and make the directory a link to a place only root may enter. The next
+/// command starts in the workspace root instead; and a command whose working directory is
+/// such a link enters it only with the jail's rights, so it does not start at all.
+#[tokio::test]
+async fn a_working_directory_made_a_link_is_never_entered_as_root() {
+    let mut ep = Episode::new();
+    let secret = ep.dir.path().join("root-only");
+    std::fs::create_dir(&secret).expect("mkdir");
+    std::fs::write(secret.join("s3cret"), "x").expect("write");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let out = ep
+        .bash(&format!(
+            "ln -s {} lnk && echo \"$PWD/lnk\" > \"$CUDA_AGENT_CWD_FILE\"; trap - EXIT",
+            secret.display()
+        ))
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    let out = ep.bash("pwd -P; ls 2>&1").await;
+    assert!(
+        !out.text.contains("root-only") && !out.text.contains("s3cret"),
+        "the command started in the link's target: {}",
+        out.text
+    );
+    assert!(
+        out.text.starts_with(&format!("{}\n", ep.root.display())),
+        "{}",
+        out.text
+    );
+    if ep.lease.is_some() {
+        // Straight through the sandbox: root does not enter the link for the command.
+        let spawned = ep
+            .sandbox
+            .command(
+                &ep.toolbox_jail(),
+                Path::new("/bin/bash"),
+                &["-c".into(), "pwd -P".into()],
+                &ep.root.join("lnk"),
+            )
+            .expect("command")
+            .spawn();
+        match spawned {
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}"),
+            Ok(mut child) => {
+                use tokio::io::AsyncReadExt;
+                let mut text = String::new();
+                let _ = child
+                    .stdout
+                    .take()
+                    .expect("stdout")
+                    .read_to_string(&mut text)
+                    .await;
+                panic!("the command started in a directory only root may enter: {text}");
+            }
+        }
+    }
+}

@@ -648,9 +648,16 @@ impl Sandbox {
         } else {
             None
         };
+        // The working directory is entered by the command itself after it dropped to the
+        // jail's uid (`ChildPlan::cwd`), never by root: an agent could have made it a link.
+        let cwd = std::ffi::CString::new(cwd.as_os_str().as_encoded_bytes()).map_err(|e| {
+            SandboxError::Os(
+                "working directory",
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+            )
+        })?;
         let mut cmd = tokio::process::Command::new(program);
         cmd.args(args)
-            .current_dir(cwd)
             .env_clear()
             .envs(jail.env.iter().map(|(k, v)| (k, v)))
             .stdin(std::process::Stdio::null())
@@ -712,6 +719,7 @@ impl Sandbox {
             ruleset_fd: ruleset.as_ref().map(|r| r.raw_fd()),
             proc_rights,
             argv_area: namespace::argv_area(),
+            cwd,
         };
         let view = plan.view;
         let this = self.clone();

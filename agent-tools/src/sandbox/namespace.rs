@@ -59,6 +59,8 @@ pub(crate) struct ChildPlan {
     /// Where the server's command line lies in memory; the keeper and the init, copies of
     /// the server that never exec, blank it so their `/proc/<pid>/cmdline` shows nothing.
     pub argv_area: Option<(usize, usize)>,
+    /// The command's working directory, entered after the uid drop.
+    pub cwd: CString,
 }
 
 const PROC: &[u8] = b"/proc\0";
@@ -351,6 +353,11 @@ impl ChildPlan {
                 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+            // As the jail's uid: a directory the agent turned into a link is followed with
+            // its rights, not root's.
+            if libc::chdir(self.cwd.as_ptr()) < 0 {
+                return Err(std::io::Error::last_os_error());
             }
             if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
                 return Err(std::io::Error::last_os_error());

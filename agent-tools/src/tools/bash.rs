@@ -101,10 +101,13 @@ pub(super) async fn run(
     let mut jail = tb.jail.clone();
     jail.env
         .push(("CUDA_AGENT_CWD_FILE".into(), cwd_file.clone().into()));
-    let cwd = if tb.cwd.is_dir() {
-        tb.cwd.clone()
-    } else {
-        tb.workspace.root().to_path_buf()
+    // The recorded directory is the agent's to shape (it can write the record): it is kept
+    // only while it is a directory beneath the workspace reached without a link.
+    let cwd = match tb.cwd.strip_prefix(tb.workspace.root()) {
+        Ok(rel) if rel.as_os_str().is_empty() || tb.workspace.open_dir(rel).is_ok() => {
+            tb.cwd.clone()
+        }
+        _ => tb.workspace.root().to_path_buf(),
     };
     let args: Vec<OsString> = vec![
         "--noprofile".into(),
