@@ -109,8 +109,25 @@ print(json.dumps({'executable': sys.executable, 'real_executable': os.path.realp
 "#;
 
 impl PythonInfo {
-    /// Runs `python` once to learn where it lives and what torch sees.
+    /// Runs `python` once to learn where it lives and what torch sees. The answer is kept
+    /// for the life of the process, per interpreter path: importing torch costs seconds of
+    /// CPU, and a process that builds several servers (the tests) would pay it for each.
     pub fn probe(python: &Path) -> Result<Self, RuntimeError> {
+        static PROBED: std::sync::OnceLock<
+            std::sync::Mutex<std::collections::HashMap<PathBuf, PythonInfo>>,
+        > = std::sync::OnceLock::new();
+        let probed = PROBED.get_or_init(Default::default);
+        if let Some(info) = probed.lock().ok().and_then(|m| m.get(python).cloned()) {
+            return Ok(info);
+        }
+        let info = Self::probe_now(python)?;
+        if let Ok(mut m) = probed.lock() {
+            m.insert(python.to_path_buf(), info.clone());
+        }
+        Ok(info)
+    }
+
+    fn probe_now(python: &Path) -> Result<Self, RuntimeError> {
         let script = PROBE;
         let err = |message: String| RuntimeError::Python {
             python: python.display().to_string(),
