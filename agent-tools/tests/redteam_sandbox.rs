@@ -633,6 +633,20 @@ impl Episode {
 // The CPU: background work cannot take the share of an evaluation holding a device.
 // ---------------------------------------------------------------------------------------
 
+/// The cgroup of the CPU controller's hierarchy (v1) or the unified one (v2) among the lines
+/// of a `/proc/<pid>/cgroup`.
+fn cpu_cgroup<'a>(lines: impl Iterator<Item = &'a str>, version: CgroupVersion) -> Option<&'a str> {
+    lines.into_iter().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, ctl, path) = (f.next()?, f.next()?, f.next()?);
+        let hit = match version {
+            CgroupVersion::V1 => ctl.split(',').any(|c| c == "cpu"),
+            CgroupVersion::V2 => ctl.is_empty(),
+        };
+        hit.then_some(path)
+    })
+}
+
 /// Runs `script` with bash in `jail` and returns its stdout and exit code.
 async fn run_in(ep: &Episode, jail: &Jail, script: &str) -> (String, Option<i32>) {
     use tokio::io::AsyncReadExt;
@@ -746,18 +760,8 @@ async fn a_background_command_has_the_low_cpu_weight() {
         }
         membership.push(l);
     }
-    // The command's cgroup in the CPU controller's hierarchy (v1) or the unified one (v2).
-    let path = membership
-        .iter()
-        .find_map(|l| {
-            let mut f = l.splitn(3, ':');
-            let (_, ctl, path) = (f.next()?, f.next()?, f.next()?);
-            let hit = match version {
-                CgroupVersion::V1 => ctl.split(',').any(|c| c == "cpu"),
-                CgroupVersion::V2 => ctl.is_empty(),
-            };
-            hit.then(|| path.trim_start_matches('/').to_string())
-        })
+    let path = cpu_cgroup(membership.iter().map(String::as_str), version)
+        .map(|p| p.trim_start_matches('/').to_string())
         .expect("a cpu cgroup line");
     assert!(
         path.contains("cuda-agent."),
@@ -814,18 +818,7 @@ cat /proc/self/cgroup";
         eprintln!("no CPU controller: the CUDA command's session competes at nice 0 ({out})");
         return;
     };
-    let cpu_group = out
-        .lines()
-        .find_map(|l| {
-            let mut f = l.splitn(3, ':');
-            let (_, ctl, path) = (f.next()?, f.next()?, f.next()?);
-            let hit = match version {
-                CgroupVersion::V1 => ctl.split(',').any(|c| c == "cpu"),
-                CgroupVersion::V2 => ctl.is_empty(),
-            };
-            hit.then_some(path)
-        })
-        .unwrap_or("");
+    let cpu_group = cpu_cgroup(out.lines(), version).unwrap_or("");
     assert!(
         cpu_group.contains("cuda-agent."),
         "the command is in the root CPU group, where its autogroup counts: {out}"

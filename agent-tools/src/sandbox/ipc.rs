@@ -23,21 +23,8 @@ pub enum IpcIsolation {
 
 /// Whether this process may give a child its own IPC namespace. Probed in a forked child.
 pub(crate) fn probe_namespace() -> bool {
-    // SAFETY: the child only calls unshare and exits.
-    unsafe {
-        let pid = libc::fork();
-        if pid == 0 {
-            let ok = libc::unshare(libc::CLONE_NEWIPC) == 0;
-            libc::_exit(if ok { 0 } else { 1 });
-        }
-        if pid < 0 {
-            return false;
-        }
-        let mut status = 0;
-        libc::waitpid(pid, &mut status, 0) == pid
-            && libc::WIFEXITED(status)
-            && libc::WEXITSTATUS(status) == 0
-    }
+    // SAFETY: a raw syscall with no pointer arguments.
+    super::namespace::succeeds_in_child(|| unsafe { libc::unshare(libc::CLONE_NEWIPC) == 0 })
 }
 
 /// The syscalls seccomp refuses where commands cannot have IPC namespaces of their own.

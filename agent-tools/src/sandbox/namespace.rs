@@ -410,22 +410,10 @@ pub(crate) fn argv_area() -> Option<(usize, usize)> {
 /// hidepid /proc in a mount namespace). Probed in a forked child that only makes syscalls.
 pub(crate) fn probe() -> (bool, bool) {
     let try_in_child = |flags: libc::c_int| -> bool {
-        // SAFETY: the child makes only raw syscalls and exits.
-        unsafe {
-            let pid = libc::fork();
-            if pid == 0 {
-                let ok =
-                    libc::unshare(flags) == 0 && private_mounts().is_ok() && mount_proc().is_ok();
-                libc::_exit(if ok { 0 } else { 1 });
-            }
-            if pid < 0 {
-                return false;
-            }
-            let mut status = 0;
-            libc::waitpid(pid, &mut status, 0) == pid
-                && libc::WIFEXITED(status)
-                && libc::WEXITSTATUS(status) == 0
-        }
+        // SAFETY: raw syscalls on constant strings.
+        succeeds_in_child(|| unsafe {
+            libc::unshare(flags) == 0 && private_mounts().is_ok() && mount_proc().is_ok()
+        })
     };
     let pidfd = {
         // SAFETY: pidfd_open of ourselves, closed right away.
@@ -439,6 +427,26 @@ pub(crate) fn probe() -> (bool, bool) {
     let hidepid = try_in_child(libc::CLONE_NEWNS);
     let pid_ns = pidfd && hidepid && try_in_child(libc::CLONE_NEWNS | libc::CLONE_NEWPID);
     (pid_ns, hidepid)
+}
+
+/// Whether `test` returns true in a forked child (which exits right after): for probing what
+/// the kernel lets this process do without changing the process itself. `test` must make only
+/// async-signal-safe calls.
+pub(crate) fn succeeds_in_child(test: impl FnOnce() -> bool) -> bool {
+    // SAFETY: the child runs `test` (raw syscalls) and exits without unwinding.
+    unsafe {
+        let pid = libc::fork();
+        if pid == 0 {
+            libc::_exit(if test() { 0 } else { 1 });
+        }
+        if pid < 0 {
+            return false;
+        }
+        let mut status = 0;
+        libc::waitpid(pid, &mut status, 0) == pid
+            && libc::WIFEXITED(status)
+            && libc::WEXITSTATUS(status) == 0
+    }
 }
 
 /// The read end of this process's lifeline: a pipe whose write end only this process holds
