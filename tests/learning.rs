@@ -300,12 +300,22 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
         "turns_per_episode",
         "valid_call_share",
         "episodes_per_min",
+        "prefilled_tokens",
+        "reused_tokens",
     ] {
         assert!(
             lines.iter().all(|l| l[key].is_number()),
             "{key} missing in {}",
             lines[0]
         );
+    }
+    // Episodes of more than one turn went on from their kept caches instead of prefilling
+    // their whole history every turn.
+    for l in lines
+        .iter()
+        .filter(|l| l["turns_per_episode"].as_f64().unwrap_or(0.0) > 1.0)
+    {
+        assert!(l["reused_tokens"].as_u64().unwrap_or(0) > 0, "{l}");
     }
     assert!(
         runs.join("ppo/step-000006/actor_optim.mpk").exists()
