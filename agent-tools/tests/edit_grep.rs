@@ -70,6 +70,120 @@ async fn edit_replaces_exactly_one_occurrence_or_nothing() {
 }
 
 #[tokio::test]
+async fn an_edit_that_cannot_place_old_string_shows_it_and_the_closest_text() {
+    let mut f = fixture();
+    let src = "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n";
+    std::fs::write(f.root.join("m.py"), src).unwrap();
+    // Indented other than the file: the same text, found, and said to differ in whitespace.
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "m.py", "old_string": "  def forward(self, x):\n      return torch.relu(x)", "new_string": "pass"}),
+        )
+        .await;
+    assert!(out.is_error);
+    assert!(out.text.contains("m.py was not changed"), "{}", out.text);
+    assert!(
+        out.text.contains("    |  def forward(self, x):"),
+        "the old_string is echoed: {}",
+        out.text
+    );
+    assert!(
+        out.text
+            .contains("other indentation or spacing in m.py, lines 4-5:"),
+        "{}",
+        out.text
+    );
+    assert!(
+        out.text.contains("     4|    def forward(self, x):"),
+        "{}",
+        out.text
+    );
+    // A near miss: the closest line, with its number.
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "m.py", "old_string": "return torch.relu(y)", "new_string": "pass"}),
+        )
+        .await;
+    assert!(
+        out.text.contains("the closest text in m.py, line 5:"),
+        "{}",
+        out.text
+    );
+    assert!(
+        out.text.contains("     5|        return torch.relu(x)"),
+        "{}",
+        out.text
+    );
+    // Nothing like it.
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "m.py", "old_string": "qqqq wwww", "new_string": "pass"}),
+        )
+        .await;
+    assert!(
+        out.text.contains("nothing in m.py resembles it"),
+        "{}",
+        out.text
+    );
+    // Not unique: where each copy starts.
+    let out = f
+        .call(
+            "Edit",
+            json!({"file_path": "m.py", "old_string": "torch", "new_string": "T"}),
+        )
+        .await;
+    assert!(out.text.contains("appears 3 times"), "{}", out.text);
+    assert!(out.text.contains("    |torch\n"), "{}", out.text);
+    assert!(
+        out.text.contains("starts at lines 1, 3, 5 of m.py"),
+        "{}",
+        out.text
+    );
+    // MultiEdit: the failing edit's lines count in the text the edits before it left.
+    let out = f
+        .call(
+            "MultiEdit",
+            json!({"file_path": "m.py", "edits": [
+                {"old_string": "import torch\n\n", "new_string": ""},
+                {"old_string": "return torch.relu(y)", "new_string": "pass"}
+            ]}),
+        )
+        .await;
+    assert!(out.text.contains("edit 2 of 2 failed"), "{}", out.text);
+    assert!(
+        out.text
+            .contains("m.py (as the edits before it left it), line 3:"),
+        "{}",
+        out.text
+    );
+    assert_eq!(std::fs::read_to_string(f.root.join("m.py")).unwrap(), src);
+}
+
+#[tokio::test]
+async fn a_missing_file_is_named_with_what_to_do() {
+    let mut f = fixture();
+    let out = f.call("Read", json!({"file_path": "model_ne.py"})).await;
+    assert!(out.is_error);
+    assert!(
+        out.text
+            .contains("model_ne.py: no such file or directory in the workspace"),
+        "{}",
+        out.text
+    );
+    assert!(out.text.contains("Glob"), "{}", out.text);
+    assert!(!out.text.contains("entity not found"), "{}", out.text);
+    let out = f
+        .call("Grep", json!({"pattern": "x", "path": "nowhere"}))
+        .await;
+    assert!(out.is_error);
+    assert!(!out.text.contains("entity not found"), "{}", out.text);
+    assert!(out.text.contains("nowhere"), "{}", out.text);
+}
+
+#[tokio::test]
 async fn edit_keeps_the_path_rules() {
     let mut f = fixture();
     let out = f

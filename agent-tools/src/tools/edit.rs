@@ -31,10 +31,17 @@ pub(super) fn run(
             }
             Ok(out)
         }
-        Err(ToolError::Edit { reason, .. }) => Err(ToolError::InvalidArgument(format!(
-            "{reason}; {} was not changed",
-            args.file_path
-        ))),
+        Err(ToolError::Edit { reason, detail, .. }) => {
+            let detail = if detail.is_empty() {
+                detail
+            } else {
+                format!("\n{detail}")
+            };
+            Err(ToolError::InvalidArgument(format!(
+                "{reason}; {} was not changed{detail}",
+                args.file_path
+            )))
+        }
         Err(e) => Err(e),
     }
 }

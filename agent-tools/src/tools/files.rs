@@ -4,7 +4,7 @@
 
 use env_api::observation::{EditData, ReadData, ToolData, WriteData};
 
-use super::{MultiEditArgs, ReadArgs, ToolError, ToolLimits, ToolOutput, WriteArgs};
+use super::{nearest, MultiEditArgs, ReadArgs, ToolError, ToolLimits, ToolOutput, WriteArgs};
 use crate::workspace::Workspace;
 
 /// Longest line Read returns before cutting it.
@@ -169,6 +169,7 @@ fn apply_edits(
     original: Option<&str>,
     args: &MultiEditArgs,
     cap: u64,
+    shown: &str,
 ) -> Result<(String, usize), ToolError> {
     let total = args.edits.len();
     if total == 0 {
@@ -178,6 +179,16 @@ fn apply_edits(
         index,
         total,
         reason,
+        detail: String::new(),
+    };
+    // The text an edit is placed in: the file itself, or the file as the edits before it
+    // left it (line numbers then count in that text).
+    let searched = |index: usize| {
+        if index == 1 {
+            shown.to_string()
+        } else {
+            format!("{shown} (as the edits before it left it)")
+        }
     };
     let over = |index: usize, size: u128| {
         fail(
@@ -225,7 +236,15 @@ fn apply_edits(
                 + n as u128 * e.new_string.len() as u128
         };
         match (count, e.replace_all) {
-            (0, _) => return Err(fail(index, "old_string was not found in the file (after the edits before it)".into())),
+            (0, _) => {
+                return Err(ToolError::Edit {
+                    index,
+                    total,
+                    reason: "old_string was not found in the file (after the edits before it)"
+                        .into(),
+                    detail: nearest::not_found_detail(&text, &e.old_string, &searched(index)),
+                })
+            }
             (1, _) => {
                 if grown(1) > cap as u128 {
                     return Err(over(index, grown(1)));
@@ -241,10 +260,12 @@ fn apply_edits(
                 replacements += n;
             }
             (n, false) => {
-                return Err(fail(
+                return Err(ToolError::Edit {
                     index,
-                    format!("old_string appears {n} times; add surrounding context to make it unique, or set replace_all"),
-                ))
+                    total,
+                    reason: format!("old_string appears {n} times; add surrounding context to make it unique, or set replace_all"),
+                    detail: nearest::ambiguous_detail(&text, &e.old_string, &searched(index)),
+                })
             }
         }
     }
@@ -287,7 +308,8 @@ pub(super) fn multi_edit(
         ),
         None => None,
     };
-    let (text, replacements) = apply_edits(original.as_deref(), args, limits.max_write_bytes)?;
+    let (text, replacements) =
+        apply_edits(original.as_deref(), args, limits.max_write_bytes, &shown)?;
     ws.write_rel(&rel, text.as_bytes())?;
     let created = original.is_none();
     Ok(ToolOutput::ok(

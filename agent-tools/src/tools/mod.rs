@@ -6,6 +6,7 @@ mod edit;
 mod files;
 mod glob;
 mod grep;
+mod nearest;
 mod todo;
 
 use std::path::{Path, PathBuf};
@@ -37,7 +38,7 @@ pub enum ToolError {
     #[error("{0} is read-only: the harness files and the reference model cannot be changed")]
     ReadOnly(String),
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {}", io_reason(.source))]
     Io {
         /// The path, as given or resolved.
         path: String,
@@ -46,7 +47,7 @@ pub enum ToolError {
         source: std::io::Error,
     },
     /// A MultiEdit edit could not be applied; nothing was written.
-    #[error("edit {index} of {total} failed, no change written: {reason}")]
+    #[error("edit {index} of {total} failed, no change written: {reason}{}", on_lines(.detail))]
     Edit {
         /// 1-based index of the failing edit.
         index: usize,
@@ -54,6 +55,9 @@ pub enum ToolError {
         total: usize,
         /// Why it failed.
         reason: String,
+        /// Lines that help the next attempt (the `old_string` given and where the file
+        /// holds the nearest text), or empty.
+        detail: String,
     },
     /// A symbolic link is in the path; the file tools never follow one.
     #[error("{0}: a symbolic link is in the way; the file tools never follow links (use Bash to work with links)")]
@@ -86,6 +90,25 @@ pub enum ToolError {
     /// The sandbox could not start the process.
     #[error("sandbox: {0}")]
     Sandbox(#[from] crate::sandbox::SandboxError),
+}
+
+/// An I/O error as the agent reads it: what it means here and what to do, where the
+/// system's own words ("entity not found") would say neither.
+fn io_reason(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "no such file or directory in the workspace (paths are relative to it; Glob with pattern \"**/*\" lists its files, Write creates a file)".to_string(),
+        std::io::ErrorKind::PermissionDenied => "permission denied (the file tools act as the agent and cannot open it)".to_string(),
+        _ => e.to_string(),
+    }
+}
+
+/// `detail` on lines of its own after the message, or nothing.
+fn on_lines(detail: &str) -> String {
+    if detail.is_empty() {
+        String::new()
+    } else {
+        format!("\n{detail}")
+    }
 }
 
 impl ToolError {
