@@ -644,7 +644,8 @@ def compare_tensor(i: int, r: torch.Tensor, n: torch.Tensor, atol=None, rtol=Non
             f"output {i}: {bad_count} of {total} elements ({100.0 * bad_count / total:.3g}%) outside atol {a}, rtol {rt} (of max(|want|, {floor:.3g})): "
             f"{kind}; first at index {list(where)}: expected {_show(want)}, got {_show(got)}; max abs error {max_abs:.3g}",
         )
-    return {"max_abs_error": max_abs, "max_rel_error": min(max_rel, 1e30)}
+    return {"max_abs_error": max_abs, "max_rel_error": min(max_rel, 1e30),
+            "bound": {"dtype": dtype_name(r.dtype), "atol": a, "rtol": rt, "typical_magnitude": floor}}
 
 
 def _show(v) -> str:

@@ -1351,6 +1351,13 @@ class Judge:
         self.workdir = workdir
         self.atol, self.rtol = atol, rtol
         self.call_timeout = call_timeout
+        # Called with a line of progress at each step (verify.py and profile.py print them;
+        # the server's judge has none: its stdout is the verdict alone).
+        self.progress = None
+        self.started = time.perf_counter()
+        # The tolerance each output was checked at over the input sets, with the smallest
+        # typical magnitude seen (the tightest bound): what a passing max_rel_error is read by.
+        self.bounds: dict = {}
         self.rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self.regions: dict = {}
         self.input_bytes = 0  # of the last input set given to the workers
@@ -1512,7 +1519,12 @@ class Judge:
                 f.close()
         return [h.checksum(t.reshape(-1).view(torch.uint8)) if isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() else None for t in outs]
 
-    def compare(self, want: list, got: list, label: str, rule: str = "wrong_output", scale: float = 1.0) -> dict:
+    def note(self, line: str) -> None:
+        """Reports a step to the progress callback, if any, with the seconds since the start."""
+        if self.progress is not None:
+            self.progress(f"[{time.perf_counter() - self.started:6.1f} s] {line}")
+
+    def compare(self, want: list, got: list, label: str, rule: str = "wrong_output", scale: float = 1.0, record: bool = False) -> dict:
         if len(want) != len(got):
             raise h.RuleBreak(rule, f"{label}: expected {len(want)} outputs, got {len(got)}")
         err = {"max_abs_error": 0.0, "max_rel_error": 0.0}
@@ -1528,6 +1540,11 @@ class Judge:
             except h.RuleBreak as b:
                 raise h.RuleBreak(rule if b.rule == "wrong_output" else b.rule, f"{label}: {b}") from b
             err = {k: max(err[k], e[k]) for k in err}
+            if record:
+                b = e["bound"]
+                seen = self.bounds.get(i)
+                if seen is None or b["typical_magnitude"] < seen["typical_magnitude"]:
+                    self.bounds[i] = b
         return err
 
     def inputs_intact(self) -> None:
@@ -1560,6 +1577,7 @@ class Judge:
         for i, seed in enumerate(seeds):
             label = f"input set {i + 1} of {len(seeds)}"
             self.set_stage("check")
+            self.note(f"checking {label}")
             want = self.fresh_pair(seed, self.task.get_inputs, "main", cand_dir, ref_dir)
             try:
                 reply = self.cand.request({"op": "run", "model": "check", "trace": trace}, self.call_timeout)
@@ -1577,11 +1595,12 @@ class Judge:
                 if not t.get("extension_calls"):
                     raise h.RuleBreak("no_custom_kernel", f"{label}: no compiled extension function was called in the forward")
             try:
-                errors.append(self.compare(want, got, label))
+                errors.append(self.compare(want, got, label, record=True))
             except h.RuleBreak as e:
                 raise h.RuleBreak(e.rule, f"{e}{weights_hint(self.cand) if e.rule == 'wrong_output' else ''}") from e
             self.release()
-        return {"max_abs_error": max(e["max_abs_error"] for e in errors), "max_rel_error": max(e["max_rel_error"] for e in errors), "checks": len(seeds)}
+        bounds = [{"output": i, **b} for i, b in sorted(self.bounds.items())]
+        return {"max_abs_error": max(e["max_abs_error"] for e in errors), "max_rel_error": max(e["max_rel_error"] for e in errors), "checks": len(seeds), "tolerance": bounds}
 
     def check_off_distribution(self, seed: int, cand_dir: Path, ref_dir: Path) -> str:
         """One more input set, drawn as the task draws them and then moved off its distribution:
@@ -1591,6 +1610,7 @@ class Judge:
         for every input is not. Skipped where the reference itself gives non-finite outputs on
         the moved inputs (a log or a square root leaves its domain)."""
         self.set_stage("check off the task's input distribution")
+        self.note("checking an input set off the task's distribution")
         moves: list = []
 
         def make():
@@ -1635,6 +1655,7 @@ class Judge:
         if not hasattr(self.task, "get_inputs_alt"):
             return False
         self.set_stage("check of the second input shape")
+        self.note("checking the second input shape (get_inputs_alt)")
         # The same input regions as the first shape (remade only where the second is larger):
         # a second pair of regions would hold two more input sets for the rest of the run.
         want = self.fresh_pair(seed, self.task.get_inputs_alt, "main", cand_dir, ref_dir)
@@ -1908,11 +1929,12 @@ def wait_for_go() -> None:
         raise SystemExit(f"the server closed the gate ({line.strip()!r}): no evaluation")
 
 
-def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, workdir: Path | None = None, gate=None) -> dict:
+def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, workdir: Path | None = None, gate=None, progress=None) -> dict:
     """The whole evaluation. `attach` connects to a candidate worker started by someone else
     (the server); without it the judge starts one itself. `gate`, when given, is called once
     both workers are started (imports done, no candidate code run, no device work) and returns
-    when the device is the judge's."""
+    when the device is the judge's. `progress`, when given, is called with a line at each step
+    (never by the server's judge, whose stdout is the verdict)."""
     device = h.pick_device(opts.device)
     h.pin_precision()
     own_tmp = None
@@ -1920,6 +1942,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         own_tmp = tempfile.TemporaryDirectory(prefix="cuda-agent-judge-")
         workdir = Path(own_tmp.name)
     judge = Judge(task_path, device, workdir, opts.atol, opts.rtol, opts.call_timeout)
+    judge.progress = progress
     result: dict
     # Where the judge's time goes (seconds per stage; the judge's own clock), for throughput work.
     stage_s: dict = {}
@@ -1934,6 +1957,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         if opts.static:
             static_check(candidate_dir)
         ref_dir = workdir / "reference"
+        judge.note("starting the reference and candidate workers (each imports torch)")
         judge.start_reference()
         if attach is None:
             cdir = workdir / "candidate"
@@ -1949,8 +1973,11 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
             lap("prestart")
             gate()
             lap("lease_wait")
+        judge.note("workers ready; building (if the sources changed) and importing model_new.py")
         hello = judge.hello(opts.setup_timeout)
         lap("start")
+        built = hello.get("build_s")
+        judge.note(f"model_new.py imported{f' (build {built:.1f} s)' if isinstance(built, (int, float)) else ''}")
         details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions"), "stage_s": stage_s}
         steps = hello.get("steps_s")
         if isinstance(steps, dict):  # the worker's own account of its start: informational
@@ -1963,6 +1990,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         result = {"correct": True, "details": details, "env": h.environment(device)}
         if opts.time:
             timing = None
+            judge.note(f"timing eager{', torch.compile (compiled first)' if opts.compile else ''} and ModelNew, about {opts.budget_s:g} s each")
             for attempt in range(2):
                 timing = judge.time_all(opts.seeds[0], cand_in, ref_dir, opts.compile, opts.budget_s, opts.min_rounds, opts.max_rounds, opts.warmup_rounds)
                 noisy = [n for n, s in timing["stats"].items() if s["cv"] > opts.max_cv]

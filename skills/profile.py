@@ -3,13 +3,15 @@ evaluation's judge.
 
     python profile.py --compare eager compile      # a table: eager, compile, candidate, speedups
     python profile.py --compare eager              # skip torch.compile (faster)
-    python profile.py --json                       # the same as JSON
+    python profile.py --json                       # the whole verdict as JSON on stdout
     python profile.py --only eager --torch-profile # top operators of the reference (where time goes)
 
 ModelNew runs in its own worker process; the three contestants are called in random order in
 each round, every round on fresh inputs, and every timed call's output is checked against
 eager's. A time is the judge's clock from request to reply (the worker synchronizes the device
-before replying). Medians, spread and a 90% noise band on each speedup.
+before replying). Medians, spread and a 90% noise band on each speedup, and what they mean for
+the reward by its own rule. A line per step while it runs; the whole verdict, as JSON, goes to
+profile_result.json (--result to put it elsewhere).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def torch_profile(here: Path, device) -> None:
 
 
 def main() -> int:
+    # Progress lines reach the agent as they are printed, even through a pipe.
+    sys.stdout.reconfigure(line_buffering=True)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", nargs="*", default=["eager", "compile"], choices=["eager", "compile"], help="baselines to time beside the candidate (eager is always timed)")
     p.add_argument("--only", choices=["eager"], help="with --torch-profile: profile the reference alone")
@@ -53,6 +57,8 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--torch-profile", action="store_true", help="print the reference's top operators by self time")
     p.add_argument("--dir", default=".")
+    p.add_argument("--result", default="profile_result.json", help="where the full verdict goes, as JSON (relative to --dir)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args()
     here = Path(args.dir).resolve()
     device = h.pick_device(args.device)
@@ -61,12 +67,21 @@ def main() -> int:
         if args.only:
             return 0
     opts = judge.Options(device=args.device, compile="compile" in (args.compare or []), budget_s=args.budget_s, seeds=[int.from_bytes(os.urandom(4), "little")])
-    result = judge.evaluate(here / "model.py", here, opts)
+    # Progress lines go to stderr under --json, so that stdout stays one JSON document.
+    out = sys.stderr if args.json else sys.stdout
+    progress = None if args.quiet else (lambda line: print(line, file=out, flush=True))
+    result = judge.evaluate(here / "model.py", here, opts, progress=progress)
+    try:
+        (here / args.result).write_text(json.dumps(result, indent=2) + "\n")
+        written = f"full verdict (JSON: every round's statistics, memory, the build): {args.result}"
+    except OSError as e:
+        written = f"full verdict not written to {args.result}: {e}"
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if result["correct"] else 1
     if not result["correct"]:
         print(f"candidate: {result['reason']}")
+        print(written)
         return 1
     env = result["env"]
     print(f"device: {env['device']}  torch {env['torch']}")
@@ -82,6 +97,7 @@ def main() -> int:
     reward = judge.milestone(True, t.get("candidate"), t.get("eager"), t.get("compile"))
     skipped = " (torch.compile not timed: run --compare eager compile for 3)" if t.get("compile") is None and reward == 2 else ""
     print(f"reward by the final evaluation's rule, were it to measure these medians: {reward}{skipped}")
+    print(written)
     return 0
 
 

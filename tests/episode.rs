@@ -61,7 +61,7 @@ async fn an_episode_with_every_tool_then_submit() {
         .await
         .unwrap();
     assert!(
-        s.observation.text.contains("\"correct\": true"),
+        s.observation.text.contains("PASS: ModelNew matches Model"),
         "{}",
         s.observation.text
     );
@@ -344,7 +344,7 @@ for _f in pathlib.Path(sys.argv[0]).resolve().parent.glob("*.py"):
         .await
         .unwrap();
     assert!(
-        s.observation.text.contains("\"correct\": false"),
+        s.observation.text.contains("FAIL: wrong_output"),
         "the workspace copy is pristine again: {}",
         s.observation.text
     );

@@ -1,0 +1,130 @@
+"""verify.py and profile.py as the agent sees them: a line per step while they run, a short
+summary (verdict, errors and the tolerance that applied, times), and the whole verdict as
+JSON in a file of the workspace that the summary names.
+
+The candidate's kernel is bound with pybind11 alone (kernels/, no torch headers): the
+quickest build there is, shared by every test of the module."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SKILLS = ROOT / "skills"
+TASK = ROOT / "kernelbench" / "tasks" / "level1" / "2_Add.py"
+sys.path.append(str(SKILLS))
+
+KERNEL = r"""#include <cstdint>
+#include <pybind11/pybind11.h>
+static void add(std::uintptr_t a, std::uintptr_t b, std::uintptr_t out, std::int64_t n, double off) {
+    auto pa = reinterpret_cast<const float*>(a), pb = reinterpret_cast<const float*>(b);
+    auto po = reinterpret_cast<float*>(out);
+    for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+    if (off != 0.0 && n > 7) po[7] += static_cast<float>(off);
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
+"""
+
+MODEL_NEW = """import torch
+import torch.nn as nn
+import kernels_ext
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, a, b):
+        a, b = a.contiguous(), b.contiguous()
+        out = torch.empty_like(a)
+        kernels_ext.add(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), OFF)
+        return out
+"""
+
+
+@pytest.fixture(scope="module")
+def ext_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("torch_extensions")
+
+
+def workspace(tmp_path: Path, off: float) -> Path:
+    ws = tmp_path / "ws"
+    (ws / "kernels").mkdir(parents=True)
+    shutil.copy(TASK, ws / "model.py")
+    (ws / "kernels" / "add.cpp").write_text(KERNEL)
+    (ws / "model_new.py").write_text(MODEL_NEW.replace("OFF", repr(off)))
+    return ws
+
+
+def run(script: str, ws: Path, ext_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small", PYTHONUNBUFFERED="0")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return subprocess.run([sys.executable, str(SKILLS / script), "--device", "cpu", "--dir", str(ws), *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_verify_prints_progress_a_summary_and_writes_the_verdict(tmp_path, ext_dir):
+    ws = workspace(tmp_path, 0.0)
+    out = run("verify.py", ws, ext_dir, "--trials", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    # Progress first, each with its time, the summary after them.
+    for step in ("starting the reference and candidate workers", "model_new.py imported", "checking input set 1 of 2",
+                 "checking input set 2 of 2", "checking an input set off the task's distribution", "checking the second input shape"):
+        assert any(step in l and l.startswith("[") for l in lines), (step, out.stdout)
+    summary = out.stdout[out.stdout.index("PASS"):]
+    assert summary.startswith("PASS: ModelNew matches Model on 2 input sets, an input set off the task's distribution, the second input shape"), summary
+    assert "output 0 (float32): passes where |got - want| <= atol 0.0001 + rtol 0.0001 * max(|want|," in summary, summary
+    assert "times: build and import" in summary, summary
+    assert "full verdict (JSON" in summary and "verify_result.json" in summary, summary
+    # The noise of the old output is gone from the observation: no JSON, no timestamps.
+    assert "run_windows" not in out.stdout and "{" not in summary, summary
+    verdict = json.loads((ws / "verify_result.json").read_text())
+    assert verdict["correct"] is True
+    assert verdict["details"]["tolerance"][0]["atol"] == 1e-4
+    assert verdict["details"]["tolerance"][0]["dtype"] == "float32"
+    assert "run_windows" in verdict
+
+
+def test_verify_names_a_failure_once_and_keeps_it_in_the_file(tmp_path, ext_dir):
+    ws = workspace(tmp_path, 1.0)
+    out = run("verify.py", ws, ext_dir, "--trials", "1", "--quiet")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.startswith("FAIL: wrong_output: input set 1 of 1: output 0:"), out.stdout
+    assert out.stdout.count("wrong_output") == 1, out.stdout
+    verdict = json.loads((ws / "verify_result.json").read_text())
+    assert verdict["correct"] is False and verdict["rule"] == "wrong_output"
+
+
+def test_profile_json_keeps_stdout_one_document_and_writes_the_file(tmp_path, ext_dir):
+    ws = workspace(tmp_path, 0.0)
+    out = run("profile.py", ws, ext_dir, "--compare", "eager", "--budget-s", "0.2", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["correct"] is True and doc["times_ms"]["candidate"] > 0
+    assert "timing eager and ModelNew" in out.stderr, out.stderr
+    assert json.loads((ws / "profile_result.json").read_text())["correct"] is True
+    table = run("profile.py", ws, ext_dir, "--compare", "eager", "--budget-s", "0.2", "--quiet")
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert "speedup vs eager:" in table.stdout and "full verdict (JSON" in table.stdout, table.stdout
+
+
+def test_a_passing_max_rel_error_is_explained():
+    import verify
+    details = {"checks": 5, "max_abs_error": 2e-5, "max_rel_error": 7.0, "off_distribution": "checked", "second_shape": True,
+               "tolerance": [{"output": 0, "dtype": "float32", "atol": 1e-4, "rtol": 1e-4, "typical_magnitude": 0.84}],
+               "build_s": 3.2, "stage_s": {"start": 4.0, "check": 1.5}}
+    lines = verify.summary({"correct": True, "details": details}, None, "verify_result.json")
+    text = "\n".join(lines)
+    assert lines[0] == "PASS: ModelNew matches Model on 5 input sets, an input set off the task's distribution, the second input shape"
+    assert "every element may differ by 0.000184" in text, text
+    assert "max_rel_error 7 is |got - want| / |want| at its worst element, an output near zero" in text, text
+    assert "build and import 3.2 s, workers' start 4.0 s, checks 1.5 s" in text, text
+    # Within the relative tolerance: nothing to explain.
+    details["max_rel_error"] = 5e-5
+    assert "max_rel_error" not in "\n".join(verify.summary({"correct": True, "details": details}, None, "f"))
