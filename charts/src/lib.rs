@@ -30,7 +30,8 @@ pub const PALETTE: [Rgb; 6] = [
     [140, 86, 75],
 ];
 
-const INK: Rgb = [40, 40, 40];
+/// The colour of text and axes.
+pub const INK: Rgb = [40, 40, 40];
 const GRID: Rgb = [225, 225, 225];
 
 /// An RGB raster.
@@ -338,12 +339,41 @@ pub struct BarChart {
     pub series: Vec<(String, Vec<f64>)>,
 }
 
+/// Width of a legend entry's swatch and the gap after it.
+const SWATCH: i64 = 8;
+const SWATCH_GAP: i64 = 6;
+/// Gap between legend entries.
+const ENTRY_GAP: i64 = 14;
+
 impl BarChart {
+    /// Width of the legend's one row (0 without a legend: a single series needs none).
+    fn legend_width(&self) -> i64 {
+        if self.series.len() < 2 {
+            return 0;
+        }
+        self.series
+            .iter()
+            .map(|(name, _)| SWATCH + SWATCH_GAP + Canvas::text_width(name, 1))
+            .sum::<i64>()
+            + ENTRY_GAP * (self.series.len() as i64 - 1)
+    }
+
+    /// The plot area (left, top, width, height) on a `width` x `height` canvas. The legend
+    /// sits above it, never over the bars: on the y label's row, right-aligned, where both
+    /// fit, else on a row of its own.
+    pub fn plot_area(&self, width: usize, height: usize) -> (i64, i64, i64, i64) {
+        let (left, right, bottom) = (70i64, 12i64, 30i64);
+        let pw = width as i64 - left - right;
+        let legend = self.legend_width();
+        let shares_row = legend == 0 || Canvas::text_width(&self.y_label, 1) + 16 + legend <= pw;
+        let top = if shares_row { 44 } else { 58 };
+        (left, top, pw, height as i64 - top - bottom)
+    }
+
     /// Draws the chart on a `width` x `height` canvas.
     pub fn render(&self, width: usize, height: usize) -> Canvas {
         let mut c = Canvas::new(width, height);
-        let (left, right, top, bottom) = (70i64, 12i64, 44i64, 30i64);
-        let (pw, ph) = (width as i64 - left - right, height as i64 - top - bottom);
+        let (left, top, pw, ph) = self.plot_area(width, height);
         c.text(left, 8, &self.title, INK, 2);
         c.text(left, 28, &self.y_label, INK, 1);
         let vals = self
@@ -393,11 +423,16 @@ impl BarChart {
         }
         c.line((left, top), (left, top + ph), INK, 1);
         c.line((left, top + ph), (left + pw, top + ph), INK, 1);
-        if self.series.len() > 1 {
+        let legend = self.legend_width();
+        if legend > 0 {
+            // On the y label's row when it fits there (top is 44), else the row below it.
+            let ly = if top > 44 { 42 } else { 28 };
+            let mut x = (left + pw - legend).max(left);
             for (k, (name, _)) in self.series.iter().enumerate() {
-                let ly = top + 4 + 12 * k as i64;
-                c.fill_rect(left + pw - 120, ly, 8, 8, PALETTE[k % PALETTE.len()]);
-                c.text(left + pw - 106, ly, name, INK, 1);
+                c.fill_rect(x, ly, SWATCH, SWATCH, PALETTE[k % PALETTE.len()]);
+                x += SWATCH + SWATCH_GAP;
+                c.text(x, ly, name, INK, 1);
+                x += Canvas::text_width(name, 1) + ENTRY_GAP;
             }
         }
         c
