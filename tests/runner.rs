@@ -220,6 +220,21 @@ async fn the_runner_drives_episodes_with_a_real_model_server() {
             .collect();
         assert_eq!(kinds.first(), Some(&"reset"));
         assert_eq!(kinds.last(), Some(&"final"), "{kinds:?}");
+        // Beside it, every message the model saw and sent: system, the task, its replies.
+        let messages: Vec<Value> = lines(
+            &out.join("trajectories")
+                .join(format!("{}.messages.jsonl", rec.episode_id)),
+        );
+        let roles: Vec<&str> = messages
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles[..2], ["system", "user"], "{roles:?}");
+        assert_eq!(
+            roles.iter().filter(|r| **r == "assistant").count() as u64,
+            rec.usage.calls,
+            "one assistant message per model call: {roles:?}"
+        );
         // The server's own log agrees.
         let logged = env.trajectory(&rec.episode_id).await.unwrap();
         assert_eq!(logged.records.len(), kinds.len());
@@ -239,8 +254,9 @@ async fn the_runner_drives_episodes_with_a_real_model_server() {
     assert!(report.status.success());
     assert_eq!(String::from_utf8_lossy(&report.stdout), table);
 
-    // A model whose context the prompt (every tool's schema) does not fit: the runner asks
-    // for shorter replies, then submits for the model; the episode still ends and is judged.
+    // A model whose context the full prompt (every tool's schema) does not fit, held to that
+    // prompt: the runner asks for shorter replies, then submits for the model; the episode
+    // still ends and is judged.
     let short = ModelServer::start(&["--context", "700"]);
     let out_short = dir.path().join("short");
     let o = runner()
@@ -253,6 +269,8 @@ async fn the_runner_drives_episodes_with_a_real_model_server() {
             &tiny[0],
             "--max-tokens",
             "64",
+            "--prompt",
+            "full",
             "--out",
         ])
         .arg(&out_short)

@@ -2,6 +2,8 @@
 //! become steps, the observations go back as tool messages) until the server ends the
 //! episode or one of the runner's own limits does.
 
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use env_api::{EvaluationResult, ResetOptions, ResetRequest, StepResponse};
@@ -29,6 +31,155 @@ Act only through the tools you are given: one or more tool calls per reply. \
 Read SKILL.md and model.py, write ModelNew in model_new.py with your own kernels, check it with `python verify.py`, \
 time it with `python profile.py --compare eager compile`, and call Submit when it is correct and fast.";
 
+/// The system prompt of the compact first prompt, for models of small context.
+pub const COMPACT_SYSTEM_PROMPT: &str = "You write fast kernels in a sandboxed workspace, acting only through tool calls. \
+Write ModelNew in model_new.py, run `python verify.py` until it passes, then call Submit. SKILL.md has the details.";
+
+/// The tools the compact prompt offers: enough to read, write, run and submit (Bash lists and
+/// searches files where Glob and Grep would).
+pub const COMPACT_TOOLS: &[&str] = &["Bash", "Read", "Write", "Edit", "Submit"];
+
+/// Share of the model's context the first prompt may take: the rest, two thirds, is the
+/// episode's work. Past it (where the context is known) the compact prompt is used: an L1
+/// task's compact prompt fits a third of 8k tokens, its full prompt (7,623 tokens) does not.
+pub const FIRST_PROMPT_SHARE: f64 = 1.0 / 3.0;
+
+/// Tokens per character assumed for a prompt before the model has reported any. JSON
+/// schemas tokenize densely: the full first prompt of an L1 task, 11.7 KB (9.8 KB of it the
+/// tools' schemas), measured 7,623 tokens, 0.65 a character.
+pub const TOKENS_PER_CHAR_GUESS: f64 = 0.65;
+
+/// Which first prompt an episode starts with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptStyle {
+    /// Compact where the full prompt would take more than [`FIRST_PROMPT_SHARE`] of a known
+    /// context, or where the model's context turns out too small for it.
+    #[default]
+    Auto,
+    /// Every tool with its whole description, and the full system prompt.
+    Full,
+    /// [`COMPACT_SYSTEM_PROMPT`], [`COMPACT_TOOLS`] with the first sentence of each
+    /// description and no parameter descriptions.
+    Compact,
+}
+
+impl std::str::FromStr for PromptStyle {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "full" => Ok(Self::Full),
+            "compact" => Ok(Self::Compact),
+            other => Err(format!(
+                "{other:?}: the prompt styles are auto, full and compact"
+            )),
+        }
+    }
+}
+
+/// A tool as the compact prompt offers it: the first sentence of its description, its
+/// parameters' names and types (no descriptions, defaults or formats).
+pub fn compact_tool(t: &ToolDefinition) -> ToolDefinition {
+    let mut t = t.clone();
+    if let Some(d) = &t.function.description {
+        t.function.description = Some(first_sentence(d).to_string());
+    }
+    if let Some(p) = &mut t.function.parameters {
+        if let Value::Object(map) = p {
+            map.remove("description");
+        }
+        strip_descriptions(p);
+    }
+    t
+}
+
+fn first_sentence(text: &str) -> &str {
+    match text.find(". ") {
+        Some(i) => &text[..=i],
+        None => text,
+    }
+}
+
+/// Removes every `description`, `default` and `format` of a JSON Schema's properties, at any
+/// depth: prose and hints the model can do without, the types and required names kept.
+fn strip_descriptions(schema: &mut Value) {
+    match schema {
+        Value::Object(map) => {
+            if let Some(Value::Object(props)) = map.get_mut("properties") {
+                for p in props.values_mut() {
+                    if let Value::Object(pm) = p {
+                        for key in ["description", "default", "format"] {
+                            pm.remove(key);
+                        }
+                    }
+                    strip_descriptions(p);
+                }
+            }
+            for key in ["items", "anyOf", "oneOf", "allOf", "$defs", "definitions"] {
+                if let Some(v) = map.get_mut(key) {
+                    strip_descriptions(v);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip_descriptions),
+        _ => {}
+    }
+}
+
+/// Characters of a first prompt: the system prompt, the task prompt and the tools' schemas
+/// (what the model's chat template renders, give or take its own markup).
+pub fn first_prompt_chars(system: &str, prompt: &str, tools: &[ToolDefinition]) -> usize {
+    system.len()
+        + prompt.len()
+        + tools
+            .iter()
+            .map(|t| serde_json::to_string(t).map_or(0, |s| s.len()))
+            .sum::<usize>()
+}
+
+/// Whether the full first prompt of `chars` characters is over its share of a `context`
+/// of tokens.
+pub fn full_prompt_too_long(chars: usize, context: u64) -> bool {
+    chars as f64 * TOKENS_PER_CHAR_GUESS > context as f64 * FIRST_PROMPT_SHARE
+}
+
+/// Every message of an episode's conversation as it entered the context (the model's replies,
+/// the tool results, the runner's nudges), one JSON line each, written as they come: a run
+/// that ends early or fails still leaves what the model saw and said.
+#[derive(Debug)]
+pub struct Transcript {
+    path: PathBuf,
+    file: Option<std::fs::File>,
+}
+
+impl Transcript {
+    /// `<dir>/<episode_id>.messages.jsonl`, created (or appended to).
+    pub fn create(dir: &Path, episode_id: &str) -> std::io::Result<Self> {
+        let path = dir.join(format!("{episode_id}.messages.jsonl"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?;
+        Ok(Self {
+            path,
+            file: Some(file),
+        })
+    }
+
+    /// Appends one message; after a write error (a full disk) the transcript stops, with a
+    /// warning, rather than ending the episode.
+    pub fn append(&mut self, message: &Value) {
+        let Some(f) = &mut self.file else {
+            return;
+        };
+        if let Err(e) = writeln!(f, "{message}") {
+            tracing::warn!(path = %self.path.display(), error = %e, "the transcript stops here");
+            self.file = None;
+        }
+    }
+}
+
 /// What the runner holds an episode to, beyond the server's own limits.
 #[derive(Debug, Clone)]
 pub struct AgentLimits {
@@ -49,6 +200,10 @@ pub struct AgentLimits {
     /// Offer the model only these tools (None: every tool of the episode). A call to another
     /// is refused by the runner, as the server refuses an unknown tool.
     pub tools: Option<Vec<String>>,
+    /// Which first prompt to start with.
+    pub prompt: PromptStyle,
+    /// Where each episode's messages go (`<episode_id>.messages.jsonl`); None: nowhere.
+    pub transcripts: Option<PathBuf>,
 }
 
 impl Default for AgentLimits {
@@ -62,6 +217,8 @@ impl Default for AgentLimits {
             context_tokens: None,
             min_completion_tokens: 256,
             tools: None,
+            prompt: PromptStyle::Auto,
+            transcripts: None,
         }
     }
 }
@@ -122,12 +279,14 @@ pub fn middle_cut(text: &str, max: usize) -> String {
 }
 
 /// The conversation, with what it takes to fit it into the model's context.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Conversation {
     /// The messages, system first.
     pub messages: Vec<Value>,
     /// Index of the next tool message that may be elided.
     next_elidable: usize,
+    /// Where each message is also written as it is added.
+    transcript: Option<Transcript>,
 }
 
 /// What an elided tool output is replaced with.
@@ -142,7 +301,36 @@ impl Conversation {
                 json!({"role": "user", "content": prompt}),
             ],
             next_elidable: 2,
+            transcript: None,
         }
+    }
+
+    /// Writes every message, the ones there now and each one added, to `transcript`.
+    pub fn record_to(&mut self, mut transcript: Transcript) {
+        for m in &self.messages {
+            transcript.append(m);
+        }
+        self.transcript = Some(transcript);
+    }
+
+    /// Puts `system` in place of the system message; the transcript gets the new one as a
+    /// line of its own, marked as replacing the first.
+    pub fn replace_system(&mut self, system: &str) {
+        let m = json!({"role": "system", "content": system});
+        if let Some(t) = &mut self.transcript {
+            let mut noted = m.clone();
+            noted["replaces_message"] = json!(0);
+            t.append(&noted);
+        }
+        self.messages[0] = m;
+    }
+
+    /// Adds a message (and writes it to the transcript).
+    pub fn push(&mut self, message: Value) {
+        if let Some(t) = &mut self.transcript {
+            t.append(&message);
+        }
+        self.messages.push(message);
     }
 
     /// Elides the oldest tool output not yet elided; false when none is left.
@@ -279,12 +467,36 @@ impl Agent {
             })
             .filter(|t| self.offered(&t.function.name))
             .collect();
-        let tools = &tools;
+        let compact_tools: Vec<ToolDefinition> = tools
+            .iter()
+            .filter(|t| COMPACT_TOOLS.contains(&t.function.name.as_str()))
+            .map(compact_tool)
+            .collect();
         let max_obs = self.limits.max_observation_chars;
+        let prompt = middle_cut(&reset.observation.text, max_obs.max(4096) * 2);
+        let mut compact = match self.limits.prompt {
+            PromptStyle::Full => false,
+            PromptStyle::Compact => true,
+            PromptStyle::Auto => self.limits.context_tokens.is_some_and(|ctx| {
+                full_prompt_too_long(first_prompt_chars(SYSTEM_PROMPT, &prompt, &tools), ctx)
+            }),
+        };
         let mut conv = Conversation::new(
-            SYSTEM_PROMPT,
-            &middle_cut(&reset.observation.text, max_obs.max(4096) * 2),
+            if compact {
+                COMPACT_SYSTEM_PROMPT
+            } else {
+                SYSTEM_PROMPT
+            },
+            &prompt,
         );
+        if let Some(dir) = &self.limits.transcripts {
+            match Transcript::create(dir, id) {
+                Ok(t) => conv.record_to(t),
+                Err(e) => {
+                    tracing::warn!(episode = id, dir = %dir.display(), error = %e, "no transcript")
+                }
+            }
+        }
         let mut context = self.limits.context_tokens;
         let mut max_tokens = self.sampling.max_tokens;
         let mut idle_in_a_row = 0u32;
@@ -310,9 +522,10 @@ impl Agent {
                 }
                 sampling.max_tokens = max_tokens.min(room);
             }
+            let offered = if compact { &compact_tools } else { &tools };
             let completion = match self
                 .chat
-                .complete(&conv.messages, tools, &sampling, calls_made)
+                .complete(&conv.messages, offered, &sampling, calls_made)
                 .await
             {
                 Ok(c) => c,
@@ -320,6 +533,13 @@ impl Agent {
                     tracing::debug!(episode = id, %message, "context exceeded");
                     if limit.is_some() {
                         context = limit;
+                    }
+                    // Too small a context for the full prompt: the compact one, before
+                    // anything the episode did is given up.
+                    if !compact && self.limits.prompt == PromptStyle::Auto {
+                        compact = true;
+                        conv.replace_system(COMPACT_SYSTEM_PROMPT);
+                        continue;
                     }
                     if conv.elide_oldest() {
                         rec.elided += 1;
@@ -339,7 +559,7 @@ impl Agent {
                     completion.usage.prompt_tokens as f64 / conv.chars().max(1) as f64;
             }
             calls_made += completion.tool_calls.len();
-            conv.messages.push(completion.message());
+            conv.push(completion.message());
             if completion.tool_calls.is_empty() {
                 rec.idle_replies += 1;
                 idle_in_a_row += 1;
@@ -351,8 +571,7 @@ impl Agent {
                 } else {
                     "Reply with a tool call: the tools are the only way to act. Call Submit when you are done."
                 };
-                conv.messages
-                    .push(json!({"role": "user", "content": nudge}));
+                conv.push(json!({"role": "user", "content": nudge}));
                 continue;
             }
             idle_in_a_row = 0;
@@ -362,7 +581,7 @@ impl Agent {
                         rec.turns = resp.info.turn;
                         let text = observation_text(&resp, max_obs);
                         if resp.done {
-                            conv.messages.push(
+                            conv.push(
                                 json!({"role": "tool", "tool_call_id": call.id, "content": text}),
                             );
                             finish(rec, &resp);
@@ -385,8 +604,7 @@ impl Agent {
                         return Ok(());
                     }
                 };
-                conv.messages
-                    .push(json!({"role": "tool", "tool_call_id": call.id, "content": text}));
+                conv.push(json!({"role": "tool", "tool_call_id": call.id, "content": text}));
             }
         }
     }

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use agent_runner::agent::{Agent, AgentLimits};
+use agent_runner::agent::{Agent, AgentLimits, PromptStyle};
 use agent_runner::openai::{ChatClient, Sampling};
 use agent_runner::optimize::{optimize, task_source, OptimizeError};
 use agent_runner::run::{jobs_for, result_record, run_jobs, select_tasks, totals};
@@ -71,6 +71,11 @@ struct Common {
     /// The model's context in tokens (default: learned from its context-length errors).
     #[arg(long)]
     context_tokens: Option<u64>,
+    /// The first prompt: `full` (every tool, whole descriptions), `compact` (Bash, Read,
+    /// Write, Edit and Submit, short descriptions: for small contexts) or `auto` (compact
+    /// where the full one would take over a third of the context, or does not fit it).
+    #[arg(long, default_value = "auto")]
+    prompt: PromptStyle,
     /// Tool calls per episode (default: the environment server's).
     #[arg(long)]
     max_turns: Option<u32>,
@@ -108,7 +113,7 @@ struct RunArgs {
     /// Output: episodes.jsonl, results.jsonl (for `kernelbench report`), trajectories/.
     #[arg(long, default_value = "agent-runs")]
     out: PathBuf,
-    /// Do not save each episode's trajectory log.
+    /// Do not save each episode's trajectory log and messages.
     #[arg(long)]
     no_trajectories: bool,
     #[command(flatten)]
@@ -189,6 +194,7 @@ async fn agent(c: &Common) -> anyhow::Result<Agent> {
             max_observation_chars: c.max_observation_chars.max(256),
             context_tokens: c.context_tokens,
             tools: (!c.tools.is_empty()).then(|| c.tools.clone()),
+            prompt: c.prompt,
             ..AgentLimits::default()
         },
     })
@@ -279,7 +285,20 @@ async fn optimize_cmd(args: OptimizeArgs) -> anyhow::Result<()> {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+/// Errors are the user's to act on (a missing file, a module without a class, a server that
+/// does not answer): printed as their chain of causes on one line, never with a backtrace,
+/// whatever `RUST_BACKTRACE` says (panics still get theirs).
+fn main() -> std::process::ExitCode {
+    match run_cli() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agent-runner: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_cli() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

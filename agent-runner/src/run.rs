@@ -4,7 +4,9 @@
 //! The output directory holds `episodes.jsonl` (one [`EpisodeRecord`] per finished episode:
 //! end, reward, evaluation, turns, tokens), `results.jsonl` (one `kernelbench` result per
 //! episode: `kernelbench report results.jsonl` prints the KernelBench table) and, unless told
-//! not to, `trajectories/<episode_id>.json` (the server's log of each episode). Episodes that
+//! not to, `trajectories/<episode_id>.json` (the server's log of each episode) and beside it
+//! `trajectories/<episode_id>.messages.jsonl` (every message of the model's conversation as it
+//! entered the context, written as the episode runs). Episodes that
 //! failed for want of a model or server answer leave no line, so a rerun does them again;
 //! finished (task, sample) pairs are skipped.
 
@@ -152,7 +154,7 @@ struct Sinks {
 
 /// Runs `jobs` with at most `concurrency` episodes at once, writing into `out`.
 pub async fn run_jobs(
-    agent: Agent,
+    mut agent: Agent,
     jobs: Vec<Job>,
     out: &Path,
     concurrency: usize,
@@ -169,6 +171,7 @@ pub async fn run_jobs(
     if save_trajectories {
         let d = out.join("trajectories");
         std::fs::create_dir_all(&d).map_err(io(&d))?;
+        agent.limits.transcripts = Some(d);
     }
     let open = |name: &str| {
         let p = out.join(name);
