@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! <out>/<stage>/step-000010/{policy.mpk, critic.mpk, actor_optim.mpk, critic_optim.mpk, state.json}
+//!                           with adapters: {policy,critic}_adapter.safetensors for the .mpk weights
 //! <out>/<stage>/latest          name of the newest complete step directory
 //! <out>/<stage>/final/          the weights at the end of the stage (what the next stage loads)
 //! ```
@@ -49,6 +50,14 @@ impl CheckpointFiles {
     /// Critic weights.
     pub fn critic(&self) -> PathBuf {
         self.dir.join("critic.mpk")
+    }
+    /// The policy's adapters (adapter training; the base stays the starting checkpoint).
+    pub fn policy_adapter(&self) -> PathBuf {
+        self.dir.join("policy_adapter.safetensors")
+    }
+    /// The critic's adapters and value head (adapter training).
+    pub fn critic_adapter(&self) -> PathBuf {
+        self.dir.join("critic_adapter.safetensors")
     }
     /// Policy optimiser state.
     pub fn actor_optim(&self) -> PathBuf {

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::chat::ChatTemplate;
 use crate::error::TrainError;
+use crate::model::{LoraSpec, LoraTarget};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -14,6 +15,8 @@ use crate::error::TrainError;
 pub struct TrainConfig {
     /// Which checkpoint to start from.
     pub model: ModelSection,
+    /// Low-rank adapters instead of full-parameter training.
+    pub lora: LoraSection,
     /// Where the environment servers are.
     pub server: ServerSection,
     /// How episodes are sampled.
@@ -40,6 +43,61 @@ pub struct ModelSection {
     pub random_init: bool,
     /// Chat template; detected from `tokenizer_config.json` when unset.
     pub template: Option<ChatTemplate>,
+}
+
+/// Low-rank adapters (LoRA). With `rank` 0 every weight of the policy and the critic is
+/// trained; otherwise the checkpoint's weights stay frozen, shared by the policy, the critic
+/// and the KL term's reference (the base with adapters off), and only the adapters (f32) and
+/// the critic's value head are trained.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoraSection {
+    /// Adapter rank (0: full-parameter training).
+    pub rank: usize,
+    /// The update is scaled by `alpha / rank`.
+    pub alpha: f64,
+    /// Dropout on the adapters' inputs while training.
+    pub dropout: f64,
+    /// Adapted projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
+    /// `down_proj`).
+    pub targets: Vec<LoraTarget>,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        Self {
+            rank: 0,
+            alpha: 32.0,
+            dropout: 0.0,
+            targets: LoraTarget::ALL.to_vec(),
+        }
+    }
+}
+
+impl LoraSection {
+    /// The adapters' shape, or `None` for full-parameter training.
+    pub fn spec(&self) -> Result<Option<LoraSpec>, TrainError> {
+        if self.rank == 0 {
+            return Ok(None);
+        }
+        if self.targets.is_empty() {
+            return Err(TrainError::Config(
+                "lora.targets is empty: name at least one projection, or set lora.rank = 0".into(),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(TrainError::Config(format!(
+                "lora.dropout is {}: it must be in [0, 1)",
+                self.dropout
+            )));
+        }
+        Ok(Some(LoraSpec {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            targets: self.targets.clone(),
+        }))
+    }
 }
 
 /// The environment servers.

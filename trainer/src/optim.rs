@@ -5,10 +5,11 @@ use std::path::Path;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::{DType, ElementConversion, Tensor};
 
 use crate::error::ModelError;
 
@@ -61,11 +62,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Trainable<B, M> {
     }
 
     /// Restores a state written by `save` (the module's parameter ids must be the saved ones,
-    /// which they are when the module was loaded from the same checkpoint).
-    pub fn load(mut self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
-        let rec = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+    /// which they are when the module was loaded from the same checkpoint, and for adapters
+    /// always). Moments come back in each parameter's own precision: burn reads every float
+    /// of a record in the backend's default type, which for f32 adapters on a bf16 model
+    /// would round them and mix types in the update.
+    pub fn load(mut self, path: &Path, module: &M, device: &B::Device) -> Result<Self, ModelError> {
+        let mut rec: Record<B, M> = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
             .load(path.to_path_buf(), device)
             .map_err(|e| ModelError::Record(path.to_path_buf(), e))?;
+        module.visit(&mut MomentDtypes::<B, M> { records: &mut rec });
         self.optim = self.optim.load_record(rec);
         Ok(self)
     }
@@ -95,6 +100,30 @@ pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     norm
 }
 
+/// The optimiser's state: per-parameter records (burn keys them in its own map type).
+type Record<B, M> = <OptimizerAdaptor<AdamW, M, B> as Optimizer<M, B>>::Record;
+
+/// Casts each parameter's saved moments to the parameter's own float type.
+struct MomentDtypes<'a, B: AutodiffBackend, M: AutodiffModule<B>> {
+    records: &'a mut Record<B, M>,
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> ModuleVisitor<B> for MomentDtypes<'_, B, M> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(record) = self.records.remove(&param.id) else {
+            return;
+        };
+        let dtype = param.val().dtype();
+        let mut state = record.into_state::<D>();
+        let m = &mut state.momentum;
+        m.moment_1 = m.moment_1.clone().cast(dtype);
+        m.moment_2 = m.moment_2.clone().cast(dtype);
+        m.max_moment_2 = m.max_moment_2.take().map(|t| t.cast(dtype));
+        self.records
+            .insert(param.id, AdaptorRecord::from_state::<D>(state));
+    }
+}
+
 struct SquaredNorm<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     total: Option<Tensor<B::InnerBackend, 1>>,
@@ -103,7 +132,8 @@ struct SquaredNorm<'a, B: AutodiffBackend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let s = g.powi_scalar(2).sum();
+            // In f32: adapters (f32) and a bf16 model's other parameters meet in one sum.
+            let s = g.cast(DType::F32).powi_scalar(2).sum();
             self.total = Some(match self.total.take() {
                 Some(t) => t + s,
                 None => s,

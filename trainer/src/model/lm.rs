@@ -2,16 +2,17 @@
 
 use std::path::Path;
 
-use burn::module::Module;
+use burn::module::{Module, Param, ParamId};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use burn::tensor::{backend::Backend, Bool, Int, Tensor};
+use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
 
 use super::cache::KvCache;
 use super::config::ModelConfig;
+use super::lora::LoraSpec;
 use super::rope::RopeTables;
 use super::transformer::{Backbone, Dense};
 use super::vocab::token_stats;
-use super::weights::{write_safetensors, WeightMap};
+use super::weights::{read_safetensors, write_safetensors, WeightMap};
 use crate::error::ModelError;
 
 /// What every forward pass needs besides the weights: the config and the RoPE tables.
@@ -181,6 +182,86 @@ impl<B: Backend> CausalLm<B> {
         save_record(self, path)
     }
 
+    /// The model with every weight frozen and fresh adapters (see [`Backbone::with_adapters`]).
+    pub fn with_adapters(self, spec: &LoraSpec) -> Self {
+        Self {
+            backbone: self.backbone.with_adapters(spec, POLICY_ADAPTERS),
+            lm_head: self.lm_head.map(Module::no_grad),
+        }
+    }
+
+    /// Whether the model carries adapters.
+    pub fn has_adapters(&self) -> bool {
+        self.backbone.has_adapters()
+    }
+
+    /// The base model: a copy without adapters, sharing the weights.
+    pub fn without_adapters(&self) -> Self {
+        Self {
+            backbone: self.backbone.without_adapters(),
+            lm_head: self.lm_head.clone(),
+        }
+    }
+
+    /// A copy with the adapters merged into the weights.
+    pub fn merged(&self) -> Self {
+        Self {
+            backbone: self.backbone.merged(),
+            lm_head: self.lm_head.clone(),
+        }
+    }
+
+    /// Writes the adapters alone, in f32, named as PEFT names them.
+    pub fn save_adapter(&self, path: &Path) -> Result<(), ModelError> {
+        write_safetensors(path, &self.backbone.adapter_tensors(PEFT_PREFIX))
+    }
+
+    /// Loads adapters written by [`Self::save_adapter`] (or by PEFT) into this model's
+    /// adapters; every adapter must be in the file, and nothing else may be.
+    pub fn load_adapter(self, path: &Path) -> Result<Self, ModelError> {
+        let mut tensors = read_safetensors(path)?;
+        let backbone = self
+            .backbone
+            .load_adapter_tensors(PEFT_PREFIX, &mut tensors)?;
+        no_leftovers(path, &tensors)?;
+        Ok(Self {
+            backbone,
+            lm_head: self.lm_head,
+        })
+    }
+
+    /// Writes the adapters as a PEFT adapter directory (`adapter_config.json` and
+    /// `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads onto the base
+    /// checkpoint `base` names.
+    pub fn save_peft(
+        &self,
+        spec: &LoraSpec,
+        base: Option<&Path>,
+        dir: &Path,
+    ) -> Result<(), ModelError> {
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::Io(dir.to_path_buf(), e))?;
+        self.save_adapter(&dir.join("adapter_model.safetensors"))?;
+        let config = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": spec.rank,
+            "lora_alpha": spec.alpha,
+            "lora_dropout": spec.dropout,
+            "target_modules": spec.targets.iter().map(|t| t.name()).collect::<Vec<_>>(),
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "use_rslora": false,
+            "use_dora": false,
+            "modules_to_save": null,
+            "base_model_name_or_path": base.map(|b| b.display().to_string()),
+        });
+        let path = dir.join("adapter_config.json");
+        let text = serde_json::to_string_pretty(&config).map_err(ModelError::Json)?;
+        std::fs::write(&path, text).map_err(|e| ModelError::Io(path, e))
+    }
+
     /// Loads a record saved by `save_record` into a model of the same shape.
     pub fn load_record(self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
         load_record(self, path, device)
@@ -200,13 +281,76 @@ impl<B: Backend> Critic<B> {
     /// A critic whose backbone starts as a copy of the policy's (the recipe's initialisation)
     /// and whose head starts at zero, so initial values are 0.
     pub fn from_policy(policy: &CausalLm<B>, device: &B::Device) -> Self {
-        let d = policy.backbone.norm.weight.dims()[0];
-        let mut head = Dense::random(d, 1, true, 0.0, device);
-        head.weight = burn::module::Param::from_tensor(Tensor::zeros([d, 1], device));
         Self {
             backbone: policy.backbone.clone(),
-            value_head: head,
+            value_head: zero_value_head(policy, device),
         }
+    }
+
+    /// A critic on the policy's frozen base (shared, not copied) with adapters of its own and
+    /// a zero value head: with adapters, one base serves the policy, the critic and the
+    /// reference.
+    pub fn with_adapters(policy: &CausalLm<B>, spec: &LoraSpec, device: &B::Device) -> Self {
+        Self {
+            backbone: policy
+                .backbone
+                .without_adapters()
+                .with_adapters(spec, CRITIC_ADAPTERS),
+            value_head: zero_value_head(policy, device),
+        }
+    }
+
+    /// Whether the critic carries adapters.
+    pub fn has_adapters(&self) -> bool {
+        self.backbone.has_adapters()
+    }
+
+    /// Writes the adapters and the value head alone, in f32.
+    pub fn save_adapter(&self, path: &Path) -> Result<(), ModelError> {
+        let mut tensors = self.backbone.adapter_tensors(PEFT_PREFIX);
+        let mut head = Vec::new();
+        self.value_head.export("value_head", &mut head);
+        tensors.extend(head);
+        write_safetensors(path, &tensors)
+    }
+
+    /// Loads what [`Self::save_adapter`] wrote (parameter ids stay).
+    pub fn load_adapter(self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
+        let mut tensors = read_safetensors(path)?;
+        let backbone = self
+            .backbone
+            .load_adapter_tensors(PEFT_PREFIX, &mut tensors)?;
+        let mut value_head = self.value_head;
+        let d = value_head.weight.dims()[0];
+        let dtype = value_head.weight.val().dtype();
+        let mut take = |name: &str, shape: Vec<usize>| {
+            let (s, data) = tensors
+                .remove(name)
+                .ok_or_else(|| ModelError::Weights(format!("{} lacks {name}", path.display())))?;
+            if s != shape {
+                return Err(ModelError::Weights(format!(
+                    "{name}: shape {s:?}, the critic expects {shape:?}"
+                )));
+            }
+            Ok(TensorData::new(data, s))
+        };
+        // Saved `[1, hidden]` (Hugging Face's layout); a `[hidden, 1]` column holds the same
+        // values in the same order.
+        let w = take("value_head.weight", vec![1, d])?;
+        let w = Tensor::<B, 2>::from_data(
+            TensorData::new(w.to_vec::<f32>().unwrap_or_default(), [d, 1]),
+            (device, dtype),
+        );
+        value_head.weight = Param::initialized(value_head.weight.id, w.require_grad());
+        if let Some(b) = value_head.bias.as_mut() {
+            let v = Tensor::<B, 1>::from_data(take("value_head.bias", vec![1])?, (device, dtype));
+            *b = Param::initialized(b.id, v.require_grad());
+        }
+        no_leftovers(path, &tensors)?;
+        Ok(Self {
+            backbone,
+            value_head,
+        })
     }
 
     /// Values `[batch, seq]`, one per token position.
@@ -230,6 +374,51 @@ impl<B: Backend> Critic<B> {
     pub fn load_record(self, path: &Path, device: &B::Device) -> Result<Self, ModelError> {
         load_record(self, path, device)
     }
+}
+
+/// Where adapter tensors live in PEFT's naming of a causal LM (`base_model.model.` before the
+/// model's own `model.layers...`).
+const PEFT_PREFIX: &str = "base_model.model.model";
+
+/// Tags keeping the policy's and the critic's adapter parameter ids apart.
+const POLICY_ADAPTERS: u64 = 0x706f_6c69_6379;
+const CRITIC_ADAPTERS: u64 = 0x6372_6974_6963;
+
+/// A `[hidden, 1]` value head at zero, with parameter ids that are the same in every run (an
+/// adapter-only checkpoint restores the head's values, and its optimiser state by these ids).
+fn zero_value_head<B: Backend>(policy: &CausalLm<B>, device: &B::Device) -> Dense<B> {
+    let d = policy.backbone.norm.weight.dims()[0];
+    let mut head = Dense::random(d, 1, true, 0.0, device);
+    head.weight = Param::initialized(
+        ParamId::from(CRITIC_ADAPTERS ^ 1),
+        Tensor::zeros([d, 1], device).require_grad(),
+    );
+    if let Some(b) = head.bias.as_mut() {
+        *b = Param::initialized(ParamId::from(CRITIC_ADAPTERS ^ 2), b.val());
+    }
+    head
+}
+
+/// An adapter file holding tensors the model has no place for is the wrong file.
+fn no_leftovers(
+    path: &Path,
+    tensors: &std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>,
+) -> Result<(), ModelError> {
+    let mut names: Vec<&String> = tensors.keys().collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    names.sort();
+    Err(ModelError::Weights(format!(
+        "{} holds tensors this model's adapters have no place for (another rank or targets?): {}",
+        path.display(),
+        names
+            .iter()
+            .take(4)
+            .map(|n| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )))
 }
 
 /// Saves any module as an exact full-precision burn record.

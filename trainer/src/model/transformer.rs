@@ -1,14 +1,15 @@
 //! The decoder stack shared by the policy and the critic: embeddings, pre-norm blocks of
 //! grouped-query attention and a SwiGLU MLP, and the final RMSNorm.
 
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation::silu;
 use burn::tensor::module::attention;
 use burn::tensor::ops::{AttentionModuleOptions, FloatTensor};
-use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorPrimitive};
+use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorPrimitive};
 
 use super::cache::{KvCache, LayerCache};
 use super::config::ModelConfig;
+use super::lora::{Adapter, LoraSpec};
 use super::rope::{RopeAngles, RopeTables};
 
 /// A dense layer stored as `[in, out]` (Hugging Face stores `[out, in]`; the loader transposes).
@@ -18,6 +19,8 @@ pub struct Dense<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// `[out]`, when the layer has one.
     pub bias: Option<Param<Tensor<B, 1>>>,
+    /// A low-rank adapter on top of the (then frozen) weight.
+    pub lora: Option<Adapter<B>>,
 }
 
 impl<B: Backend> Dense<B> {
@@ -31,11 +34,24 @@ impl<B: Backend> Dense<B> {
         Self {
             weight: Param::from_tensor(w),
             bias: bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device))),
+            lora: None,
         }
     }
 
-    /// `x @ W + b` over the last dimension.
+    /// `x @ W + b` over the last dimension, plus the adapter's update when there is one.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let Some(adapter) = &self.lora else {
+            return self.forward_base(x);
+        };
+        let mut dims = x.dims();
+        let d_in = dims[D - 1];
+        let delta = adapter.delta(x.clone().reshape([-1, d_in as i32]));
+        dims[D - 1] = adapter.out_width;
+        self.forward_base(x) + delta.reshape(dims)
+    }
+
+    /// `x @ W + b`, without the adapter.
+    fn forward_base<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.bias.as_ref().map(|b| b.val());
         if !B::ad_enabled(&x.device()) {
             return burn::tensor::module::linear(x, self.weight.val(), bias);
@@ -67,6 +83,41 @@ impl<B: Backend> Dense<B> {
             bias: with_bias.then(|| {
                 Param::from_tensor(Tensor::cat(biases.into_iter().flatten().collect(), 0))
             }),
+            lora: None,
+        }
+    }
+
+    /// Puts a fresh adapter on the parts `(offset, width)` of the output (the weight is
+    /// frozen by the caller); no parts leaves the layer as it is.
+    pub fn adapt(&mut self, parts: &[(usize, usize)], spec: &LoraSpec) {
+        if parts.is_empty() {
+            self.lora = None;
+            return;
+        }
+        let [d_in, d_out] = self.weight.dims();
+        let device = self.weight.device();
+        self.lora = Some(Adapter::new(d_in, parts, d_out, spec, &device));
+    }
+
+    /// The layer with its adapter's update added into the weight (the merged model), and no
+    /// adapter: for export and inference (its weight is not a trainable parameter).
+    pub fn merged(&self) -> Self {
+        let Some(adapter) = &self.lora else {
+            return self.clone();
+        };
+        let w = self.weight.val().detach();
+        let dtype = w.dtype();
+        let mut merged = w.cast(DType::F32);
+        for (offset, product) in adapter.products() {
+            let width = product.dims()[1];
+            let rows = merged.dims()[0];
+            let part = merged.clone().narrow(1, offset, width) + product;
+            merged = merged.slice_assign([0..rows, offset..offset + width], part);
+        }
+        Self {
+            weight: Param::initialized(ParamId::new(), merged.cast(dtype).detach()),
+            bias: self.bias.clone(),
+            lora: None,
         }
     }
 

@@ -410,6 +410,26 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, String> {
     })
 }
 
+/// Reads every tensor of one safetensors file as f32, by name (adapters and small files; a
+/// model's weights go through [`WeightMap`]).
+pub fn read_safetensors(
+    path: &Path,
+) -> Result<HashMap<String, (Vec<usize>, Vec<f32>)>, ModelError> {
+    let bytes = std::fs::read(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
+        what: path.display().to_string(),
+        source: e,
+    })?;
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data = to_f32(view.dtype(), view.data())
+                .map_err(|m| ModelError::Weights(format!("{}: {name}: {m}", path.display())))?;
+            Ok((name, (view.shape().to_vec(), data)))
+        })
+        .collect()
+}
+
 /// Writes named f32 tensors as one safetensors file (used for checkpoints and test fixtures).
 pub fn write_safetensors(
     path: &Path,

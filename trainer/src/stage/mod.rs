@@ -75,17 +75,40 @@ impl<B: AutodiffBackend> Learner<B> {
         device: B::Device,
     ) -> Result<Self, TrainError> {
         let loaded = load_policy::<B>(&cfg.model, cfg.run.seed, &device)?;
+        let lora = cfg.lora.spec()?;
         let mut policy = loaded.lm;
-        let mut critic = Critic::from_policy(&policy, &device);
-        if let Some(init) = &opts.init {
-            let files = CheckpointFiles::new(init);
+        let init = opts.init.as_ref().map(CheckpointFiles::new);
+        // A full-parameter checkpoint to start from replaces the weights (with adapters, it
+        // becomes the frozen base).
+        if let Some(files) = init.as_ref().filter(|f| f.policy().exists()) {
             policy = policy.load_record(&files.policy(), &device)?;
-            critic = if files.critic().exists() {
-                critic.load_record(&files.critic(), &device)?
+        }
+        let mut critic = match &lora {
+            Some(spec) => {
+                policy = policy.with_adapters(spec);
+                Critic::with_adapters(&policy, spec, &device)
+            }
+            None => Critic::from_policy(&policy, &device),
+        };
+        if let Some(files) = &init {
+            if lora.is_some() {
+                if files.policy_adapter().exists() {
+                    policy = policy.load_adapter(&files.policy_adapter())?;
+                }
+                if files.critic_adapter().exists() {
+                    critic = critic.load_adapter(&files.critic_adapter(), &device)?;
+                }
+            } else if files.policy_adapter().exists() {
+                return Err(TrainError::Config(format!(
+                    "{} holds adapters, not full weights: set lora.rank (and the targets) as the run that wrote it did",
+                    files.dir.display()
+                )));
+            } else if files.critic().exists() {
+                critic = critic.load_record(&files.critic(), &device)?;
             } else {
                 // A policy-only checkpoint: the critic starts from the policy, as the recipe does.
-                Critic::from_policy(&policy, &device)
-            };
+                critic = Critic::from_policy(&policy, &device);
+            }
         }
         let stage_dir = cfg.run.out_dir.join(stage);
         std::fs::create_dir_all(&stage_dir).map_err(|e| TrainError::Io(stage_dir.clone(), e))?;
@@ -103,10 +126,15 @@ impl<B: AutodiffBackend> Learner<B> {
                             state.stage
                         )));
                     }
-                    policy = policy.load_record(&files.policy(), &device)?;
-                    critic = critic.load_record(&files.critic(), &device)?;
-                    actor_opt = actor_opt.load(&files.actor_optim(), &device)?;
-                    critic_opt = critic_opt.load(&files.critic_optim(), &device)?;
+                    if lora.is_some() {
+                        policy = policy.load_adapter(&files.policy_adapter())?;
+                        critic = critic.load_adapter(&files.critic_adapter(), &device)?;
+                    } else {
+                        policy = policy.load_record(&files.policy(), &device)?;
+                        critic = critic.load_record(&files.critic(), &device)?;
+                    }
+                    actor_opt = actor_opt.load(&files.actor_optim(), &policy, &device)?;
+                    critic_opt = critic_opt.load(&files.critic_optim(), &critic, &device)?;
                     step = state.step;
                     tracing::info!(stage, step, dir = %files.dir.display(), "resumed");
                 }
@@ -218,8 +246,7 @@ impl<B: AutodiffBackend> Learner<B> {
             seed: self.cfg.run.seed,
         };
         let dir = checkpoint::save(&self.stage_dir, &state, |f| {
-            self.policy().save_record(&f.policy())?;
-            self.critic().save_record(&f.critic())?;
+            self.save_weights(f)?;
             self.actor_opt.save(&f.actor_optim())?;
             self.critic_opt.save(&f.critic_optim())?;
             Ok(())
@@ -228,15 +255,42 @@ impl<B: AutodiffBackend> Learner<B> {
         Ok(dir)
     }
 
-    /// Writes `<stage>/final/` (policy and critic records, plus the policy as a Hugging Face
-    /// checkpoint with its tokenizer under `final/hf/`).
+    /// The policy's and the critic's weights: their records, or with adapters the adapters
+    /// alone (the base is the starting checkpoint).
+    fn save_weights(&self, files: &CheckpointFiles) -> Result<(), TrainError> {
+        if self.cfg.lora.rank > 0 {
+            self.policy().save_adapter(&files.policy_adapter())?;
+            self.critic().save_adapter(&files.critic_adapter())?;
+        } else {
+            self.policy().save_record(&files.policy())?;
+            self.critic().save_record(&files.critic())?;
+        }
+        Ok(())
+    }
+
+    /// Writes `<stage>/final/`: the policy and critic weights as a step checkpoint holds them,
+    /// the policy as a Hugging Face checkpoint with its tokenizer under `final/hf/` (adapters
+    /// merged), and with adapters the policy's as a PEFT adapter under `final/adapter/`.
     pub fn save_final(&self) -> Result<PathBuf, TrainError> {
         // Written like a step checkpoint: a crash leaves the old `final/` or the new one whole.
         checkpoint::publish(&self.stage_dir, "final", |files| {
-            self.policy().save_record(&files.policy())?;
-            self.critic().save_record(&files.critic())?;
+            self.save_weights(files)?;
+            if let Some(spec) = self.cfg.lora.spec()? {
+                self.policy().save_peft(
+                    &spec,
+                    self.cfg.model.path.as_deref(),
+                    &files.dir.join("adapter"),
+                )?;
+            }
             let hf = files.dir.join("hf");
-            self.policy().save_pretrained(&self.model_config, &hf)?;
+            let merged;
+            let exported = if self.policy().has_adapters() {
+                merged = self.policy().merged();
+                &merged
+            } else {
+                self.policy()
+            };
+            exported.save_pretrained(&self.model_config, &hf)?;
             if let Some(src) = &self.cfg.model.path {
                 for name in ["tokenizer.json", "tokenizer_config.json"] {
                     let from = src.join(name);

@@ -58,9 +58,13 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             };
             let kl = cfg.ppo.kl_coef > 0.0;
             let mut learner = Learner::<B>::new(cfg, stage, &opts, context, device)?;
-            // The reference policy is the one the stage started from (before any resume).
+            // The reference policy is the one the stage started from (before any resume); with
+            // adapters it is the frozen base with adapters off, which costs no copy.
             let reference = kl
-                .then(|| learner.policy().clone())
+                .then(|| match learner.policy().has_adapters() {
+                    true => learner.policy().without_adapters(),
+                    false => learner.policy().clone(),
+                })
                 .map(|p| burn::module::AutodiffModule::valid(&p));
             ppo::run(&mut learner, &rt, &pool, mode, steps, reference)?;
             println!("{}", learner.stage_dir.join("final").display());

@@ -1,0 +1,359 @@
+//! Low-rank adapters: an adapted model starts as its base, trains its adapters alone, merges
+//! and round-trips exactly; the critic's adapters sit on the same frozen base; the optimiser's
+//! state resumes; and the PEFT export is what `transformers` computes.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use trainer::model::{Architecture, CausalLm, Critic, LoraSpec, LoraTarget, ModelConfig};
+use trainer::optim::Trainable;
+
+type B = NdArray<f32>;
+type A = Autodiff<B>;
+
+fn tiny_config(tied: bool) -> ModelConfig {
+    ModelConfig::from_json(&format!(
+        r#"{{"model_type":"qwen2","vocab_size":40,"hidden_size":16,"intermediate_size":24,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
+            "tie_word_embeddings":{tied}}}"#
+    ))
+    .unwrap()
+}
+
+fn spec(targets: &[LoraTarget]) -> LoraSpec {
+    LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: targets.to_vec(),
+    }
+}
+
+/// Two rows, the second left-padded.
+fn batch<Bk: Backend>() -> (Tensor<Bk, 2, Int>, Tensor<Bk, 2, Bool>) {
+    let device = Default::default();
+    let tokens = vec![1, 5, 9, 2, 7, 3, 0, 0, 4, 8, 6, 11];
+    let valid = vec![
+        true, true, true, true, true, true, false, false, true, true, true, true,
+    ];
+    (
+        Tensor::from_data(TensorData::new(tokens, [2, 6]), &device),
+        Tensor::from_data(TensorData::new(valid, [2, 6]), &device),
+    )
+}
+
+fn logits<Bk: Backend>(lm: &CausalLm<Bk>, arch: &Architecture<Bk>) -> Vec<f32> {
+    let (tokens, valid) = batch::<Bk>();
+    lm.forward(tokens, valid, arch, None)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Every float parameter's id, whether it requires a gradient, and its values.
+struct Params(Vec<(ParamId, bool, Vec<f32>)>);
+
+impl<Bk: Backend> ModuleVisitor<Bk> for Params {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Bk, D>>) {
+        let t = p.val();
+        let grad = t.is_require_grad();
+        self.0
+            .push((p.id, grad, t.into_data().convert::<f32>().to_vec().unwrap()));
+    }
+}
+
+fn params<Bk: Backend, M: Module<Bk>>(m: &M) -> Vec<(ParamId, bool, Vec<f32>)> {
+    let mut v = Params(Vec::new());
+    m.visit(&mut v);
+    v.0
+}
+
+/// One AdamW step on the adapted model's negative log-likelihood of [`batch`].
+fn train_step(
+    lm: CausalLm<A>,
+    arch: &Architecture<A>,
+    opt: &mut Trainable<A, CausalLm<A>>,
+) -> CausalLm<A> {
+    let (tokens, valid) = batch::<A>();
+    let loss = lm
+        .sequence_stats(tokens, valid, arch, 1.0)
+        .logprobs
+        .mean()
+        .neg();
+    opt.backward(&lm, loss);
+    opt.step(5e-2, lm).0
+}
+
+fn arch<Bk: Backend>(tied: bool) -> Architecture<Bk> {
+    Architecture::new(tiny_config(tied), 16, &Default::default())
+}
+
+#[test]
+fn an_adapted_model_starts_as_its_base_and_trains_its_adapters_alone() {
+    let device = Default::default();
+    for tied in [true, false] {
+        let cfg = tiny_config(tied);
+        let base = CausalLm::<A>::random(&cfg, &device);
+        let want = logits(&base.valid(), &arch(tied));
+        let lm = base.clone().with_adapters(&spec(&LoraTarget::ALL));
+        assert!(lm.has_adapters() && !base.has_adapters());
+        // B starts at zero: the adapted model is its base, exactly.
+        assert_eq!(logits(&lm.valid(), &arch(tied)), want);
+        // Per layer: A [16, 3·4] and B [4, 16 + 8 + 8] on q/k/v; A [16, 4], B [4, 16] on o;
+        // A [16, 2·4], B [4, 48] on gate/up; A [24, 4], B [4, 16] on down.
+        let per_layer =
+            (16 * 12 + 4 * 32) + (16 * 4 + 4 * 16) + (16 * 8 + 4 * 48) + (24 * 4 + 4 * 16);
+        assert_eq!(lm.backbone.adapter_params(), 2 * per_layer);
+
+        let before = params(&lm);
+        let trained_with = before.iter().filter(|(_, g, _)| *g).count();
+        // Two layers of four adapted slots, an A each and a B per adapted part (3, 1, 2, 1).
+        assert_eq!(
+            trained_with,
+            2 * (4 + 7),
+            "only adapter tensors require gradients"
+        );
+        let mut opt = Trainable::new(0.0, 1.0);
+        let arch_a = arch::<A>(tied);
+        // Two steps: with B at zero, A's gradient is zero in the first.
+        let lm = train_step(lm, &arch_a, &mut opt);
+        let lm = train_step(lm, &arch_a, &mut opt);
+        let after = params(&lm);
+        assert_eq!(before.len(), after.len());
+        for ((id, grad, old), (id2, grad2, new)) in before.iter().zip(&after) {
+            assert_eq!((id, grad), (id2, grad2));
+            if *grad {
+                continue;
+            }
+            assert_eq!(old, new, "a frozen weight moved");
+        }
+        let moved = before
+            .iter()
+            .zip(&after)
+            .filter(|((_, g, old), (_, _, new))| *g && old != new)
+            .count();
+        assert_eq!(moved, trained_with, "every adapter tensor trains");
+        assert_ne!(logits(&lm.valid(), &arch(tied)), want);
+        // With adapters off it is the base again, sharing its weights.
+        assert_eq!(logits(&lm.without_adapters().valid(), &arch(tied)), want);
+    }
+}
+
+#[test]
+fn merged_and_reloaded_adapters_give_the_adapted_model() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    // Every projection, and a subset whose fused layers hold parts without an adapter.
+    let subset = [LoraTarget::QProj, LoraTarget::VProj, LoraTarget::UpProj];
+    for (k, targets) in [&LoraTarget::ALL[..], &subset[..]].into_iter().enumerate() {
+        let cfg = tiny_config(false);
+        let base = CausalLm::<A>::random(&cfg, &device);
+        let mut opt = Trainable::new(0.0, 1.0);
+        let mut lm = base.clone().with_adapters(&spec(targets));
+        for _ in 0..3 {
+            lm = train_step(lm, &arch(false), &mut opt);
+        }
+        let want = logits(&lm.valid(), &arch(false));
+        let merged = lm.merged();
+        assert!(!merged.has_adapters());
+        let diff = max_abs_diff(&logits(&merged.valid(), &arch(false)), &want);
+        assert!(diff < 1e-4, "merged logits differ by {diff}");
+
+        let path = dir.path().join(format!("adapter-{k}.safetensors"));
+        lm.save_adapter(&path).unwrap();
+        let back = base
+            .clone()
+            .with_adapters(&spec(targets))
+            .load_adapter(&path)
+            .unwrap();
+        assert_eq!(logits(&back.valid(), &arch(false)), want);
+        let ids = |m: &CausalLm<A>| params(m).into_iter().map(|p| p.0).collect::<Vec<_>>();
+        assert_eq!(ids(&back), ids(&lm), "adapter parameter ids are stable");
+
+        // An adapter of another shape is refused, naming what does not fit.
+        let mut other = spec(targets);
+        other.rank = 2;
+        let e = base
+            .clone()
+            .with_adapters(&other)
+            .load_adapter(&path)
+            .unwrap_err();
+        assert!(e.to_string().contains("shape"), "{e}");
+        if k == 1 {
+            let e = base
+                .clone()
+                .with_adapters(&spec(&[LoraTarget::QProj]))
+                .load_adapter(&path)
+                .unwrap_err();
+            assert!(e.to_string().contains("no place"), "{e}");
+        }
+    }
+}
+
+#[test]
+fn the_critic_adapts_the_policys_frozen_base_and_round_trips() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(true);
+    let policy = CausalLm::<A>::random(&cfg, &device).with_adapters(&spec(&LoraTarget::ALL));
+    let critic = Critic::with_adapters(&policy, &spec(&LoraTarget::ALL), &device);
+    let arch_a = arch::<A>(true);
+    let (tokens, valid) = batch::<A>();
+    let v: Vec<f32> = critic
+        .values(tokens.clone(), valid.clone(), &arch_a)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert_eq!(v, vec![0.0; 12], "values start at zero");
+    // The frozen base is the policy's; the adapters are the critic's own.
+    let (p, c) = (params(&policy), params(&critic));
+    let frozen = |ps: &[(ParamId, bool, Vec<f32>)]| -> Vec<Vec<f32>> {
+        ps.iter().filter(|q| !q.1).map(|q| q.2.clone()).collect()
+    };
+    assert_eq!(frozen(&p), frozen(&c));
+    let trained = |ps: &[(ParamId, bool, Vec<f32>)]| -> Vec<ParamId> {
+        ps.iter().filter(|q| q.1).map(|q| q.0).collect()
+    };
+    let (pt, ct) = (trained(&p), trained(&c));
+    assert!(
+        pt.iter().all(|id| !ct.contains(id)),
+        "critic adapters have ids of their own"
+    );
+    // Adapters plus the value head's weight and bias.
+    assert_eq!(ct.len(), pt.len() + 2);
+
+    let mut opt = Trainable::new(0.0, 1.0);
+    let loss = (critic.values(tokens.clone(), valid.clone(), &arch_a) - 1.0)
+        .powi_scalar(2)
+        .mean();
+    opt.backward(&critic, loss);
+    let (critic, _) = opt.step(5e-2, critic);
+    let want: Vec<f32> = critic
+        .values(tokens.clone(), valid.clone(), &arch_a)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert!(want.iter().any(|&x| x != 0.0));
+    let path = dir.path().join("critic_adapter.safetensors");
+    critic.save_adapter(&path).unwrap();
+    let back = Critic::with_adapters(&policy, &spec(&LoraTarget::ALL), &device)
+        .load_adapter(&path, &device)
+        .unwrap();
+    let got: Vec<f32> = back
+        .values(tokens, valid, &arch_a)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn the_adapters_optimiser_state_resumes_exactly() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(false);
+    let base = CausalLm::<A>::random(&cfg, &device);
+    let mut opt = Trainable::new(0.01, 1.0);
+    let mut lm = base.clone().with_adapters(&spec(&LoraTarget::ALL));
+    for _ in 0..2 {
+        lm = train_step(lm, &arch(false), &mut opt);
+    }
+    let (adapter, state) = (dir.path().join("a.safetensors"), dir.path().join("o.mpk"));
+    lm.save_adapter(&adapter).unwrap();
+    opt.save(&state).unwrap();
+    let continued = train_step(lm, &arch(false), &mut opt);
+
+    // A fresh process's view: the base rebuilt, the adapters and the moments read back.
+    let resumed = base
+        .with_adapters(&spec(&LoraTarget::ALL))
+        .load_adapter(&adapter)
+        .unwrap();
+    let mut opt2 = Trainable::new(0.01, 1.0)
+        .load(&state, &resumed, &device)
+        .unwrap();
+    let resumed = train_step(resumed, &arch(false), &mut opt2);
+    assert_eq!(
+        logits(&resumed.valid(), &arch(false)),
+        logits(&continued.valid(), &arch(false))
+    );
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("CUDA_AGENT_PYTHON")
+        .map(Into::into)
+        .unwrap_or_else(|| "python3".into())
+}
+
+#[test]
+fn the_peft_export_is_what_transformers_computes() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(false);
+    let base = CausalLm::<A>::random(&cfg, &device);
+    let base_dir = dir.path().join("base");
+    base.valid().save_pretrained(&cfg, &base_dir).unwrap();
+    let targets = [
+        LoraTarget::QProj,
+        LoraTarget::KProj,
+        LoraTarget::OProj,
+        LoraTarget::GateProj,
+        LoraTarget::DownProj,
+    ];
+    let mut opt = Trainable::new(0.0, 1.0);
+    let mut lm = base.with_adapters(&spec(&targets));
+    for _ in 0..3 {
+        lm = train_step(lm, &arch(false), &mut opt);
+    }
+    let adapter_dir = dir.path().join("adapter");
+    lm.save_peft(&spec(&targets), Some(&base_dir), &adapter_dir)
+        .unwrap();
+    let merged_dir = dir.path().join("merged");
+    lm.merged()
+        .valid()
+        .save_pretrained(&cfg, &merged_dir)
+        .unwrap();
+    // One unpadded row: Hugging Face numbers positions by index, not by the mask.
+    let row = vec![1, 5, 9, 2, 7, 3];
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(row.clone(), [1, 6]), &device);
+    let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; 6], [1, 6]), &device);
+    let ours: Vec<f32> = lm
+        .valid()
+        .forward(tokens, valid, &arch(false), None)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let expected = dir.path().join("ours.json");
+    let json = serde_json::json!({"tokens": row, "logits": ours});
+    std::fs::write(&expected, json.to_string()).unwrap();
+
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft_check.py");
+    let out = Command::new(python())
+        .arg(script)
+        .args([&base_dir, &adapter_dir, &merged_dir, &expected])
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "peft_check.py failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in ["adapter_vs_ours", "merged_vs_ours"] {
+        let d = report[key].as_f64().unwrap();
+        assert!(d < 1e-4, "{key}: {d} ({report})");
+    }
+}
