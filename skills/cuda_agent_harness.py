@@ -110,6 +110,17 @@ def load_task(path: Path) -> types.ModuleType:
     return task
 
 
+def task_allowed_ops(task) -> list[str]:
+    """The aten operators a task lets candidates dispatch beyond the harness's own list: its
+    `ALLOW_OPS`, such as `("mm", "addmm")` for a module whose nn.Linear may stay PyTorch's.
+    Set by whoever wrote the task, never by the candidate (model.py is read-only to it).
+    Raises ValueError where it is not a list or tuple of operator names."""
+    ops = getattr(task, "ALLOW_OPS", ())
+    if not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) and o.strip() and o.strip().replace("_", "").replace(".", "").isalnum() for o in ops):
+        raise ValueError(f"the task's ALLOW_OPS must be a list or tuple of aten operator names (such as ('mm', 'addmm')), not {ops!r:.200}")
+    return sorted({o.strip() for o in ops})
+
+
 def inputs_on(make, device) -> list:
     """`make()`'s inputs, created on `device` itself. Full-size tasks take gigabytes per tensor;
     made on the host first they would need that much host memory again and a slow copy."""

@@ -1954,6 +1954,10 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         mark[0] = now
 
     try:
+        try:
+            allowed_ops = h.task_allowed_ops(judge.task)
+        except ValueError as e:
+            raise ReferenceFailure(str(e)) from e
         if opts.static:
             static_check(candidate_dir)
         ref_dir = workdir / "reference"
@@ -1979,6 +1983,8 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         built = hello.get("build_s")
         judge.note(f"model_new.py imported{f' (build {built:.1f} s)' if isinstance(built, (int, float)) else ''}")
         details: dict = {"build_s": hello.get("build_s"), "extensions": hello.get("extensions"), "stage_s": stage_s}
+        if allowed_ops:
+            details["allowed_ops"] = allowed_ops
         steps = hello.get("steps_s")
         if isinstance(steps, dict):  # the worker's own account of its start: informational
             details["worker_start_s"] = {str(k)[:32]: v for k, v in list(steps.items())[:8] if isinstance(v, (int, float))}
@@ -1988,6 +1994,10 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         details["second_shape"] = judge.check_alt(opts.seeds[0], cand_in, ref_dir)
         lap("second_shape")
         result = {"correct": True, "details": details, "env": h.environment(device)}
+        if allowed_ops:
+            # For the server: PyTorch compute of these operators is the task's to allow, so
+            # its outside observation reports that compute instead of judging it.
+            result["allowed_ops"] = allowed_ops
         if opts.time:
             timing = None
             judge.note(f"timing eager{', torch.compile (compiled first)' if opts.compile else ''} and ModelNew, about {opts.budget_s:g} s each")

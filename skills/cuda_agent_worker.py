@@ -579,6 +579,11 @@ class Worker:
         self.last_out: dict = {}
         self.out_files: dict = {}
         self.allowed = ALLOWED_OPS | {op.strip() for op in (args.allow_ops or "").split(",") if op.strip()}
+        try:
+            # The task's own (the judge refuses a task whose list is malformed first).
+            self.allowed |= set(h.task_allowed_ops(self.task))
+        except ValueError:
+            pass
         self.out_dir = Path(args.out_dir)
         self.build_s = 0.0
 

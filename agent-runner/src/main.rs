@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use agent_runner::agent::{Agent, AgentLimits, PromptStyle};
 use agent_runner::openai::{ChatClient, Sampling};
-use agent_runner::optimize::{optimize, task_source, OptimizeError};
+use agent_runner::optimize::{optimize, task_source, with_allowed_ops, OptimizeError};
 use agent_runner::run::{jobs_for, result_record, run_jobs, select_tasks, totals};
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
@@ -134,6 +134,11 @@ struct OptimizeArgs {
     /// The module class to optimize, when the file has several.
     #[arg(long)]
     class: Option<String>,
+    /// Aten operators ModelNew may still call (comma separated, such as `mm,addmm` to keep
+    /// PyTorch's matmul for an nn.Linear): written into the task as its ALLOW_OPS, which the
+    /// evaluation and the agent's verify.py read.
+    #[arg(long, value_delimiter = ',')]
+    allow_ops: Vec<String>,
     /// Output: model_new.py (and its kernels), report.md, speedup.png, episodes/.
     #[arg(long, default_value = "optimized")]
     out: PathBuf,
@@ -243,7 +248,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 async fn optimize_cmd(args: OptimizeArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.module)
         .with_context(|| format!("reading {}", args.module.display()))?;
-    let source = task_source(&text, &args.input_shape, args.class.as_deref())?;
+    let source = with_allowed_ops(
+        task_source(&text, &args.input_shape, args.class.as_deref())?,
+        &args.allow_ops,
+    )?;
     let agent = agent(&args.common).await?;
     let name = args
         .module

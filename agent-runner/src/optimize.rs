@@ -144,6 +144,46 @@ pub fn task_source(
     Ok(out)
 }
 
+/// `source` with the aten operators `ops` (such as `mm`, `addmm`) allowed to `ModelNew`: an
+/// `ALLOW_OPS` tuple the judge reads from the task, so that part of the module (an
+/// `nn.Linear`) may stay PyTorch's while the rest becomes kernels. The agent sees it in
+/// model.py. No operators: `source` as it is.
+pub fn with_allowed_ops(source: String, ops: &[String]) -> Result<String, OptimizeError> {
+    if ops.is_empty() {
+        return Ok(source);
+    }
+    if source.lines().any(|l| l.starts_with("ALLOW_OPS")) {
+        return Err(OptimizeError::Module(
+            "the module sets ALLOW_OPS itself; --allow-ops would replace it: give one or the other"
+                .into(),
+        ));
+    }
+    let mut names = Vec::new();
+    for op in ops.iter().map(|o| o.trim()).filter(|o| !o.is_empty()) {
+        let name = op.strip_prefix("aten::").unwrap_or(op);
+        let ok = name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            && name
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+        if !ok {
+            return Err(OptimizeError::Module(format!(
+                "--allow-ops: {op:?} is not an aten operator name (such as mm, addmm, convolution)"
+            )));
+        }
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    let quoted: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
+    Ok(format!(
+        "{source}\n\n# Added by agent-runner optimize: PyTorch operators ModelNew may still call.\nALLOW_OPS = ({},)\n",
+        quoted.join(", ")
+    ))
+}
+
 /// `Model` as a subclass of the user's class: the same constructor and forward, under the
 /// name tasks use.
 fn model_alias(class: &str) -> String {

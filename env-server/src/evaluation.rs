@@ -510,7 +510,7 @@ impl Evaluator {
         if let Some(observed) = observed {
             let (summary, broken) = observed.judge(
                 verdict.run_windows.as_ref(),
-                !self.cfg.allow_ops.is_empty(),
+                !self.cfg.allow_ops.is_empty() || !verdict.allowed_ops.is_empty(),
                 self.cfg.device,
             );
             details.observed = Some(summary);
@@ -1170,6 +1170,9 @@ struct Verdict {
     env: Option<Value>,
     #[serde(default)]
     run_windows: Option<RunWindows>,
+    /// Aten operators the task itself allows (its `ALLOW_OPS`), as the judge read them.
+    #[serde(default)]
+    allowed_ops: Vec<String>,
 }
 
 /// When each worker ran a forward, in `CLOCK_MONOTONIC` nanoseconds (the judge's clock, and
@@ -1258,10 +1261,11 @@ impl Observed {
             (s, None)
         };
         match finding.outcome {
-            // Operators the server allows (`--allow-ops`) run PyTorch's kernels by right.
+            // Operators the server (`--allow-ops`) or the task (its `ALLOW_OPS`) allows run
+            // PyTorch's kernels by right.
             Finding::Broken if compute_allowed => unjudged(
                 s,
-                "the server allows PyTorch compute operators (--allow-ops): reported, not judged"
+                "the server (--allow-ops) or the task (ALLOW_OPS) allows PyTorch compute operators: reported, not judged"
                     .into(),
             ),
             // On a GPU the host's samples are launches and waits: what they say of who wrote

@@ -213,6 +213,29 @@ def test_the_op_allowlist_is_configurable(tmp_path, ext_dir):
     assert r["correct"] is True, r
 
 
+def test_a_task_allows_operators_of_its_own(tmp_path, ext_dir):
+    """A task's ALLOW_OPS (what `agent-runner optimize --allow-ops` writes) lets the candidate
+    dispatch those operators, and the verdict says so for the server's outside observation;
+    the same candidate on the task without it breaks pytorch_compute."""
+    body = CANDIDATES["pytorch_compute_python"]
+    task = tmp_path / "task_with_ops.py"
+    task.write_text(TASK.read_text() + "\n\nALLOW_OPS = ('add',)\n")
+    r = evaluate(tmp_path / "c1", ext_dir, body, task=task)
+    assert r["correct"] is True, r
+    assert r["allowed_ops"] == ["add"] and r["details"]["allowed_ops"] == ["add"], r
+    r = evaluate(tmp_path / "c2", ext_dir, body)
+    assert r["correct"] is False and r["rule"] == "pytorch_compute", r
+    assert "allowed_ops" not in r
+
+
+def test_a_malformed_allow_ops_is_the_tasks_error(tmp_path, ext_dir):
+    task = tmp_path / "task_bad_ops.py"
+    task.write_text(TASK.read_text() + "\n\nALLOW_OPS = 'add'\n")
+    r = evaluate(tmp_path, ext_dir, CANDIDATES["correct"], task=task)
+    assert r["correct"] is False and r["rule"] == "harness_error", r
+    assert "ALLOW_OPS must be a list or tuple" in r["reason"], r
+
+
 def test_a_failing_reference_is_the_evaluations_error_not_a_verdict(tmp_path, ext_dir):
     """The reference worker runs no candidate code: its failure (a task that does not run, a
     machine that cannot share memory between processes) is never a -1 for the candidate."""
