@@ -6,7 +6,10 @@ mod server;
 
 use std::time::{Duration, Instant};
 
-use rmcp::model::{CallToolRequestParams, CallToolResult, ProtocolVersion};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ProtocolVersion, ReadResourceRequestParams,
+    ResourceContents,
+};
 use rmcp::service::{ClientLifecycleMode, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientServiceExt as _, RoleClient, ServiceExt as _};
@@ -100,6 +103,43 @@ async fn mcp_sessions_are_episodes() {
         .expect("MCP session");
     let info = a.peer_info().expect("server info");
     assert!(info.protocol_version.has_initialize(), "{info:?}");
+    // The task prompt reaches the model: as the session's instructions and as a resource.
+    let instructions = info.instructions.clone().unwrap_or_default();
+    assert!(
+        instructions.contains("Task L1/2_Add") && instructions.contains("--- model.py ---"),
+        "{instructions}"
+    );
+    let resources = a.list_all_resources().await.unwrap();
+    let uris: Vec<&str> = resources.iter().map(|r| r.uri.as_str()).collect();
+    assert_eq!(
+        uris,
+        [
+            "cuda-agent://episode/prompt",
+            "cuda-agent://episode/SKILL.md"
+        ]
+    );
+    let read = |uri: &str| {
+        let uri = uri.to_string();
+        let a = &a;
+        async move {
+            let r = a
+                .read_resource(ReadResourceRequestParams::new(uri.clone()))
+                .await
+                .unwrap_or_else(|e| panic!("{uri}: {e}"));
+            match &r.contents[0] {
+                ResourceContents::TextResourceContents { text, .. } => text.clone(),
+                other => panic!("{uri}: not text: {other:?}"),
+            }
+        }
+    };
+    let prompt = read("cuda-agent://episode/prompt").await;
+    assert!(prompt.starts_with("Task L1/2_Add:"), "{prompt}");
+    let skill = read("cuda-agent://episode/SKILL.md").await;
+    assert!(skill.contains("(this server's device)"), "{skill}");
+    assert!(a
+        .read_resource(ReadResourceRequestParams::new("cuda-agent://nothing"))
+        .await
+        .is_err());
     let tools = a.list_all_tools().await.unwrap();
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
     for want in ["reset", "Bash", "Glob", "MultiEdit", "TodoWrite", "Submit"] {
@@ -134,13 +174,23 @@ async fn mcp_sessions_are_episodes() {
     // Arguments the tool rejects: an error result the agent reads, no turn taken.
     let bad = call(&a, "Bash", json!({"no_command": 1})).await;
     assert_eq!(bad.is_error, Some(true), "{bad:?}");
-    // A tool that does not exist is a protocol error.
-    assert!(a.call_tool(params("NoSuchTool", json!({}))).await.is_err());
+    // A tool that does not exist: an error result the model reads (some clients raise a
+    // protocol error to the user instead), naming the tools; no turn taken.
+    let unknown = call(&a, "NoSuchTool", json!({})).await;
+    assert_eq!(unknown.is_error, Some(true), "{unknown:?}");
+    assert!(
+        text(&unknown).contains("unknown tool \"NoSuchTool\"") && text(&unknown).contains("Bash"),
+        "{}",
+        text(&unknown)
+    );
 
     let r = call(&a, "Submit", json!({})).await;
     let done = r.structured_content.clone().unwrap();
     assert_eq!(done["terminated"], true, "{done}");
-    assert_eq!(done["info"]["turn"], 2, "the bad call took no turn: {done}");
+    assert_eq!(
+        done["info"]["turn"], 2,
+        "the bad and the unknown calls took no turn: {done}"
+    );
     assert_eq!(done["reward"], -1.0, "an empty model_new.py fails: {done}");
     let after = call(&a, "Bash", json!({"command": "true"})).await;
     assert_eq!(after.is_error, Some(true));
@@ -171,6 +221,16 @@ async fn mcp_sessions_are_episodes() {
     let early = call(&b, "Glob", json!({"pattern": "*"})).await;
     assert_eq!(early.is_error, Some(true));
     assert!(text(&early).contains("reset"), "{early:?}");
+    // No prompt before the episode starts; SKILL.md is there all along.
+    let listed = b.list_all_resources().await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].uri, "cuda-agent://episode/SKILL.md");
+    assert!(b
+        .read_resource(ReadResourceRequestParams::new(
+            "cuda-agent://episode/prompt"
+        ))
+        .await
+        .is_err());
     // A task of the user's own is capped in size, and must be a task file.
     let big = call(&b, "reset", json!({"task_source": "#".repeat(2 << 20)})).await;
     assert_eq!(big.is_error, Some(true));

@@ -717,6 +717,11 @@ impl EpisodeManager {
         }
     }
 
+    /// The workspaces' `SKILL.md`, as laid out for this server's device.
+    pub fn skill_md(&self) -> String {
+        crate::runtime::render_skill(self.setup.device)
+    }
+
     fn cfg(&self) -> &EpisodeConfig {
         &self.setup.cfg
     }

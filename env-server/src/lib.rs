@@ -287,7 +287,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         check_reachable(&data_dir)?;
     }
     let harness_dir = data_dir.join("harness");
-    runtime::install_harness(&harness_dir)?;
+    runtime::install_harness(&harness_dir, device)?;
     if device == runtime::Device::Cuda {
         runtime::check_cuda_ipc(&cfg.python, &harness_dir)?;
     }

@@ -33,7 +33,9 @@ use env_api::{Capped as _, EpisodeStatus, PlainAction, ResetOptions, ResetReques
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, DiscoverResult,
     ErrorCode, ErrorData, Implementation, InitializeRequestParams, InitializeResult, JsonObject,
-    ListToolsResult, PaginatedRequestParams, ProtocolVersion, ServerCapabilities, Tool,
+    ListResourcesResult, ListToolsResult, PaginatedRequestParams, ProtocolVersion,
+    ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, Resource,
+    ResourceContents, ServerCapabilities, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::transport::streamable_http_server::session::local::{LocalSessionManager, SessionConfig};
@@ -56,6 +58,16 @@ pub struct McpLimits {
 
 /// The name of the tool that starts (or restarts) the session's episode.
 pub const RESET_TOOL: &str = "reset";
+
+/// The resource holding the running episode's task prompt (the reset's observation).
+pub const PROMPT_URI: &str = "cuda-agent://episode/prompt";
+
+/// The resource holding the workspace's `SKILL.md` (as laid out for this server's device).
+pub const SKILL_URI: &str = "cuda-agent://episode/SKILL.md";
+
+/// What every session is told at `initialize`; a session opened with a task in its URL gets
+/// the task prompt after it, since that prompt is otherwise never shown to the model.
+const INSTRUCTIONS: &str = "One session is one episode of writing a faster ModelNew. Open the session at /mcp?task=ID or call `reset`, then use the tools; Submit ends the episode and its result carries the reward. The task prompt is also the resource cuda-agent://episode/prompt, and SKILL.md the resource cuda-agent://episode/SKILL.md.";
 
 /// The newest protocol revision served: the last with the `initialize` handshake, which
 /// sessions (and so episodes) rest on.
@@ -183,6 +195,8 @@ impl StartQuery {
 struct SessionEpisode {
     state: Arc<AppState>,
     id: tokio::sync::Mutex<Option<String>>,
+    /// The task prompt of the session's latest episode (its reset's observation).
+    prompt: std::sync::Mutex<Option<String>>,
     /// Prefix of the request ids of this session's steps (retries of one JSON-RPC request
     /// replay the first answer, as `request_id` does over HTTP).
     prefix: String,
@@ -227,6 +241,7 @@ impl EpisodeSession {
             inner: Arc::new(SessionEpisode {
                 state,
                 id: tokio::sync::Mutex::new(None),
+                prompt: std::sync::Mutex::new(None),
                 prefix,
             }),
         }
@@ -242,7 +257,16 @@ impl EpisodeSession {
         }
         let resp = self.inner.state.episodes.reset(req).await?;
         *id = Some(resp.episode_id.clone());
+        *self.prompt_slot() = Some(resp.observation.text.clone());
         Ok(resp)
+    }
+
+    fn prompt_slot(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        // A panic while holding it cannot leave a half-written prompt: take the value.
+        self.inner
+            .prompt
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     async fn call_reset(&self, args: Value) -> CallToolResult {
@@ -299,11 +323,13 @@ impl EpisodeSession {
                 data["episode_id"] = json!(id);
                 Ok(structured(text, is_error, data))
             }
+            // A result the model reads, not a protocol error: some clients raise those to the
+            // user instead of showing them to the model, which then cannot correct the call.
+            // No turn is taken, as over HTTP.
             Err(EpisodeError::Call(agent_tools::CallError::UnknownTool { name, available })) => {
-                Err(ErrorData::invalid_params(
-                    format!("unknown tool {name}; the tools are {RESET_TOOL}, {available}"),
-                    None,
-                ))
+                Ok(error_result(format!(
+                    "unknown tool {name:?} (no turn taken); the tools are {RESET_TOOL}, {available}"
+                )))
             }
             Err(EpisodeError::Ended(_)) => Ok(error_result(format!(
                 "the episode has ended; call `{RESET_TOOL}` to start another"
@@ -374,11 +400,17 @@ fn reset_tool() -> Tool {
 
 impl ServerHandler for EpisodeSession {
     fn get_info(&self) -> InitializeResult {
-        let mut info = InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
-            .with_server_info(Implementation::new("cuda-agent env-server", env!("CARGO_PKG_VERSION")))
-            .with_instructions(
-                "One session is one episode of writing a faster ModelNew. Open the session at /mcp?task=ID or call `reset`, then use the tools; Submit ends the episode and its result carries the reward.",
-            );
+        let mut info = InitializeResult::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_resources()
+                .build(),
+        )
+        .with_server_info(Implementation::new(
+            "cuda-agent env-server",
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .with_instructions(INSTRUCTIONS);
         info.protocol_version = NEWEST_VERSION;
         info
     }
@@ -405,7 +437,7 @@ impl ServerHandler for EpisodeSession {
         context: RequestContext<RoleServer>,
     ) -> Result<InitializeResult, ErrorData> {
         context.peer.set_peer_info(request.clone());
-        let info = self.negotiate_initialize(&request)?;
+        let mut info = self.negotiate_initialize(&request)?;
         let query = context
             .extensions
             .get::<axum::http::request::Parts>()
@@ -418,9 +450,68 @@ impl ServerHandler for EpisodeSession {
                     ErrorData::invalid_params(format!("starting the episode: {e}"), None)
                 })?;
                 tracing::info!(episode = %resp.episode_id, task = %resp.info.task.id, "MCP session started its episode");
+                // Clients put the instructions before the model; the prompt is the task.
+                info.instructions = Some(format!(
+                    "{INSTRUCTIONS}\n\nThis session's episode has started (episode {}). Its task:\n\n{}",
+                    resp.episode_id, resp.observation.text
+                ));
             }
         }
         Ok(info)
+    }
+
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, ErrorData> {
+        let mut out = Vec::new();
+        if self.prompt_slot().is_some() {
+            out.push(
+                Resource::new(PROMPT_URI, "task prompt")
+                    .with_description(
+                        "The running episode's task: what to write, the budget, and model.py",
+                    )
+                    .with_mime_type("text/plain"),
+            );
+        }
+        out.push(
+            Resource::new(SKILL_URI, "SKILL.md")
+                .with_description("The loop (profile, implement, verify, tune), how the evaluation judges, the rules and the reward")
+                .with_mime_type("text/markdown"),
+        );
+        Ok(ListResourcesResult::with_all_items(out))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        let text = match request.uri.as_str() {
+            PROMPT_URI => self.prompt_slot().clone().ok_or_else(|| {
+                ErrorData::resource_not_found(
+                    format!("{PROMPT_URI}: no episode in this session yet; call `{RESET_TOOL}` or open the session at /mcp?task=ID"),
+                    None,
+                )
+            })?,
+            SKILL_URI => self.inner.state.episodes.skill_md(),
+            other => {
+                return Err(ErrorData::resource_not_found(
+                    format!("no resource {other:?}; the resources are {PROMPT_URI} and {SKILL_URI}"),
+                    None,
+                ))
+            }
+        };
+        let mime = if request.uri == SKILL_URI {
+            "text/markdown"
+        } else {
+            "text/plain"
+        };
+        Ok(ReadResourceResult::new(vec![
+            ResourceContents::text(text, request.uri).with_mime_type(mime)
+        ])
+        .into())
     }
 
     async fn list_tools(

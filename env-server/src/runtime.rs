@@ -237,8 +237,83 @@ pub fn check_cuda_ipc(python: &Path, harness_dir: &Path) -> Result<(), RuntimeEr
     Err(RuntimeError::NoCudaIpc(why.to_string()))
 }
 
-/// Writes the pristine harness into `dir` (read-only), replacing whatever was there.
-pub fn install_harness(dir: &Path) -> Result<(), RuntimeError> {
+/// Where a device's section of `SKILL.md` starts: `<!-- device: cpu -->` or
+/// `<!-- device: cuda -->`, its first line a `## ` heading.
+const SECTION_START: &str = "<!-- device: ";
+/// Where a device's section ends.
+const SECTION_END: &str = "<!-- end device -->";
+
+/// `SKILL.md` as the workspace of a `device` server holds it: that device's section where
+/// the source keeps the device sections (before the loop), its heading marked as this
+/// server's, and the other device's section moved to the end, marked as not this server's.
+/// An agent reads the page from the top: on a CPU server GPU advice first cost episodes.
+/// A source without the markers is returned as it is.
+pub fn render_skill(device: Device) -> String {
+    render_skill_from(include_str!("../../skills/SKILL.md"), device)
+}
+
+fn render_skill_from(source: &str, device: Device) -> String {
+    let mut rest = String::new();
+    let mut own = None;
+    let mut others = Vec::new();
+    let mut at = source;
+    let mut place = None;
+    while let Some(start) = at.find(SECTION_START) {
+        let Some(len) = at[start..].find(SECTION_END) else {
+            break;
+        };
+        rest.push_str(&at[..start]);
+        place.get_or_insert(rest.len());
+        let block = &at[start..start + len];
+        let (marker, body) = block.split_once('\n').unwrap_or((block, ""));
+        let name = marker
+            .trim_start_matches(SECTION_START)
+            .trim_end_matches("-->")
+            .trim();
+        let body = body.trim_end().to_string();
+        if name == device.as_str() {
+            own = Some(mark_heading(&body, "(this server's device)"));
+        } else {
+            others.push(mark_heading(
+                &body,
+                "(not this server's device: for reference)",
+            ));
+        }
+        at = &at[start + len + SECTION_END.len()..];
+        at = at.strip_prefix('\n').unwrap_or(at);
+    }
+    rest.push_str(at);
+    let Some(place) = place else {
+        return source.to_string();
+    };
+    let mut out = String::with_capacity(source.len() + 128);
+    out.push_str(&rest[..place]);
+    if let Some(own) = own {
+        out.push_str(&own);
+        out.push_str("\n\n");
+    }
+    out.push_str(&rest[place..]);
+    for other in others {
+        if !out.ends_with("\n\n") {
+            out.push('\n');
+        }
+        out.push_str(&other);
+        out.push('\n');
+    }
+    out
+}
+
+/// `body` with `note` after its first line (its heading).
+fn mark_heading(body: &str, note: &str) -> String {
+    match body.split_once('\n') {
+        Some((heading, rest)) => format!("{heading} {note}\n{rest}"),
+        None => format!("{body} {note}"),
+    }
+}
+
+/// Writes the pristine harness into `dir` (read-only), replacing whatever was there;
+/// `SKILL.md` as [`render_skill`] lays it out for `device`.
+pub fn install_harness(dir: &Path, device: Device) -> Result<(), RuntimeError> {
     use std::os::unix::fs::PermissionsExt;
     let io = |p: &Path, e| RuntimeError::Io(p.to_path_buf(), e);
     if dir.exists() {
@@ -250,6 +325,13 @@ pub fn install_harness(dir: &Path) -> Result<(), RuntimeError> {
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     for (name, text) in HARNESS_FILES {
         let p = dir.join(name);
+        let rendered;
+        let text = if *name == "SKILL.md" {
+            rendered = render_skill(device);
+            rendered.as_str()
+        } else {
+            text
+        };
         std::fs::write(&p, text).map_err(|e| io(&p, e))?;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444))
             .map_err(|e| io(&p, e))?;
@@ -257,4 +339,44 @@ pub fn install_harness(dir: &Path) -> Result<(), RuntimeError> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
         .map_err(|e| io(dir, e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod skill_tests {
+    use super::*;
+
+    const SOURCE: &str = "# Title\nintro\n\n<!-- device: cpu -->\n## On a CPU\ncpu text\n<!-- end device -->\n\n<!-- device: cuda -->\n## On a GPU\ngpu text\n<!-- end device -->\n\n## Loop\nloop text\n";
+
+    #[test]
+    fn each_device_reads_its_own_section_first_and_the_other_last() {
+        let cpu = render_skill_from(SOURCE, Device::Cpu);
+        let own = cpu.find("## On a CPU (this server's device)").expect(&cpu);
+        let other = cpu
+            .find("## On a GPU (not this server's device: for reference)")
+            .expect(&cpu);
+        let lp = cpu.find("## Loop").unwrap();
+        assert!(own < lp && lp < other, "{cpu}");
+        assert!(!cpu.contains("<!--"), "{cpu}");
+        let gpu = render_skill_from(SOURCE, Device::Cuda);
+        let own = gpu.find("## On a GPU (this server's device)").expect(&gpu);
+        let other = gpu
+            .find("## On a CPU (not this server's device")
+            .expect(&gpu);
+        assert!(own < gpu.find("## Loop").unwrap() && gpu.find("## Loop").unwrap() < other);
+    }
+
+    #[test]
+    fn the_bundled_page_has_both_sections() {
+        for device in [Device::Cpu, Device::Cuda] {
+            let page = render_skill(device);
+            assert!(page.contains("(this server's device)"), "{device:?}");
+            assert!(page.contains("(not this server's device"), "{device:?}");
+            assert!(!page.contains(SECTION_START), "{device:?}");
+        }
+    }
+
+    #[test]
+    fn a_page_without_markers_is_left_as_it_is() {
+        assert_eq!(render_skill_from("# x\ntext\n", Device::Cpu), "# x\ntext\n");
+    }
 }
