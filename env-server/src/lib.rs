@@ -70,8 +70,8 @@ pub struct ServerConfig {
     pub max_eval_queue: usize,
     /// Default turn limit.
     pub max_turns: u32,
-    /// Default tool-time budget.
-    pub time_budget: Duration,
+    /// Default tool-time budget; None: the device's ([`default_time_budget`]).
+    pub time_budget: Option<Duration>,
     /// Idle episodes are truncated after this.
     pub idle_timeout: Duration,
     /// Per-phase evaluation time limit.
@@ -121,6 +121,18 @@ pub struct ServerConfig {
     pub retention_interval: Duration,
 }
 
+/// The tool-time budget of an episode when neither the reset nor the server says: enough for
+/// about ten verify/profile iterations of a `load_inline` candidate on the device, with a
+/// build in each. On an H100 host one iteration measured 91 s (verify.py 65 s with its build,
+/// profile.py 26 s), so 1200 s on CUDA; on a 2-core CPU host a verify.py with a torch-header
+/// build takes about a minute when the host is quiet, so 900 s there.
+pub fn default_time_budget(device: runtime::Device) -> Duration {
+    match device {
+        runtime::Device::Cpu => Duration::from_secs(900),
+        runtime::Device::Cuda => Duration::from_secs(1200),
+    }
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -136,7 +148,7 @@ impl Default for ServerConfig {
             pch_variants: Some(Vec::new()),
             max_eval_queue: 1024,
             max_turns: 200,
-            time_budget: Duration::from_secs(300),
+            time_budget: None,
             idle_timeout: Duration::from_secs(1800),
             eval_timeout: Duration::from_secs(300),
             disk_quota_bytes: 1 << 30,
@@ -347,7 +359,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         episode::EpisodeConfig {
             data_dir: data_dir.clone(),
             max_turns: cfg.max_turns,
-            time_budget: cfg.time_budget,
+            time_budget: cfg.time_budget.unwrap_or(default_time_budget(device)),
             max_episodes: cfg.max_episodes,
             disk_quota_bytes: cfg.disk_quota_bytes,
             idle_timeout: cfg.idle_timeout,
@@ -427,6 +439,17 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             Ok(()) => json!({"on": true, "judged": true}),
         },
         "auth": cfg.api_key.is_some(),
+        // What a reset without options gets, and what each device's default is (a budget
+        // given to the server replaces the default of its device).
+        "episode_defaults": {
+            "max_turns": cfg.max_turns,
+            "time_budget_s": cfg.time_budget.unwrap_or(default_time_budget(device)).as_secs_f64(),
+            "time_budget_from": if cfg.time_budget.is_some() { "--time-budget-s" } else { "the device's default" },
+            "device_default_time_budget_s": {
+                "cpu": default_time_budget(runtime::Device::Cpu).as_secs_f64(),
+                "cuda": default_time_budget(runtime::Device::Cuda).as_secs_f64(),
+            },
+        },
     });
     Ok(Arc::new(AppState {
         episodes,

@@ -55,9 +55,11 @@ struct Args {
     /// Default turn limit of an episode.
     #[arg(long, default_value_t = 200)]
     max_turns: u32,
-    /// Default tool-time budget of an episode, seconds.
-    #[arg(long, default_value_t = 300.0)]
-    time_budget_s: f64,
+    /// Default tool-time budget of an episode, seconds (default: the device's, 900 on CPU and
+    /// 1200 on CUDA: about ten verify/profile iterations of a load_inline candidate; /v1/info
+    /// `episode_defaults` says which is in force).
+    #[arg(long)]
+    time_budget_s: Option<f64>,
     /// Idle episodes are truncated after this many seconds.
     #[arg(long, default_value_t = 1800)]
     idle_timeout_s: u64,
@@ -283,7 +285,10 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         },
         max_episodes: args.max_episodes,
         max_turns: args.max_turns,
-        time_budget: secs(args.time_budget_s, "time-budget-s")?,
+        time_budget: args
+            .time_budget_s
+            .map(|s| secs(s, "time-budget-s"))
+            .transpose()?,
         idle_timeout: Duration::from_secs(args.idle_timeout_s),
         eval_timeout: Duration::from_secs(args.eval_timeout_s),
         task_size: args.task_size,

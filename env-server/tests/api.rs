@@ -123,6 +123,41 @@ async fn discovery_routes() {
 }
 
 #[tokio::test]
+async fn the_default_budget_is_the_devices_and_is_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state(dir.path(), None);
+    let (_, info) = call(&s, "GET", "/v1/info", None).await;
+    let d = &info["episode_defaults"];
+    assert_eq!(d["time_budget_s"], 900.0, "{info}");
+    assert_eq!(d["time_budget_from"], "the device's default");
+    assert_eq!(d["device_default_time_budget_s"]["cuda"], 1200.0);
+    assert_eq!(d["max_turns"], 200);
+    let (st, reset) = call(
+        &s,
+        "POST",
+        "/v1/episodes",
+        Some(json!({"task": "L1/1_ReLU"})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{reset}");
+    assert_eq!(reset["info"]["limits"]["time_budget_s"], 900.0, "{reset}");
+    let prompt = reset["observation"]["text"].as_str().unwrap();
+    assert!(prompt.contains("900 s of tool time"), "{prompt}");
+    // A budget given to the server replaces the device's, and /v1/info says so.
+    let dir2 = tempfile::tempdir().unwrap();
+    let s2 = state_from(ServerConfig {
+        time_budget: Some(std::time::Duration::from_secs(60)),
+        ..test_config(dir2.path())
+    });
+    let (_, info) = call(&s2, "GET", "/v1/info", None).await;
+    assert_eq!(info["episode_defaults"]["time_budget_s"], 60.0, "{info}");
+    assert_eq!(
+        info["episode_defaults"]["time_budget_from"],
+        "--time-budget-s"
+    );
+}
+
+#[tokio::test]
 async fn every_kind_of_bad_input_gets_a_json_4xx() {
     let dir = tempfile::tempdir().unwrap();
     let s = state(dir.path(), None);
