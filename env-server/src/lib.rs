@@ -124,8 +124,9 @@ pub struct ServerConfig {
 /// The tool-time budget of an episode when neither the reset nor the server says: enough for
 /// about ten verify/profile iterations of a `load_inline` candidate on the device, with a
 /// build in each. On an H100 host one iteration measured 91 s (verify.py 65 s with its build,
-/// profile.py 26 s), so 1200 s on CUDA; on a 2-core CPU host a verify.py with a torch-header
-/// build takes about a minute when the host is quiet, so 900 s there.
+/// profile.py 26 s), so 1200 s on CUDA. On the 2-core CPU host, quiet, verify.py after a
+/// one-line `load_inline` change took 27.6 s and profile.py 31.7 s (docs/BENCHMARKS.md), so
+/// 900 s there; while other builds loaded the host the same verify.py took 289 s.
 pub fn default_time_budget(device: runtime::Device) -> Duration {
     match device {
         runtime::Device::Cpu => Duration::from_secs(900),
