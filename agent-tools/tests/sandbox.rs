@@ -296,6 +296,13 @@ async fn nothing_outlives_a_timeout_or_the_end_of_a_command() {
         f.call("Bash", json!({"command": "sleep 1000.4711 & nohup sleep 1001.4711 >/dev/null 2>&1 & sleep 100", "timeout": 1000})).await;
     assert!(bash_data(&out).timed_out, "{}", out.text);
     assert!(out.text.contains("timed out"), "{}", out.text);
+    // The timeout could have been longer: the message says how long it may be.
+    assert!(
+        out.text
+            .contains("a longer command needs a larger `timeout` (milliseconds, at most 600000)"),
+        "{}",
+        out.text
+    );
     assert_eq!(
         with_marker(".4711"),
         Vec::<i32>::new(),

@@ -87,6 +87,7 @@ pub(super) async fn run(
     command: &str,
     timeout: Duration,
     by_budget: bool,
+    may_raise_to: Option<Duration>,
 ) -> Result<ToolOutput, ToolError> {
     if command.trim().is_empty() {
         return Err(ToolError::InvalidArgument("command is empty".into()));
@@ -200,9 +201,16 @@ pub(super) async fn run(
             text.push('\n');
         }
         text.push_str(&format!(
-            "[timed out after {:.1} s; the command and every process it started were killed]",
+            "[timed out after {:.1} s; the command and every process it started were killed",
             timeout.as_secs_f64()
         ));
+        match may_raise_to {
+            Some(max) => text.push_str(&format!(
+                "; a longer command needs a larger `timeout` (milliseconds, at most {})]",
+                max.as_millis()
+            )),
+            None => text.push(']'),
+        }
     } else if let Some(code) = exit_code.filter(|c| *c != 0) {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');

@@ -452,7 +452,10 @@ impl Toolbox {
                     .min(self.limits.max_bash_timeout);
                 // A command cut by the episode's budget says so (not just "timed out").
                 let by_budget = budget < asked;
-                bash::run(self, &a.command, asked.min(budget), by_budget).await
+                // One cut by its own timeout says how far the timeout may go, where it may.
+                let may_raise_to =
+                    (asked < self.limits.max_bash_timeout).then_some(self.limits.max_bash_timeout);
+                bash::run(self, &a.command, asked.min(budget), by_budget, may_raise_to).await
             }
             ToolCall::TodoWrite(a) => todo::write(&mut self.todos, a),
             ToolCall::Submit(_) => Ok(ToolOutput::ok(
