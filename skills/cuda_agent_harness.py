@@ -110,6 +110,46 @@ def load_task(path: Path) -> types.ModuleType:
     return task
 
 
+class Progress:
+    """Prints the judge's progress lines for verify.py and profile.py, and while a step is
+    silent for `heartbeat_s` (a build on a loaded host takes minutes) a line saying it still
+    runs, so that the output shows where the time goes, and a command cut by its timeout
+    shows how far it got. Call `close()` when done."""
+
+    def __init__(self, out, heartbeat_s: float = 30.0):
+        import threading
+        self.out = out
+        self.heartbeat_s = heartbeat_s
+        self.started = time.perf_counter()
+        self.last_line = ""
+        self.last_at = self.started
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread = None
+        if heartbeat_s > 0:
+            self.thread = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
+            self.thread.start()
+
+    def __call__(self, line: str) -> None:
+        with self.lock:
+            self.last_line = line.split("] ", 1)[-1]
+            self.last_at = time.perf_counter()
+            print(line, file=self.out, flush=True)
+
+    def _beat(self) -> None:
+        while not self.done.wait(self.heartbeat_s / 4):
+            with self.lock:
+                now = time.perf_counter()
+                if self.last_line and now - self.last_at >= self.heartbeat_s:
+                    print(f"[{now - self.started:6.1f} s] still running: {self.last_line}", file=self.out, flush=True)
+                    self.last_at = now
+
+    def close(self) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
 def task_allowed_ops(task) -> list[str]:
     """The aten operators a task lets candidates dispatch beyond the harness's own list: its
     `ALLOW_OPS`, such as `("mm", "addmm")` for a module whose nn.Linear may stay PyTorch's.

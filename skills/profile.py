@@ -59,6 +59,7 @@ def main() -> int:
     p.add_argument("--dir", default=".")
     p.add_argument("--result", default="profile_result.json", help="where the full verdict goes, as JSON (relative to --dir)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--heartbeat-s", type=float, default=30.0, help="say a step still runs after this many silent seconds (0: never)")
     args = p.parse_args()
     here = Path(args.dir).resolve()
     device = h.pick_device(args.device)
@@ -69,8 +70,12 @@ def main() -> int:
     opts = judge.Options(device=args.device, compile="compile" in (args.compare or []), budget_s=args.budget_s, seeds=[int.from_bytes(os.urandom(4), "little")])
     # Progress lines go to stderr under --json, so that stdout stays one JSON document.
     out = sys.stderr if args.json else sys.stdout
-    progress = None if args.quiet else (lambda line: print(line, file=out, flush=True))
-    result = judge.evaluate(here / "model.py", here, opts, progress=progress)
+    progress = None if args.quiet else h.Progress(out, args.heartbeat_s)
+    try:
+        result = judge.evaluate(here / "model.py", here, opts, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     try:
         (here / args.result).write_text(json.dumps(result, indent=2) + "\n")
         written = f"full verdict (JSON: every round's statistics, memory, the build): {args.result}"

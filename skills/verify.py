@@ -94,11 +94,17 @@ def main() -> int:
     p.add_argument("--dir", default=".", help="workspace holding model.py and model_new.py")
     p.add_argument("--result", default="verify_result.json", help="where the full verdict goes, as JSON (relative to --dir)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--heartbeat-s", type=float, default=30.0, help="say a step still runs after this many silent seconds (0: never)")
     args = p.parse_args()
     here = Path(args.dir).resolve()
     opts = judge.Options(device=args.device, atol=args.tolerance, rtol=args.tolerance, time=args.time,
                          seeds=[int.from_bytes(os.urandom(4), "little") for _ in range(max(1, args.trials))])
-    result = judge.evaluate(here / "model.py", here, opts, progress=None if args.quiet else print)
+    progress = None if args.quiet else h.Progress(sys.stdout, args.heartbeat_s)
+    try:
+        result = judge.evaluate(here / "model.py", here, opts, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     # The reason is printed once, as it is (compiler output and tracebacks stay readable),
     # not a second time escaped inside the JSON.
     reason = result.get("reason")

@@ -91,6 +91,28 @@ def test_verify_prints_progress_a_summary_and_writes_the_verdict(tmp_path, ext_d
     assert "run_windows" in verdict
 
 
+def test_a_silent_step_is_said_to_still_run():
+    """A build that takes minutes is not silence: a line every heartbeat names the step."""
+    import io
+    import time
+
+    import cuda_agent_harness as h
+    out = io.StringIO()
+    p = h.Progress(out, heartbeat_s=0.2)
+    p("[   0.0 s] workers ready; building (if the sources changed) and importing model_new.py")
+    time.sleep(0.7)
+    p("[   0.7 s] model_new.py imported")
+    time.sleep(0.1)
+    p.close()
+    lines = out.getvalue().splitlines()
+    beats = [l for l in lines if "still running: workers ready; building" in l]
+    assert 1 <= len(beats) <= 4, lines
+    assert lines[-1] == "[   0.7 s] model_new.py imported", lines
+    # Quiet once closed.
+    time.sleep(0.3)
+    assert out.getvalue().splitlines() == lines
+
+
 def test_verify_names_a_failure_once_and_keeps_it_in_the_file(tmp_path, ext_dir):
     ws = workspace(tmp_path, 1.0)
     out = run("verify.py", ws, ext_dir, "--trials", "1", "--quiet")
