@@ -1351,6 +1351,9 @@ class Judge:
         self.workdir = workdir
         self.atol, self.rtol = atol, rtol
         self.call_timeout = call_timeout
+        # The torch.compile baseline's first call compiles (tens of seconds cold, minutes on a
+        # loaded host): it gets the setup's timeout, not a call's (evaluate() sets it).
+        self.compile_timeout = call_timeout
         # Called with a line of progress at each step (verify.py and profile.py print them;
         # the server's judge has none: its stdout is the verdict alone).
         self.progress = None
@@ -1709,7 +1712,7 @@ class Judge:
             inputs = h.seeded_inputs(self.task.get_inputs, self.rng.getrandbits(62), self.device)
             self.give_inputs(inputs, "main", cand_dir, ref_dir)
             del inputs
-            self.ref.request({"op": "run", "model": "compile"}, self.call_timeout)
+            self.ref.request({"op": "run", "model": "compile"}, max(self.call_timeout, self.compile_timeout))
             self.release()
             compile_first_call_s = time.perf_counter() - t
         flush = L2Flusher(self.device)
@@ -1943,6 +1946,7 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
         workdir = Path(own_tmp.name)
     judge = Judge(task_path, device, workdir, opts.atol, opts.rtol, opts.call_timeout)
     judge.progress = progress
+    judge.compile_timeout = opts.setup_timeout
     result: dict
     # Where the judge's time goes (seconds per stage; the judge's own clock), for throughput work.
     stage_s: dict = {}
