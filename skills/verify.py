@@ -65,10 +65,15 @@ def summary(result: dict, reason: str | None, result_path: str) -> list[str]:
         # The reason starts with the rule's name.
         lines.append(f"FAIL: {reason}")
     times = []
-    if isinstance(d.get("build_s"), (int, float)):
-        times.append(f"build and import {d['build_s']:.1f} s")
     stages = d.get("stage_s") or {}
-    for name, label in (("start", "workers' start"), ("check", "checks"), ("second_shape", "second shape"), ("time", "timing")):
+    build = d.get("build_s") if isinstance(d.get("build_s"), (int, float)) else None
+    start = stages.get("start") if isinstance(stages.get("start"), (int, float)) else None
+    # The judge's start stage runs from the workers' launch through the build and import.
+    if start is not None:
+        times.append(f"workers' start (importing torch) {start - (build or 0.0):.1f} s")
+    if build is not None:
+        times.append(f"build and import of model_new.py {build:.1f} s")
+    for name, label in (("check", "checks"), ("second_shape", "second shape"), ("time", "timing")):
         if isinstance(stages.get(name), (int, float)):
             times.append(f"{label} {stages[name]:.1f} s")
     if times:

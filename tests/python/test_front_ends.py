@@ -80,7 +80,7 @@ def test_verify_prints_progress_a_summary_and_writes_the_verdict(tmp_path, ext_d
     summary = out.stdout[out.stdout.index("PASS"):]
     assert summary.startswith("PASS: ModelNew matches Model on 2 input sets, an input set off the task's distribution, the second input shape"), summary
     assert "output 0 (float32): passes where |got - want| <= atol 0.0001 + rtol 0.0001 * max(|want|," in summary, summary
-    assert "times: build and import" in summary, summary
+    assert "times: workers' start (importing torch)" in summary and "build and import of model_new.py" in summary, summary
     assert "full verdict (JSON" in summary and "verify_result.json" in summary, summary
     # The noise of the old output is gone from the observation: no JSON, no timestamps.
     assert "run_windows" not in out.stdout and "{" not in summary, summary
@@ -146,7 +146,7 @@ def test_a_passing_max_rel_error_is_explained():
     assert lines[0] == "PASS: ModelNew matches Model on 5 input sets, an input set off the task's distribution, the second input shape"
     assert "every element may differ by 0.000184" in text, text
     assert "max_rel_error 7 is |got - want| / |want| at its worst element, an output near zero" in text, text
-    assert "build and import 3.2 s, workers' start 4.0 s, checks 1.5 s" in text, text
+    assert "times: workers' start (importing torch) 0.8 s, build and import of model_new.py 3.2 s, checks 1.5 s" in text, text
     # Within the relative tolerance: nothing to explain.
     details["max_rel_error"] = 5e-5
     assert "max_rel_error" not in "\n".join(verify.summary({"correct": True, "details": details}, None, "f"))
