@@ -221,6 +221,10 @@ pub struct OptimSection {
     pub min_lr_ratio: f64,
     /// Sequences per forward/backward (gradients accumulate over a minibatch).
     pub micro_batch: usize,
+    /// Keep only each decoder layer's input through a training pass and recompute the layer
+    /// in the backward pass: activation memory of one layer instead of all, for about a third
+    /// more compute. What long contexts on large models need.
+    pub activation_checkpointing: bool,
 }
 
 impl Default for OptimSection {
@@ -234,6 +238,7 @@ impl Default for OptimSection {
             schedule: Schedule::Constant,
             min_lr_ratio: 0.1,
             micro_batch: 4,
+            activation_checkpointing: false,
         }
     }
 }
@@ -276,7 +281,8 @@ pub struct PpoSection {
     pub vf_coef: f32,
     /// Weight of the entropy bonus (c2).
     pub entropy_coef: f32,
-    /// Weight of the KL penalty to the starting policy (0: off, no reference copy kept).
+    /// Weight of the KL penalty to the starting policy (0: off, no reference copy kept); with
+    /// adapters, to the base (the adapters off), which costs no copy.
     pub kl_coef: f32,
     /// Passes over each batch.
     pub epochs: usize,
@@ -370,6 +376,8 @@ pub struct RunSection {
     pub keep_checkpoints: usize,
     /// Seed of weights, data order and sampling.
     pub seed: u64,
+    /// Refuse to start a stage whose memory plan exceeds the device's free memory.
+    pub check_memory: bool,
 }
 
 impl Default for RunSection {
@@ -379,6 +387,7 @@ impl Default for RunSection {
             checkpoint_every: 10,
             keep_checkpoints: 3,
             seed: 0,
+            check_memory: true,
         }
     }
 }

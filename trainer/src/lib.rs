@@ -11,6 +11,7 @@ pub mod error;
 pub mod generate;
 #[cfg(feature = "cuda")]
 pub mod kernels;
+pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod objective;

@@ -42,6 +42,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Trainable<B, M> {
         self.pending += 1;
     }
 
+    /// Adds the gradients of one micro-batch's loss given in parts (a layer-by-layer backward
+    /// pass: see [`crate::model::recompute`]).
+    pub fn backward_parts(&mut self, module: &M, parts: Vec<GradientsParams>) {
+        for grads in parts {
+            self.accum.accumulate(module, grads);
+        }
+        self.pending += 1;
+    }
+
     /// Applies the accumulated gradients at learning rate `lr`; returns the module and the
     /// gradient norm before clipping (`None` when nothing was accumulated).
     pub fn step(&mut self, lr: f64, module: M) -> (M, Option<f32>) {

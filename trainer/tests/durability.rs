@@ -121,8 +121,8 @@ fn resuming_from_a_truncated_pointer_fails_instead_of_starting_over() {
     std::fs::create_dir_all(&stage).unwrap();
     std::fs::write(stage.join("latest"), "").unwrap();
     let opts = StageOptions {
-        init: None,
         resume: true,
+        ..Default::default()
     };
     let err = Learner::<Autodiff<B>>::new(cfg, "ppo", &opts, 32, Default::default())
         .err()

@@ -1,16 +1,22 @@
-//! Low-rank adapters: an adapted model starts as its base, trains its adapters alone, merges
-//! and round-trips exactly; the critic's adapters sit on the same frozen base; the optimiser's
-//! state resumes; and the PEFT export is what `transformers` computes.
+//! Fitting large models: low-rank adapters (an adapted model starts as its base, trains its
+//! adapters alone, merges and round-trips exactly; the critic's adapters sit on the same frozen
+//! base; the optimiser's state resumes; the PEFT export is what `transformers` computes),
+//! layer-by-layer backward passes that give the whole graph's gradients, and the memory plan.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
+use trainer::config::TrainConfig;
+use trainer::memory::{param_count, DeviceMemory, MemoryPlan};
+use trainer::model::recompute::layerwise_grads;
 use trainer::model::{Architecture, CausalLm, Critic, LoraSpec, LoraTarget, ModelConfig};
 use trainer::optim::Trainable;
+use trainer::stage::{Learner, StageOptions};
 
 type B = NdArray<f32>;
 type A = Autodiff<B>;
@@ -355,5 +361,293 @@ fn the_peft_export_is_what_transformers_computes() {
     for key in ["adapter_vs_ours", "merged_vs_ours"] {
         let d = report[key].as_f64().unwrap();
         assert!(d < 1e-4, "{key}: {d} ({report})");
+    }
+}
+
+/// A tiny checkpoint directory (config and tokenizer; the weights are seeded random).
+fn tiny_model_dir(dir: &Path) -> PathBuf {
+    let m = dir.join("model");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-tokenizer.json"),
+        m.join("tokenizer.json"),
+    )
+    .unwrap();
+    let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 512, "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 64, "tie_word_embeddings": true,
+        "eos_token_id": 2});
+    std::fs::write(m.join("config.json"), cfg.to_string()).unwrap();
+    m
+}
+
+fn stage_logits(learner: &Learner<A>) -> Vec<f32> {
+    logits(&learner.policy().valid(), &learner.infer_arch)
+}
+
+#[test]
+fn a_stage_with_adapters_checkpoints_resumes_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = TrainConfig::default();
+    cfg.model.path = Some(tiny_model_dir(dir.path()));
+    cfg.run.out_dir = dir.path().join("runs");
+    cfg.lora.rank = 4;
+    cfg.lora.alpha = 8.0;
+    cfg.optim.activation_checkpointing = true;
+    let device = Default::default();
+    let mut learner =
+        Learner::<A>::new(cfg.clone(), "ppo", &StageOptions::default(), 32, device).unwrap();
+    assert!(learner.policy().has_adapters() && learner.critic().has_adapters());
+    for _ in 0..2 {
+        let (tokens, valid) = batch::<A>();
+        learner.policy_backward_stats(tokens.clone(), valid.clone(), 1.0, |stats| {
+            stats.logprobs.mean().neg()
+        });
+        learner.policy_step(5e-2).unwrap();
+        learner.critic_backward_values(tokens, valid, |v| (v - 1.0).powi_scalar(2).mean());
+        learner.critic_step(5e-2).unwrap();
+    }
+    learner.step = 2;
+    let want = stage_logits(&learner);
+    let ckpt = learner.save_checkpoint(10).unwrap();
+    // Adapters alone: no full records of either model.
+    for name in ["policy_adapter.safetensors", "critic_adapter.safetensors"] {
+        assert!(ckpt.join(name).is_file(), "{name}");
+    }
+    for name in ["policy.mpk", "critic.mpk"] {
+        assert!(!ckpt.join(name).exists(), "{name}");
+    }
+
+    let resumed = Learner::<A>::new(
+        cfg.clone(),
+        "ppo",
+        &StageOptions {
+            resume: true,
+            ..Default::default()
+        },
+        32,
+        device,
+    )
+    .unwrap();
+    assert_eq!(resumed.step, 2);
+    assert_eq!(stage_logits(&resumed), want);
+
+    let fin = learner.save_final().unwrap();
+    for f in [
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+        "hf/model.safetensors",
+    ] {
+        assert!(fin.join(f).is_file(), "{f}");
+    }
+    let (_, merged) = CausalLm::<B>::from_pretrained(&fin.join("hf"), &device).unwrap();
+    let arch_b = Architecture::<B>::new(learner.model_config.clone(), 32, &device);
+    let diff = max_abs_diff(&logits(&merged, &arch_b), &want);
+    assert!(diff < 1e-4, "merged export differs by {diff}");
+
+    // The next stage starts from the adapters; a full-parameter stage refuses them.
+    let next = Learner::<A>::new(
+        cfg.clone(),
+        "rft",
+        &StageOptions {
+            init: Some(fin.clone()),
+            ..Default::default()
+        },
+        32,
+        device,
+    )
+    .unwrap();
+    assert_eq!(stage_logits(&next), want);
+    let mut full = cfg.clone();
+    full.lora.rank = 0;
+    let e = Learner::<A>::new(
+        full,
+        "rft",
+        &StageOptions {
+            init: Some(fin),
+            ..Default::default()
+        },
+        32,
+        device,
+    )
+    .err()
+    .expect("an error");
+    assert!(e.to_string().contains("adapters"), "{e}");
+}
+
+#[test]
+fn the_memory_plan_counts_a_7b_model_and_refuses_what_cannot_fit() {
+    let shape = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/shapes/qwen2.5-7b.json");
+    let model = ModelConfig::from_json(&std::fs::read_to_string(shape).unwrap()).unwrap();
+    // Qwen2.5-7B's published parameter count.
+    assert_eq!(param_count(&model), 7_615_616_512);
+    let h100 = DeviceMemory {
+        free: 79 << 30,
+        total: 80 << 30,
+        name: "GPU 0",
+    };
+    // Issue-sized run: 8 episodes at 8k tokens, one sequence per micro-batch.
+    let mut cfg = TrainConfig::default();
+    cfg.rollout.generation_batch = 8;
+    cfg.rollout.batch = 8;
+    cfg.rollout.context = 8192;
+    cfg.optim.micro_batch = 1;
+    let full = MemoryPlan::new(&model, &cfg, 2, 8192);
+    let e = full.check(&h100).unwrap_err().to_string();
+    assert!(e.contains("lora.rank") && e.contains("GPU 0"), "{e}");
+    cfg.lora.rank = 16;
+    let adapters = MemoryPlan::new(&model, &cfg, 2, 8192);
+    assert!(adapters.total() < full.total() / 2, "{adapters}\n{full}");
+    // Without checkpointing an 8k-token pass keeps tens of GiB of activations.
+    assert!(adapters.check(&h100).is_err(), "{adapters}");
+    cfg.optim.activation_checkpointing = true;
+    let fits = MemoryPlan::new(&model, &cfg, 2, 8192);
+    fits.check(&h100).unwrap();
+    let text = fits.to_string();
+    assert!(
+        text.contains("base weights") && text.contains("checkpointed"),
+        "{text}"
+    );
+
+    // A stage whose plan exceeds the device stops before it loads anything.
+    let dir = tempfile::tempdir().unwrap();
+    let mut small = TrainConfig::default();
+    small.model.path = Some(tiny_model_dir(dir.path()));
+    small.run.out_dir = dir.path().join("runs");
+    let tiny = DeviceMemory {
+        free: 1 << 10,
+        total: 1 << 20,
+        name: "host",
+    };
+    let opts = StageOptions {
+        device_memory: Some(tiny),
+        ..Default::default()
+    };
+    let e = Learner::<A>::new(small.clone(), "ppo", &opts, 32, Default::default())
+        .err()
+        .expect("an error");
+    assert!(e.to_string().contains("memory plan"), "{e}");
+    small.run.check_memory = false;
+    Learner::<A>::new(small, "ppo", &opts, 32, Default::default()).unwrap();
+}
+
+/// Each parameter's gradient summed over `parts` (absent: no gradient).
+struct Summed<'a>(&'a [GradientsParams], Vec<(ParamId, Option<Vec<f32>>)>);
+
+impl ModuleVisitor<A> for Summed<'_> {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<A, D>>) {
+        let mut sum: Option<Tensor<B, D>> = None;
+        for part in self.0 {
+            if let Some(g) = part.get::<B, D>(p.id) {
+                sum = Some(match sum {
+                    Some(s) => s + g,
+                    None => g,
+                });
+            }
+        }
+        self.1
+            .push((p.id, sum.map(|s| s.into_data().to_vec::<f32>().unwrap())));
+    }
+}
+
+fn summed<M: Module<A>>(m: &M, parts: &[GradientsParams]) -> Vec<(ParamId, Option<Vec<f32>>)> {
+    let mut v = Summed(parts, Vec::new());
+    m.visit(&mut v);
+    v.1
+}
+
+fn assert_same_grads(
+    what: &str,
+    whole: Vec<(ParamId, Option<Vec<f32>>)>,
+    layered: Vec<(ParamId, Option<Vec<f32>>)>,
+) {
+    assert_eq!(whole.len(), layered.len());
+    let mut compared = 0;
+    for ((id, a), (id2, b)) in whole.into_iter().zip(layered) {
+        assert_eq!(id, id2);
+        match (a, b) {
+            (None, None) => {}
+            (Some(a), Some(b)) => {
+                let scale = a.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+                let diff = max_abs_diff(&a, &b) / scale;
+                assert!(
+                    diff < 1e-4,
+                    "{what}: parameter {id}: relative difference {diff}"
+                );
+                compared += 1;
+            }
+            (a, b) => panic!(
+                "{what}: parameter {id} has a gradient in one pass only ({} vs {})",
+                a.is_some(),
+                b.is_some()
+            ),
+        }
+    }
+    assert!(compared > 0, "{what}: no gradients compared");
+}
+
+#[test]
+fn layer_by_layer_backward_gives_the_whole_graphs_gradients() {
+    let device = Default::default();
+    for (tied, lora) in [(true, false), (false, false), (true, true)] {
+        let what = format!("tied {tied}, adapters {lora}");
+        let cfg = tiny_config(tied);
+        let arch = arch::<A>(tied);
+        let mut lm = CausalLm::<A>::random(&cfg, &device);
+        if lora {
+            // Adapters with non-zero B, so that every adapter tensor has a gradient.
+            let mut opt = Trainable::new(0.0, 1.0);
+            lm = lm.with_adapters(&spec(&LoraTarget::ALL));
+            lm = train_step(lm, &arch, &mut opt);
+        }
+        // A loss that uses log-probabilities and entropies, as PPO's does.
+        let loss = |stats: trainer::model::SequenceStats<A>| {
+            (stats.logprobs * 0.7 - stats.entropy * 0.3).mean()
+        };
+        let (tokens, valid) = batch::<A>();
+        let whole = GradientsParams::from_grads(
+            loss(lm.sequence_stats(tokens.clone(), valid.clone(), &arch, 0.9)).backward(),
+            &lm,
+        );
+        let parts = layerwise_grads(
+            &lm,
+            &lm.backbone,
+            tokens.clone(),
+            valid.clone(),
+            &arch.rope,
+            |h| loss(lm.stats_of_hidden(h, tokens.clone(), 0.9)),
+        );
+        assert_eq!(parts.len(), 1 + 2 + usize::from(!lora), "{what}");
+        assert_same_grads(&what, summed(&lm, &[whole]), summed(&lm, &parts));
+
+        let mut critic = if lora {
+            Critic::with_adapters(&lm, &spec(&LoraTarget::ALL), &device)
+        } else {
+            Critic::from_policy(&lm, &device)
+        };
+        // A non-zero head, so that gradients reach the backbone.
+        critic.value_head.weight = Param::from_tensor(Tensor::random(
+            [16, 1],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &device,
+        ));
+        let v_loss = |v: Tensor<A, 2>| (v - 0.5).powi_scalar(2).mean();
+        let whole = GradientsParams::from_grads(
+            v_loss(critic.values(tokens.clone(), valid.clone(), &arch)).backward(),
+            &critic,
+        );
+        let parts = layerwise_grads(
+            &critic,
+            &critic.backbone,
+            tokens.clone(),
+            valid.clone(),
+            &arch.rope,
+            |h| v_loss(critic.values_of_hidden(h)),
+        );
+        assert_same_grads(
+            &format!("critic, {what}"),
+            summed(&critic, &[whole]),
+            summed(&critic, &parts),
+        );
     }
 }

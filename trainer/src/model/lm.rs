@@ -141,12 +141,22 @@ impl<B: Backend> CausalLm<B> {
         arch: &Architecture<B>,
         temperature: f64,
     ) -> SequenceStats<B> {
-        let [b, t] = tokens.dims();
-        // The last position predicts nothing here: cut it before the vocabulary-wide projection.
         let hidden = self
             .backbone
-            .forward(tokens.clone(), valid, &arch.rope, None)
-            .narrow(1, 0, t - 1);
+            .forward(tokens.clone(), valid, &arch.rope, None);
+        self.stats_of_hidden(hidden, tokens, temperature)
+    }
+
+    /// [`Self::sequence_stats`] from the backbone's final hidden states `[batch, seq, hidden]`.
+    pub fn stats_of_hidden(
+        &self,
+        hidden: Tensor<B, 3>,
+        tokens: Tensor<B, 2, Int>,
+        temperature: f64,
+    ) -> SequenceStats<B> {
+        let [b, t] = tokens.dims();
+        // The last position predicts nothing here: cut it before the vocabulary-wide projection.
+        let hidden = hidden.narrow(1, 0, t - 1);
         // Log-probabilities in f32 whatever the model's precision, as sampling computes them.
         let d = hidden.dims()[2];
         let logits = self.project_rows(hidden.reshape([b * (t - 1), d]));
@@ -360,9 +370,13 @@ impl<B: Backend> Critic<B> {
         valid: Tensor<B, 2, Bool>,
         arch: &Architecture<B>,
     ) -> Tensor<B, 2> {
-        let h = self.backbone.forward(tokens, valid, &arch.rope, None);
-        let [b, t, _] = h.dims();
-        self.value_head.forward(h).reshape([b, t])
+        self.values_of_hidden(self.backbone.forward(tokens, valid, &arch.rope, None))
+    }
+
+    /// [`Self::values`] from the backbone's final hidden states `[batch, seq, hidden]`.
+    pub fn values_of_hidden(&self, hidden: Tensor<B, 3>) -> Tensor<B, 2> {
+        let [b, t, _] = hidden.dims();
+        self.value_head.forward(hidden).reshape([b, t])
     }
 
     /// Saves the exact burn record.

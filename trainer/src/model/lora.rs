@@ -147,22 +147,22 @@ impl<B: Backend> Adapter<B> {
     }
 
     /// The update `scale · (x A) B` of input rows `[n, in]`, as `[n, out_width]` in the rows'
-    /// precision (zero in the columns of parts without an adapter).
+    /// precision (zero in the columns of parts without an adapter). The product runs in the
+    /// rows' precision with `A` and `B` cast to it, as mixed-precision training does: the f32
+    /// copies stay the parameters and their gradients come back in f32, and the backward pass
+    /// keeps no f32 copy of the input.
     pub fn delta(&self, rows: Tensor<B, 2>) -> Tensor<B, 2> {
         let dtype = rows.dtype();
         let device = rows.device();
         let [n, _] = rows.dims();
-        let mut x = rows.cast(DType::F32);
+        let mut x = rows;
         if self.dropout > 0.0 && B::ad_enabled(&device) {
             let keep = 1.0 - self.dropout;
-            let mask = Tensor::<B, 2>::random(
-                x.dims(),
-                Distribution::Bernoulli(keep),
-                (&device, DType::F32),
-            );
+            let mask =
+                Tensor::<B, 2>::random(x.dims(), Distribution::Bernoulli(keep), (&device, dtype));
             x = x * mask / keep;
         }
-        let h = x.matmul(self.a.val());
+        let h = x.matmul(self.a.val().cast(dtype));
         let r = self.rank;
         let outs: Vec<Tensor<B, 2>> = self
             .b
@@ -174,7 +174,7 @@ impl<B: Backend> Adapter<B> {
                 } else {
                     h.clone().narrow(1, i * r, r)
                 };
-                hi.matmul(b.val())
+                hi.matmul(b.val().cast(dtype))
             })
             .collect();
         // The parts in output order, zeros between them where a part has no adapter.
@@ -182,23 +182,20 @@ impl<B: Backend> Adapter<B> {
         let mut col = 0;
         for (out, &offset) in outs.into_iter().zip(&self.offsets) {
             if offset > col {
-                pieces.push(Tensor::zeros([n, offset - col], (&device, DType::F32)));
+                pieces.push(Tensor::zeros([n, offset - col], (&device, dtype)));
             }
             col = offset + out.dims()[1];
             pieces.push(out);
         }
         if col < self.out_width {
-            pieces.push(Tensor::zeros(
-                [n, self.out_width - col],
-                (&device, DType::F32),
-            ));
+            pieces.push(Tensor::zeros([n, self.out_width - col], (&device, dtype)));
         }
         let delta = if pieces.len() == 1 {
             pieces.pop().expect("one piece")
         } else {
             Tensor::cat(pieces, 1)
         };
-        (delta * self.scale).cast(dtype)
+        delta * self.scale
     }
 
     /// `scale · A B` of each adapted part, `[in, width]` in f32, for merging into the base.

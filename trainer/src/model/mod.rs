@@ -5,6 +5,7 @@ pub mod config;
 pub mod fused;
 pub mod lm;
 pub mod lora;
+pub mod recompute;
 pub mod rope;
 pub mod transformer;
 pub mod vocab;

@@ -116,6 +116,16 @@ pub struct RopeAngles<B: Backend> {
 pub type FusedRope<B> =
     fn(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> Option<FloatTensor<B>>;
 
+impl<B: burn::tensor::backend::AutodiffBackend> RopeAngles<B> {
+    /// The same angles on the backend without autodiff (they are constants).
+    pub fn inner(&self) -> RopeAngles<B::InnerBackend> {
+        RopeAngles {
+            cos: self.cos.clone().inner(),
+            sin: self.sin.clone().inner(),
+        }
+    }
+}
+
 impl<B: Backend> RopeAngles<B> {
     /// Rotates `x` `[batch, seq, heads, head_dim]` (every head by its token's angles).
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {

@@ -404,16 +404,26 @@ impl<B: Backend> Backbone<B> {
         let angles = rope.angles(&pos.positions);
         for (i, layer) in self.layers.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let h = layer.self_attn.forward(
-                layer.input_layernorm.forward(x.clone()),
-                &angles,
-                &pos.mask,
-                lc,
-            );
-            x = x + h;
-            x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
+            x = layer.forward(x, &angles, &pos.mask, lc);
         }
         self.norm.forward(x)
+    }
+}
+
+impl<B: Backend> Block<B> {
+    /// The layer's output for input `x` `[batch, seq, hidden]`.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        angles: &RopeAngles<B>,
+        mask: &Tensor<B, 4, Bool>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        let h =
+            self.self_attn
+                .forward(self.input_layernorm.forward(x.clone()), angles, mask, cache);
+        let x = x + h;
+        x.clone() + self.mlp.forward(self.post_attention_layernorm.forward(x))
     }
 }
 

@@ -19,8 +19,10 @@ use env_api::{ResetOptions, ResetRequest};
 use crate::checkpoint::{self, CheckpointFiles, StageState};
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::memory::{DeviceMemory, MemoryPlan};
 use crate::metrics::MetricsLog;
-use crate::model::{Architecture, CausalLm, Critic, ModelConfig};
+use crate::model::recompute::layerwise_grads;
+use crate::model::{Architecture, CausalLm, Critic, ModelConfig, SequenceStats};
 use crate::optim::Trainable;
 use crate::policy::{load_policy, PolicyGenerator};
 use crate::render::Renderer;
@@ -34,6 +36,8 @@ pub struct StageOptions {
     pub init: Option<PathBuf>,
     /// Continue from this stage's newest checkpoint.
     pub resume: bool,
+    /// The device's memory, to check the stage's memory plan against (not checked if unknown).
+    pub device_memory: Option<DeviceMemory>,
 }
 
 /// The policy, the critic, their optimisers and the bookkeeping of one stage.
@@ -74,6 +78,16 @@ impl<B: AutodiffBackend> Learner<B> {
         context: usize,
         device: B::Device,
     ) -> Result<Self, TrainError> {
+        // The plan first: a stage that cannot fit stops before it allocates anything.
+        if let Some(dir) = &cfg.model.path {
+            let model = ModelConfig::from_file(dir)?;
+            let elem = <B::FloatElem as burn::tensor::Element>::dtype().size();
+            let plan = MemoryPlan::new(&model, &cfg, elem, context);
+            tracing::info!("{stage}: {plan}");
+            if let (true, Some(memory)) = (cfg.run.check_memory, &opts.device_memory) {
+                plan.check(memory)?;
+            }
+        }
         let loaded = load_policy::<B>(&cfg.model, cfg.run.seed, &device)?;
         let lora = cfg.lora.spec()?;
         let mut policy = loaded.lm;
@@ -201,10 +215,56 @@ impl<B: AutodiffBackend> Learner<B> {
         self.actor_opt.backward(p, loss);
     }
 
+    /// Adds the policy loss `loss` makes of the statistics of one micro-batch of `tokens`:
+    /// one backward pass, or layer by layer with `optim.activation_checkpointing`.
+    pub fn policy_backward_stats(
+        &mut self,
+        tokens: Tensor<B, 2, Int>,
+        valid: Tensor<B, 2, Bool>,
+        temperature: f64,
+        loss: impl FnOnce(SequenceStats<B>) -> Tensor<B, 1>,
+    ) {
+        let p = self.policy.as_ref().expect("policy");
+        if self.cfg.optim.activation_checkpointing {
+            let parts = layerwise_grads(
+                p,
+                &p.backbone,
+                tokens.clone(),
+                valid,
+                &self.arch.rope,
+                |h| loss(p.stats_of_hidden(h, tokens, temperature)),
+            );
+            self.actor_opt.backward_parts(p, parts);
+        } else {
+            let stats = p.sequence_stats(tokens, valid, &self.arch, temperature);
+            self.actor_opt.backward(p, loss(stats));
+        }
+    }
+
     /// Adds one micro-batch's critic loss.
     pub fn critic_backward(&mut self, loss: Tensor<B, 1>) {
         let c = self.critic.as_ref().expect("critic");
         self.critic_opt.backward(c, loss);
+    }
+
+    /// Adds the critic loss `loss` makes of the values `[batch, seq]` of one micro-batch of
+    /// `tokens`: one backward pass, or layer by layer with `optim.activation_checkpointing`.
+    pub fn critic_backward_values(
+        &mut self,
+        tokens: Tensor<B, 2, Int>,
+        valid: Tensor<B, 2, Bool>,
+        loss: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 1>,
+    ) {
+        let c = self.critic.as_ref().expect("critic");
+        if self.cfg.optim.activation_checkpointing {
+            let parts = layerwise_grads(c, &c.backbone, tokens, valid, &self.arch.rope, |h| {
+                loss(c.values_of_hidden(h))
+            });
+            self.critic_opt.backward_parts(c, parts);
+        } else {
+            let values = c.values(tokens, valid, &self.arch);
+            self.critic_opt.backward(c, loss(values));
+        }
     }
 
     /// Applies the policy's accumulated gradients; returns the gradient norm.

@@ -250,51 +250,60 @@ fn update<B: AutodiffBackend>(
                         .collect::<Vec<_>>(),
                     &device,
                 );
-                let stats = learner.policy().sequence_stats(
-                    batch.tokens.clone(),
-                    batch.valid.clone(),
-                    &learner.arch,
-                    temperature,
-                );
-                let surrogate = clipped_surrogate(
-                    stats.logprobs.clone(),
-                    old_lp.clone(),
-                    adv,
-                    ppo.clip_low,
-                    ppo.clip_high,
-                );
-                let pg_loss = masked_sum(surrogate, batch.mask.clone(), tokens);
-                let entropy = masked_sum(stats.entropy, batch.mask.clone(), tokens);
-                let mut loss = pg_loss.clone() - entropy.clone() * ppo.entropy_coef;
-                if let (true, Some(_)) = (ppo.kl_coef > 0.0, rows[0].ref_logprobs.as_ref()) {
-                    let ref_lp = batch.shifted(
+                let ref_lp = (ppo.kl_coef > 0.0 && rows[0].ref_logprobs.is_some()).then(|| {
+                    batch.shifted(
                         &rows
                             .iter()
                             .map(|p| p.ref_logprobs.as_deref().unwrap_or(&[]))
                             .collect::<Vec<_>>(),
                         &device,
-                    );
-                    let ref_kl = masked_sum(
-                        kl_k3(stats.logprobs.clone(), ref_lp),
-                        batch.mask.clone(),
-                        tokens,
-                    );
-                    rkl += scalar(ref_kl.clone().detach());
-                    loss = loss + ref_kl * ppo.kl_coef;
-                }
-                kl += scalar(masked_sum(
-                    kl_k3(stats.logprobs.clone().detach(), old_lp.clone()),
-                    batch.mask.clone(),
-                    tokens,
-                ));
-                clip += scalar(masked_sum(
-                    clipped_mask(stats.logprobs.detach(), old_lp, ppo.clip_low, ppo.clip_high),
-                    batch.mask.clone(),
-                    tokens,
-                ));
-                pg += scalar(pg_loss.detach());
-                ent += scalar(entropy.detach());
-                learner.policy_backward(loss);
+                    )
+                });
+                let mask = batch.mask.clone();
+                learner.policy_backward_stats(
+                    batch.tokens.clone(),
+                    batch.valid.clone(),
+                    temperature,
+                    |stats| {
+                        let surrogate = clipped_surrogate(
+                            stats.logprobs.clone(),
+                            old_lp.clone(),
+                            adv,
+                            ppo.clip_low,
+                            ppo.clip_high,
+                        );
+                        let pg_loss = masked_sum(surrogate, mask.clone(), tokens);
+                        let entropy = masked_sum(stats.entropy, mask.clone(), tokens);
+                        let mut loss = pg_loss.clone() - entropy.clone() * ppo.entropy_coef;
+                        if let Some(ref_lp) = ref_lp {
+                            let ref_kl = masked_sum(
+                                kl_k3(stats.logprobs.clone(), ref_lp),
+                                mask.clone(),
+                                tokens,
+                            );
+                            rkl += scalar(ref_kl.clone().detach());
+                            loss = loss + ref_kl * ppo.kl_coef;
+                        }
+                        kl += scalar(masked_sum(
+                            kl_k3(stats.logprobs.clone().detach(), old_lp.clone()),
+                            mask.clone(),
+                            tokens,
+                        ));
+                        clip += scalar(masked_sum(
+                            clipped_mask(
+                                stats.logprobs.detach(),
+                                old_lp,
+                                ppo.clip_low,
+                                ppo.clip_high,
+                            ),
+                            mask,
+                            tokens,
+                        ));
+                        pg += scalar(pg_loss.detach());
+                        ent += scalar(entropy.detach());
+                        loss
+                    },
+                );
 
                 let old_v = batch.shifted(
                     &rows
@@ -310,17 +319,17 @@ fn update<B: AutodiffBackend>(
                         .collect::<Vec<_>>(),
                     &device,
                 );
-                let values = learner
-                    .critic()
-                    .values(batch.tokens, batch.valid, &learner.arch)
-                    .narrow(1, 0, batch.width - 1);
-                let v_loss = masked_sum(
-                    clipped_value_loss(values, old_v, ret, ppo.value_clip),
-                    batch.mask,
-                    tokens,
-                ) * ppo.vf_coef;
-                vl += scalar(v_loss.clone().detach());
-                learner.critic_backward(v_loss);
+                let mask = batch.mask;
+                learner.critic_backward_values(batch.tokens, batch.valid, |values| {
+                    let values = values.narrow(1, 0, batch.width - 1);
+                    let v_loss = masked_sum(
+                        clipped_value_loss(values, old_v, ret, ppo.value_clip),
+                        mask,
+                        tokens,
+                    ) * ppo.vf_coef;
+                    vl += scalar(v_loss.clone().detach());
+                    v_loss
+                });
             }
             if let Some(n) = learner.policy_step(lr_a) {
                 gn_a.push(n as f64);

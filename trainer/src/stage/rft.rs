@@ -59,13 +59,12 @@ pub fn run_rft<B: AutodiffBackend>(
         for micro in rows.chunks(cfg.optim.micro_batch.max(1)) {
             let refs: Vec<&Sample> = micro.iter().map(|&i| &samples[i]).collect();
             let batch = TokenBatch::<B>::new(&refs, &device);
-            let stats =
-                learner
-                    .policy()
-                    .sequence_stats(batch.tokens, batch.valid, &learner.arch, 1.0);
-            let nll = masked_sum(stats.logprobs, batch.mask, tokens).neg();
-            nll_sum += scalar(nll.clone().detach());
-            learner.policy_backward(nll);
+            let mask = batch.mask;
+            learner.policy_backward_stats(batch.tokens, batch.valid, 1.0, |stats| {
+                let nll = masked_sum(stats.logprobs, mask, tokens).neg();
+                nll_sum += scalar(nll.clone().detach());
+                nll
+            });
         }
         let lr = cfg.optim.lr_at(peak, learner.step, total);
         let norm = learner.policy_step(lr);
@@ -154,13 +153,13 @@ pub fn run_value_pretrain<B: AutodiffBackend>(
                 &returns.iter().map(Vec::as_slice).collect::<Vec<_>>(),
                 &device,
             );
-            let values = learner
-                .critic()
-                .values(batch.tokens, batch.valid, &learner.arch)
-                .narrow(1, 0, w);
-            let loss = masked_sum((values - ret).powi_scalar(2) * 0.5, batch.mask, tokens);
-            loss_sum += scalar(loss.clone().detach());
-            learner.critic_backward(loss);
+            let mask = batch.mask;
+            learner.critic_backward_values(batch.tokens, batch.valid, |values| {
+                let values = values.narrow(1, 0, w);
+                let loss = masked_sum((values - ret).powi_scalar(2) * 0.5, mask, tokens);
+                loss_sum += scalar(loss.clone().detach());
+                loss
+            });
         }
         let lr = cfg.optim.lr_at(cfg.optim.critic_lr, learner.step, total);
         let norm = learner.critic_step(lr);

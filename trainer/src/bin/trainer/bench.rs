@@ -4,14 +4,14 @@ use anyhow::Result;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::cli::BenchArgs;
-use crate::device::Job;
+use crate::device::{DeviceEnv, Job};
 
 /// The benchmark, as a [`Job`].
 pub struct Bench<'a>(pub &'a BenchArgs);
 
 impl Job for Bench<'_> {
-    fn run<B: AutodiffBackend>(self, device: B::Device, note: &str) -> Result<()> {
-        bench::<B>(self.0, device, note)
+    fn run<B: AutodiffBackend>(self, device: B::Device, env: &DeviceEnv) -> Result<()> {
+        bench::<B>(self.0, device, &env.note)
     }
 }
 

@@ -9,19 +9,36 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use burn::tensor::backend::AutodiffBackend;
 
+use trainer::memory::DeviceMemory;
+
 use crate::cli::{DeviceKind, Precision};
+
+/// What a job learns about the device it runs on.
+pub struct DeviceEnv {
+    /// The CUDA set-up's choices (empty on the CPU).
+    pub note: String,
+    /// The device's memory, where it could be read.
+    pub memory: Option<DeviceMemory>,
+}
 
 /// Work generic over the backend, run on the one the flags pick.
 pub trait Job {
-    /// Runs on backend `B`; `note` names the CUDA set-up's choices (empty on the CPU).
-    fn run<B: AutodiffBackend>(self, device: B::Device, note: &str) -> Result<()>;
+    /// Runs on backend `B`.
+    fn run<B: AutodiffBackend>(self, device: B::Device, env: &DeviceEnv) -> Result<()>;
 }
 
 /// Runs `job` on `kind` at `precision`.
 pub fn run_on(kind: DeviceKind, precision: Precision, job: impl Job) -> Result<()> {
     match (kind, precision) {
         (DeviceKind::Cpu, Precision::F32) => {
-            job.run::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(Default::default(), "")
+            let env = DeviceEnv {
+                note: String::new(),
+                memory: DeviceMemory::host(),
+            };
+            job.run::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(
+                Default::default(),
+                &env,
+            )
         }
         (DeviceKind::Cpu, Precision::Bf16) => bail!("--precision bf16 needs --device cuda"),
         (DeviceKind::Cuda, p) => run_cuda(p, job),
@@ -38,13 +55,17 @@ fn run_cuda(p: Precision, job: impl Job) -> Result<()> {
     probe_libcuda()?;
     configure_kernel_caches();
     let note = format!(", matmul {}, {}", configure_matmul(), configure_kernels());
+    let env = DeviceEnv {
+        note,
+        memory: gpu_memory(),
+    };
     let device = burn::backend::cuda::CudaDevice::new(0);
     let result = match p {
         Precision::F32 => {
-            job.run::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(device, &note)
+            job.run::<burn::backend::Autodiff<burn::backend::Cuda<f32>>>(device, &env)
         }
         Precision::Bf16 => {
-            job.run::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(device, &note)
+            job.run::<burn::backend::Autodiff<burn::backend::Cuda<half::bf16>>>(device, &env)
         }
     };
     let counts = trainer::blas::cublas::counts();
@@ -60,6 +81,20 @@ fn run_cuda(p: Precision, job: impl Job) -> Result<()> {
         );
     }
     result
+}
+
+/// Free and total memory of GPU 0 (through its primary context, the one burn's runtime uses).
+#[cfg(feature = "cuda")]
+fn gpu_memory() -> Option<DeviceMemory> {
+    let ctx = cudarc::driver::CudaContext::new(0)
+        .map_err(|e| tracing::warn!("GPU memory unknown, the memory plan goes unchecked: {e}"))
+        .ok()?;
+    let (free, total) = ctx.mem_get_info().ok()?;
+    Some(DeviceMemory {
+        free: free as u64,
+        total: total as u64,
+        name: "GPU 0",
+    })
 }
 
 /// Chooses who runs matrix products on CUDA and returns the choice's name: cuBLAS by default

@@ -11,13 +11,13 @@ use trainer::serve::request::Limits;
 use trainer::serve::{router, ServeSettings};
 
 use crate::cli::ServeArgs;
-use crate::device::Job;
+use crate::device::{DeviceEnv, Job};
 
 /// The server, as a [`Job`].
 pub struct Serve<'a>(pub &'a ServeArgs);
 
 impl Job for Serve<'_> {
-    fn run<B: AutodiffBackend>(self, device: B::Device, _note: &str) -> Result<()> {
+    fn run<B: AutodiffBackend>(self, device: B::Device, _env: &DeviceEnv) -> Result<()> {
         // Inference only: the backend without autodiff.
         serve::<B::InnerBackend>(self.0, device)
     }

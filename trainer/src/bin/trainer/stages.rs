@@ -7,6 +7,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use trainer::config::TrainConfig;
 use trainer::curation::{rft_filter, samples_from_dir};
+use trainer::memory::DeviceMemory;
 use trainer::metrics::{batch_summary, EvalSummary};
 use trainer::rollout::{run_episodes, EnvPool, RolloutSettings};
 use trainer::sample::{Outcome, Sample, TurnRecord};
@@ -15,14 +16,14 @@ use trainer::stage::rft::{run_rft, run_value_pretrain};
 use trainer::stage::{seed_of, Learner, StageOptions};
 
 use crate::cli::{load_config, Command};
-use crate::device::Job;
+use crate::device::{DeviceEnv, Job};
 
 /// A stage or `evaluate`, as a [`Job`].
 pub struct Stage<'a>(pub &'a Command);
 
 impl Job for Stage<'_> {
-    fn run<B: AutodiffBackend>(self, device: B::Device, _note: &str) -> Result<()> {
-        run::<B>(self.0, device)
+    fn run<B: AutodiffBackend>(self, device: B::Device, env: &DeviceEnv) -> Result<()> {
+        run::<B>(self.0, device, env.memory)
     }
 }
 
@@ -34,7 +35,11 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("tokio runtime")
 }
 
-fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
+fn run<B: AutodiffBackend>(
+    cmd: &Command,
+    device: B::Device,
+    device_memory: Option<DeviceMemory>,
+) -> Result<()> {
     let rt = runtime()?;
     match cmd {
         Command::Warmup(a) | Command::Ppo(a) => {
@@ -55,6 +60,7 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             let opts = StageOptions {
                 init: a.common.init.clone(),
                 resume: a.resume,
+                device_memory,
             };
             let kl = cfg.ppo.kl_coef > 0.0;
             let mut learner = Learner::<B>::new(cfg, stage, &opts, context, device)?;
@@ -75,6 +81,7 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
             let opts = StageOptions {
                 init: d.stage.common.init.clone(),
                 resume: d.stage.resume,
+                device_memory,
             };
             let context = cfg.rollout.context;
             let mut learner = Learner::<B>::new(
@@ -111,6 +118,7 @@ fn run<B: AutodiffBackend>(cmd: &Command, device: B::Device) -> Result<()> {
                 &StageOptions {
                     init: e.common.init.clone(),
                     resume: false,
+                    device_memory,
                 },
                 context,
                 device,
