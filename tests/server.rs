@@ -14,9 +14,20 @@ pub fn python() -> PathBuf {
         .unwrap_or_else(|| "python3".into())
 }
 
-/// The path of a workspace binary, built first: Cargo does not rebuild another package's
-/// binary for these tests.
+/// The path of a workspace binary. `CUDA_AGENT_BIN_DIR` names the directory of binaries built
+/// with the test build's features (scripts/test.sh builds them in the same step as the tests);
+/// without it the binary is built here first, since Cargo does not build another package's
+/// binary for these tests. That build resolves the package's features on its own, unlike
+/// `cargo test --workspace`, so it may rebuild shared dependencies.
 pub fn binary_of(package: &str, name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("CUDA_AGENT_BIN_DIR") {
+        let bin = PathBuf::from(dir).join(name);
+        assert!(
+            bin.is_file(),
+            "CUDA_AGENT_BIN_DIR has no {name}: build it with `cargo build --workspace --bins --tests`"
+        );
+        return bin;
+    }
     // target/<profile>/deps/<test> -> target/<profile>/<name>
     let exe = std::env::current_exe().expect("test exe");
     let bin = exe
