@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def candidates(device):
     """(task id, model_new.py source) pairs to vary."""
     if device == "cpu":
-        with open(os.path.join(ROOT, "tests", "cpu_add_candidate.py")) as f:
+        with open(os.path.join(ROOT, "tests", "cpu_add_candidate_torch_headers.py")) as f:
             return [("L1/2_Add", f.read())]
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "skills", "examples", "cuda", "*.py"))):

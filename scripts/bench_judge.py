@@ -63,7 +63,7 @@ def main() -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cands = [Path(c) for c in args.candidates] if args.candidates else (
-        sorted((SKILLS / "examples" / "cuda").glob("L*.py")) if device == "cuda" else [ROOT / "tests" / "cpu_add_candidate.py"])
+        sorted((SKILLS / "examples" / "cuda").glob("L*.py")) if device == "cuda" else [ROOT / "tests" / "cpu_add_candidate_torch_headers.py"])
     task_default = args.task or (None if device == "cuda" or args.candidates else str(ROOT / "kernelbench/tasks/level1/2_Add.py"))
     size = args.size or ("full" if device == "cuda" else "small")
     work = Path(tempfile.mkdtemp(prefix="bench-judge-"))

@@ -15,6 +15,9 @@ use env_server::ServerConfig;
 use serde_json::json;
 
 const ADD_CANDIDATE: &str = include_str!("../../tests/cpu_add_candidate.py");
+/// The same add through `<torch/extension.h>`, the header the server precompiles.
+const ADD_CANDIDATE_TORCH_HEADERS: &str =
+    include_str!("../../tests/cpu_add_candidate_torch_headers.py");
 
 fn variant(data_dir: &Path) -> Option<PathBuf> {
     let root = data_dir.join("pch");
@@ -75,7 +78,7 @@ async fn precompiled_headers_are_checked_and_builds_use_them() {
     assert!(!pch.used_for("", &path).unwrap());
 
     // A real C++ candidate builds with the headers on its CPATH and is judged correct.
-    let solution = json!({"task": "L1/2_Add", "solution": ADD_CANDIDATE});
+    let solution = json!({"task": "L1/2_Add", "solution": ADD_CANDIDATE_TORCH_HEADERS});
     let (st, first) = call(&s, "POST", "/v1/evaluate", Some(solution.clone())).await;
     assert_eq!(st, StatusCode::OK, "{first}");
     assert_eq!(first["correct"], true, "{first}");
@@ -105,7 +108,7 @@ async fn precompiled_headers_are_checked_and_builds_use_them() {
         .flatten()
         .map(|e| e.path())
         .collect();
-    let attacker = format!("{ATTACK}\n{ADD_CANDIDATE}");
+    let attacker = format!("{ATTACK}\n{ADD_CANDIDATE_TORCH_HEADERS}");
     let (st, third) = call(
         &s,
         "POST",
