@@ -5,9 +5,12 @@ one that ran them. A record never stands for a probe it was not made for."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,15 +39,30 @@ def run(cache: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_isa_probes_run_once_and_later_processes_get_the_same_answer(tmp_path):
-    first = run(tmp_path)
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory) -> tuple[dict, Path]:
+    """One process on an empty cache (the probes run, the compile is made), for both tests:
+    the same first run each would make; each goes on with a copy of what it left."""
+    cache = tmp_path_factory.mktemp("inductor-cache")
+    return run(cache), cache
+
+
+def first_run(cold, tmp_path) -> tuple[dict, Path]:
+    first, cache = cold
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy, symlinks=True)
+    return first, copy
+
+
+def test_the_isa_probes_run_once_and_later_processes_get_the_same_answer(cold, tmp_path):
+    first, cache = first_run(cold, tmp_path)
     if first["did"] == "not x86":
         return  # inductor's own check runs there, untouched
     assert first["did"] == "probes remembered", first
     assert first["ran"] >= 1 and first["remembered"] == 0, first
-    records = list((tmp_path / "cuda-agent-vec-isa").glob("*.passed"))
+    records = list((cache / "cuda-agent-vec-isa").glob("*.passed"))
     assert 1 <= len(records) <= first["ran"]
-    second = run(tmp_path)
+    second = run(cache)
     # Every probe that passed is answered from its record; only failed ones run again.
     assert second["remembered"] == len(records), second
     assert second["ran"] == first["ran"] - len(records), (first, second)
@@ -52,14 +70,14 @@ def test_the_isa_probes_run_once_and_later_processes_get_the_same_answer(tmp_pat
     assert second["same"] and first["same"]
 
 
-def test_a_record_is_not_believed_for_another_machine(tmp_path):
-    first = run(tmp_path)
+def test_a_record_is_not_believed_for_another_machine(cold, tmp_path):
+    first, cache = first_run(cold, tmp_path)
     if first["did"] == "not x86":
         return
-    records = sorted((tmp_path / "cuda-agent-vec-isa").glob("*.passed"))
+    records = sorted((cache / "cuda-agent-vec-isa").glob("*.passed"))
     # Records made under other keys (another torch, compiler or probe): none of them answers.
     for r in records:
         r.rename(r.with_name("0" + r.name[1:]) if not r.name.startswith("0") else r.with_name("1" + r.name[1:]))
-    second = run(tmp_path)
+    second = run(cache)
     assert second["remembered"] == 0 and second["ran"] == first["ran"], second
     assert second["valid"] == first["valid"] and second["same"]

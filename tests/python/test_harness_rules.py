@@ -5,6 +5,7 @@ by a candidate that breaks only it. (tests/redteam holds the wider adversarial c
 All candidates share one inline C++ extension (same name, same source), so it is built once.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -125,8 +126,10 @@ CANDIDATES = {
 }
 
 
+@functools.cache
 def main_n() -> int:
-    """The task's first input length at the small size (what a hard-coded kernel would assume)."""
+    """The task's first input length at the small size (what a hard-coded kernel would assume);
+    read once per process (a fresh Python that imports torch)."""
     env = dict(os.environ, CUDA_AGENT_TASK_SIZE="small")
     code = f"import runpy; t = runpy.run_path({str(TASK)!r}); print(t['get_inputs']()[0].numel())"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout)
@@ -140,7 +143,10 @@ def ext_dir(tmp_path_factory):
 def evaluate(tmp_path, ext_dir, body, seeds="11,12,13,14,15", extra=(), task=TASK):
     cand = tmp_path / "candidate"
     cand.mkdir(parents=True)
-    (cand / "model_new.py").write_text(HEADER.replace("MAIN_N", str(main_n())) + body.replace("MAIN_N", str(main_n())))
+    source = HEADER + body
+    if "MAIN_N" in source:
+        source = source.replace("MAIN_N", str(main_n()))
+    (cand / "model_new.py").write_text(source)
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     out = subprocess.run(
