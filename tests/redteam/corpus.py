@@ -39,6 +39,8 @@ class Case:
     honest_min_ms: float | None = None
     eager_max_ms: float | None = None
     timeout_s: int = DEFAULT_TIMEOUT_S
+    # The judge's limit on one worker request (`--call-timeout`); None: the judge's default.
+    call_timeout_s: float | None = None
     # An attack the judge is known not to stop yet, with why (the test is an expected failure
     # until it does).
     known_gap: str | None = None
@@ -69,6 +71,7 @@ def load_cases() -> list[Case]:
             name=c["name"], task=c["task"], device=c["device"], expect=c["expect"], klass=c["class"],
             description=c["description"], honest_min_ms=c.get("honest_min_ms"), eager_max_ms=c.get("eager_max_ms"),
             timeout_s=int(c.get("timeout_s", DEFAULT_TIMEOUT_S)), known_gap=c.get("known_gap"),
+            call_timeout_s=c.get("call_timeout_s"),
         ))
     return cases
 
@@ -109,6 +112,8 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
     env["PATH"] = str(Path(python()).parent) + os.pathsep + env.get("PATH", "")
     cmd = [python(), "-c", WRAPPER, python(), str(EVALUATE), "candidate", "--task", str(ROOT / case.task),
            "--candidate", str(cand), "--device", case.device, "--seeds", ",".join(map(str, seeds))]
+    if case.call_timeout_s is not None:
+        cmd += ["--call-timeout", str(case.call_timeout_s)]
     if os.environ.get("REDTEAM_NO_COMPILE"):
         cmd.append("--no-compile")  # no torch.compile baseline: faster, the verdict is the same
     start = time.monotonic()
