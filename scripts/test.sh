@@ -37,23 +37,51 @@ export REDTEAM_NO_COMPILE=1
 if [ "$quick" = 1 ]; then
   # --workspace throughout: the features cargo resolves, and so the build, are the full run's.
   phase "unit tests" cargo test --workspace --locked --lib --bins "$@"
+  # The binaries the end-to-end test starts, built with the test build's features.
+  phase "binaries" cargo build --workspace --locked --bins --test episode
   # One after the other: the server builds candidates at background priority, so beside the
   # red-team sample the evaluation's build would mostly wait.
-  phase "one evaluation end to end" cargo test --workspace --locked --test episode -- --exact an_episode_with_every_tool_then_submit
+  CUDA_AGENT_BIN_DIR="$target/debug" \
+    phase "one evaluation end to end" cargo test --workspace --locked --test episode -- --exact an_episode_with_every_tool_then_submit
   # The extensions the cases build are kept in the target dir between quick runs.
   REDTEAM_EXT_DIR="$target/redteam-torch-extensions" \
     phase "red-team, one case per class" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam/test_redteam.py --one-per-class
   exit 0
 fi
 
-# The learning test runs the trainer as a release binary (its ML code is 40-55x slower in
-# debug); built here once, not by the test.
-phase "release trainer build" cargo build --release --locked -p trainer --bin trainer
+# The tests and every workspace binary in one build: `--tests` resolves features as `cargo
+# test --workspace` does, so the binaries the end-to-end tests start (CUDA_AGENT_BIN_DIR) are
+# the ones the test build links against, and nothing is built again inside the tests.
+phase "test build" cargo build --workspace --locked --bins --tests
+export CUDA_AGENT_BIN_DIR="$target/debug"
+# Then two streams at once, as neither keeps both cores busy alone (evaluations wait on their
+# device lease, on timeouts, on single-threaded imports and timing loops):
+# - the Python tests, then the red-team corpus. The Python client's tests run against the real
+#   server binary cargo built and the judge's rules, a test file per core at a time (a file's
+#   module fixtures, its server or its extension build, stay in one process); the red-team
+#   corpus of adversarial and legitimate candidates (CPU ones) runs several cases at a time.
+#   Its output follows cargo's, from its log.
+# - the release trainer, then cargo's test binaries. The learning test runs the trainer as a
+#   release binary (its ML code is 40-55x slower in debug), built here once, not by the test,
+#   at the candidates' build priority (nice 10) so that it takes the cores the tests leave;
+#   by rustc alone: .ci/run's clippy driver (RUSTC_WORKSPACE_WRAPPER) lints the debug build,
+#   and would build this one without MIR optimisations.
+python_log="$target/test-logs/python.log"
+mkdir -p "$(dirname "$python_log")"
+(
+  status=0
+  phase "python tests" "$CUDA_AGENT_PYTHON" -m pytest -q -n auto --dist loadfile tests/python || status=$?
+  phase "red-team corpus" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam || status=$?
+  exit "$status"
+) >"$python_log" 2>&1 &
+python_stream=$!
+status=0
+phase "release trainer build" nice -n 10 env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
+  cargo build --release --locked -p trainer --bin trainer || status=$?
 export CUDA_AGENT_TRAINER_BIN="$target/release/trainer"
-phase "cargo test" cargo test --workspace --locked "$@"
-# The Python client against the real server binary cargo just built and the judge's rules, a
-# test file per core at a time (a file's module fixtures, its server or its extension build,
-# stay in one process); then the red-team corpus of adversarial and legitimate candidates (CPU
-# ones), several cases at a time.
-phase "python tests" "$CUDA_AGENT_PYTHON" -m pytest -q -n auto --dist loadfile tests/python
-phase "red-team corpus" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam
+phase "cargo test" cargo test --workspace --locked "$@" || status=$?
+python_status=0
+wait "$python_stream" || python_status=$?
+echo "test.sh: python tests and red-team corpus (from $python_log):" >&2
+cat "$python_log"
+[ "$status" = 0 ] && [ "$python_status" = 0 ]
