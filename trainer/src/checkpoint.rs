@@ -55,6 +55,10 @@ impl CheckpointFiles {
     pub fn policy_adapter(&self) -> PathBuf {
         self.dir.join("policy_adapter.safetensors")
     }
+    /// The adapters' shape, as PEFT's `adapter_config.json` (adapter training).
+    pub fn adapter_config(&self) -> PathBuf {
+        self.dir.join("adapter_config.json")
+    }
     /// The critic's adapters and value head (adapter training).
     pub fn critic_adapter(&self) -> PathBuf {
         self.dir.join("critic_adapter.safetensors")

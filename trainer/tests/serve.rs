@@ -515,3 +515,116 @@ async fn a_busy_generation_thread_refuses_beyond_its_queue_and_the_server_still_
         .await;
     assert_eq!(status, 200, "{r}");
 }
+
+#[tokio::test]
+async fn a_peft_adapter_is_served_on_its_base() {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::module::AutodiffModule;
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Bool, Int, Tensor, TensorData};
+    use trainer::generate::{generate, SamplingParams};
+    use trainer::model::{Architecture, CausalLm, LoraSpec, LoraTarget, ModelConfig};
+    use trainer::optim::Trainable;
+    type B = NdArray<f32>;
+    type A = Autodiff<B>;
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let config = json!({"model_type": "qwen2", "vocab_size": 512, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": true,
+        "eos_token_id": 2});
+    let cfg = ModelConfig::from_json(&config.to_string()).unwrap();
+    let device = Default::default();
+    A::seed(&device, 5);
+    let base = CausalLm::<A>::random(&cfg, &device);
+    base.valid().save_pretrained(&cfg, &model).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-tokenizer.json"),
+        model.join("tokenizer.json"),
+    )
+    .unwrap();
+    // Adapters moved off zero by a few steps on some tokens.
+    let spec = LoraSpec {
+        rank: 4,
+        alpha: 16.0,
+        dropout: 0.0,
+        targets: LoraTarget::ALL.to_vec(),
+    };
+    let arch = Architecture::<A>::new(cfg.clone(), 256, &device);
+    let mut lm = base.with_adapters(&spec);
+    let mut opt = Trainable::new(0.0, 0.0);
+    for _ in 0..3 {
+        let tokens =
+            Tensor::<A, 2, Int>::from_data(TensorData::new(vec![7, 9, 11, 13], [1, 4]), &device);
+        let valid =
+            Tensor::<A, 2, Bool>::from_data(TensorData::new(vec![true; 4], [1, 4]), &device);
+        let loss = lm
+            .sequence_stats(tokens, valid, &arch, 1.0)
+            .logprobs
+            .mean()
+            .neg();
+        opt.backward(&lm, loss);
+        lm = opt.step(0.2, lm).0;
+    }
+    let adapter = dir.path().join("adapter");
+    lm.save_peft(&spec, Some(&model), &adapter).unwrap();
+
+    let server = Server::start_with(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+    ]);
+    let (status, r) = server
+        .post(
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                      "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["model"], adapter.display().to_string());
+    // The same greedy decoding in this process, on base plus adapter.
+    let tok = tiny_tokenizer();
+    let text = ChatTemplate::Chatml.render(&[ChatTurn::User("hi".into())], &[], true);
+    let inner = lm.valid();
+    let inner_arch = Architecture::<B>::new(cfg.clone(), 256, &device);
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_new_tokens: 8,
+        stop_token_ids: vec![2],
+        ..Default::default()
+    };
+    let g = generate(
+        &inner,
+        &inner_arch,
+        &[tok.encode(&text).unwrap()],
+        &params,
+        None,
+        0,
+        &device,
+    );
+    let tokens: Vec<u32> = g[0].tokens.iter().copied().filter(|&t| t != 2).collect();
+    assert_eq!(r["choices"][0]["message"]["content"], tok.decode(&tokens));
+
+    // A directory that is not a LoRA adapter is a clear error at start.
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"peft_type":"IA3","r":1,"lora_alpha":1,"target_modules":[]}"#,
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            model.to_str().unwrap(),
+            "--adapter",
+        ])
+        .arg(&adapter)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("IA3"), "{err}");
+}

@@ -12,7 +12,7 @@ use super::lora::LoraSpec;
 use super::rope::RopeTables;
 use super::transformer::{Backbone, Dense};
 use super::vocab::token_stats;
-use super::weights::{read_safetensors, write_safetensors, WeightMap};
+use super::weights::{read_safetensors, write_safetensors, NamedTensors, WeightMap};
 use crate::error::ModelError;
 
 /// What every forward pass needs besides the weights: the config and the RoPE tables.
@@ -192,6 +192,14 @@ impl<B: Backend> CausalLm<B> {
         save_record(self, path)
     }
 
+    /// The model with the PEFT adapter directory `dir` (written by [`Self::save_peft`] or by
+    /// PEFT) on it.
+    pub fn with_peft(self, dir: &Path) -> Result<Self, ModelError> {
+        let spec = LoraSpec::from_peft_config(&dir.join("adapter_config.json"))?;
+        self.with_adapters(&spec)
+            .load_adapter(&dir.join("adapter_model.safetensors"))
+    }
+
     /// The model with every weight frozen and fresh adapters (see [`Backbone::with_adapters`]).
     pub fn with_adapters(self, spec: &LoraSpec) -> Self {
         Self {
@@ -242,7 +250,7 @@ impl<B: Backend> CausalLm<B> {
 
     /// Writes the adapters as a PEFT adapter directory (`adapter_config.json` and
     /// `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads onto the base
-    /// checkpoint `base` names.
+    /// checkpoint `base` names (and [`Self::with_peft`] here).
     pub fn save_peft(
         &self,
         spec: &LoraSpec,
@@ -251,22 +259,7 @@ impl<B: Backend> CausalLm<B> {
     ) -> Result<(), ModelError> {
         std::fs::create_dir_all(dir).map_err(|e| ModelError::Io(dir.to_path_buf(), e))?;
         self.save_adapter(&dir.join("adapter_model.safetensors"))?;
-        let config = serde_json::json!({
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "r": spec.rank,
-            "lora_alpha": spec.alpha,
-            "lora_dropout": spec.dropout,
-            "target_modules": spec.targets.iter().map(|t| t.name()).collect::<Vec<_>>(),
-            "bias": "none",
-            "fan_in_fan_out": false,
-            "inference_mode": true,
-            "init_lora_weights": true,
-            "use_rslora": false,
-            "use_dora": false,
-            "modules_to_save": null,
-            "base_model_name_or_path": base.map(|b| b.display().to_string()),
-        });
+        let config = spec.peft_config(base);
         let path = dir.join("adapter_config.json");
         let text = serde_json::to_string_pretty(&config).map_err(ModelError::Json)?;
         std::fs::write(&path, text).map_err(|e| ModelError::Io(path, e))
@@ -414,10 +407,7 @@ fn zero_value_head<B: Backend>(policy: &CausalLm<B>, device: &B::Device) -> Dens
 }
 
 /// An adapter file holding tensors the model has no place for is the wrong file.
-fn no_leftovers(
-    path: &Path,
-    tensors: &std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>,
-) -> Result<(), ModelError> {
+fn no_leftovers(path: &Path, tensors: &NamedTensors) -> Result<(), ModelError> {
     let mut names: Vec<&String> = tensors.keys().collect();
     if names.is_empty() {
         return Ok(());

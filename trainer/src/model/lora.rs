@@ -11,6 +11,7 @@ use burn::tensor::{backend::Backend, DType, Distribution, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use super::transformer::{Backbone, Block, Dense};
+use super::weights::NamedTensors;
 use crate::error::ModelError;
 
 /// A projection of a decoder layer an adapter can sit on (PEFT's module names).
@@ -83,6 +84,81 @@ pub struct LoraSpec {
 }
 
 impl LoraSpec {
+    /// PEFT's `adapter_config.json` for these adapters on the base checkpoint `base`.
+    pub fn peft_config(&self, base: Option<&std::path::Path>) -> serde_json::Value {
+        serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": self.targets.iter().map(|t| t.name()).collect::<Vec<_>>(),
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "use_rslora": false,
+            "use_dora": false,
+            "modules_to_save": null,
+            "base_model_name_or_path": base.map(|b| b.display().to_string()),
+        })
+    }
+
+    /// Reads a PEFT `adapter_config.json` (LoRA on the projections this trainer adapts, with
+    /// one rank and alpha for all, as this trainer writes them).
+    pub fn from_peft_config(path: &std::path::Path) -> Result<Self, ModelError> {
+        #[derive(Deserialize)]
+        struct Peft {
+            peft_type: String,
+            r: usize,
+            lora_alpha: f64,
+            #[serde(default)]
+            lora_dropout: f64,
+            target_modules: Vec<String>,
+            #[serde(default)]
+            use_rslora: bool,
+            #[serde(default)]
+            use_dora: bool,
+            #[serde(default)]
+            rank_pattern: serde_json::Map<String, serde_json::Value>,
+            #[serde(default)]
+            alpha_pattern: serde_json::Map<String, serde_json::Value>,
+        }
+        let text =
+            std::fs::read_to_string(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
+        let c: Peft = serde_json::from_str(&text).map_err(ModelError::Json)?;
+        let unsupported =
+            |what: &str| ModelError::Config(format!("{}: {what} is not supported", path.display()));
+        if c.peft_type != "LORA" {
+            return Err(unsupported(&format!("peft_type {}", c.peft_type)));
+        }
+        if c.use_rslora || c.use_dora {
+            return Err(unsupported("rsLoRA or DoRA"));
+        }
+        if !c.rank_pattern.is_empty() || !c.alpha_pattern.is_empty() {
+            return Err(unsupported("a rank or alpha per module"));
+        }
+        let targets = c
+            .target_modules
+            .iter()
+            .map(|m| {
+                LoraTarget::ALL
+                    .into_iter()
+                    .find(|t| t.name() == m)
+                    .ok_or_else(|| unsupported(&format!("target module {m}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if c.r == 0 || targets.is_empty() {
+            return Err(unsupported("rank 0 or no target modules"));
+        }
+        Ok(Self {
+            rank: c.r,
+            alpha: c.lora_alpha,
+            dropout: c.lora_dropout,
+            targets,
+        })
+    }
+
     /// `alpha / rank`.
     pub fn scale(&self) -> f64 {
         self.alpha / self.rank.max(1) as f64
@@ -391,7 +467,7 @@ impl<B: Backend> Backbone<B> {
     pub fn load_adapter_tensors(
         mut self,
         prefix: &str,
-        tensors: &mut std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>,
+        tensors: &mut NamedTensors,
     ) -> Result<Self, ModelError> {
         for (i, layer) in self.layers.iter_mut().enumerate() {
             for slot in 0..4 {
@@ -455,11 +531,7 @@ fn as_named<B: Backend>(name: String, t: Tensor<B, 2>) -> (String, Vec<usize>, V
 }
 
 /// Removes tensor `name` of `shape` from `tensors`.
-fn take(
-    tensors: &mut std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>,
-    name: &str,
-    shape: [usize; 2],
-) -> Result<Vec<f32>, ModelError> {
+fn take(tensors: &mut NamedTensors, name: &str, shape: [usize; 2]) -> Result<Vec<f32>, ModelError> {
     let (s, data) = tensors
         .remove(name)
         .ok_or_else(|| ModelError::Weights(format!("the adapter lacks tensor {name}")))?;

@@ -410,11 +410,12 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, String> {
     })
 }
 
+/// Tensors by name: shape and f32 values.
+pub type NamedTensors = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// Reads every tensor of one safetensors file as f32, by name (adapters and small files; a
 /// model's weights go through [`WeightMap`]).
-pub fn read_safetensors(
-    path: &Path,
-) -> Result<HashMap<String, (Vec<usize>, Vec<f32>)>, ModelError> {
+pub fn read_safetensors(path: &Path) -> Result<NamedTensors, ModelError> {
     let bytes = std::fs::read(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
         what: path.display().to_string(),

@@ -12,7 +12,7 @@ use crate::chat::ChatTemplate;
 use crate::checkpoint::{self, CheckpointFiles};
 use crate::config::ModelSection;
 use crate::error::{ModelError, TrainError};
-use crate::model::{Architecture, CausalLm, ModelConfig};
+use crate::model::{Architecture, CausalLm, LoraSpec, ModelConfig};
 use crate::policy::load_policy;
 use crate::render::Renderer;
 use crate::tokenizer::TextTokenizer;
@@ -41,6 +41,9 @@ pub struct ModelSource {
     /// directory with `policy.mpk`, a stage directory, or its `latest` pointer), whose shape
     /// and tokenizer come from `model` or `tiny_random`.
     pub checkpoint: Option<PathBuf>,
+    /// A PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to serve
+    /// on the model.
+    pub adapter: Option<PathBuf>,
     /// Chat template; detected from the tokenizer config when unset.
     pub template: Option<ChatTemplate>,
 }
@@ -96,14 +99,25 @@ pub fn load<B: Backend>(
     };
     if let (Some(dir), None) = (&checkpoint, hf_checkpoint) {
         let files = CheckpointFiles::new(dir);
-        if !files.policy().exists() {
+        if files.policy().exists() {
+            lm = lm.load_record(&files.policy(), device)?;
+        } else if files.policy_adapter().exists() {
+            // An adapter-training checkpoint: its adapters on the base.
+            let spec = LoraSpec::from_peft_config(&files.adapter_config())?;
+            lm = lm
+                .with_adapters(&spec)
+                .load_adapter(&files.policy_adapter())?;
+        } else {
             return Err(TrainError::Config(format!(
-                "{} holds neither config.json (a Hugging Face checkpoint) nor policy.mpk (a stage checkpoint)",
+                "{} holds neither config.json (a Hugging Face checkpoint) nor policy.mpk or policy_adapter.safetensors (a stage checkpoint)",
                 dir.display()
             )));
         }
-        lm = lm.load_record(&files.policy(), device)?;
         name = dir.display().to_string();
+    }
+    if let Some(adapter) = &src.adapter {
+        lm = lm.with_peft(adapter)?;
+        name = adapter.display().to_string();
     }
     let context = context
         .unwrap_or(config.max_position_embeddings)

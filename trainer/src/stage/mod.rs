@@ -318,9 +318,15 @@ impl<B: AutodiffBackend> Learner<B> {
     /// The policy's and the critic's weights: their records, or with adapters the adapters
     /// alone (the base is the starting checkpoint).
     fn save_weights(&self, files: &CheckpointFiles) -> Result<(), TrainError> {
-        if self.cfg.lora.rank > 0 {
+        if let Some(spec) = self.cfg.lora.spec()? {
             self.policy().save_adapter(&files.policy_adapter())?;
             self.critic().save_adapter(&files.critic_adapter())?;
+            // The adapters' shape beside them, so that the checkpoint alone can be served.
+            let path = files.adapter_config();
+            let text =
+                serde_json::to_string_pretty(&spec.peft_config(self.cfg.model.path.as_deref()))
+                    .map_err(|e| TrainError::Json(path.clone(), e))?;
+            std::fs::write(&path, text).map_err(|e| TrainError::Io(path, e))?;
         } else {
             self.policy().save_record(&files.policy())?;
             self.critic().save_record(&files.critic())?;

@@ -11,7 +11,7 @@ pub struct Bench<'a>(pub &'a BenchArgs);
 
 impl Job for Bench<'_> {
     fn run<B: AutodiffBackend>(self, device: B::Device, env: &DeviceEnv) -> Result<()> {
-        bench::<B>(self.0, device, &env.note)
+        bench::<B>(self.0, device, env)
     }
 }
 
@@ -20,9 +20,9 @@ pub const QWEN25_05B: &str = r#"{"model_type":"qwen2","vocab_size":151936,"hidde
 "num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"max_position_embeddings":32768,
 "rope_theta":1000000.0,"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#;
 
-/// `engine_note` is appended to the backend's name in the report (the CUDA path names its
+/// `env.note` is appended to the backend's name in the report (the CUDA path names its
 /// matmul choice).
-fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str) -> Result<()> {
+fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, env: &DeviceEnv) -> Result<()> {
     use burn::tensor::{Bool, ElementConversion, Int, Tensor, TensorData};
     use std::time::Instant;
     use trainer::generate::{generate, SamplingParams};
@@ -34,7 +34,22 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     let sync = |d: &B::Device| B::sync(d).map_err(|e| anyhow::anyhow!("device sync: {e:?}"));
     B::seed(&device, 0);
     let t_init = Instant::now();
-    let lm = CausalLm::<B>::random(&cfg, &device);
+    let mut lm = CausalLm::<B>::random(&cfg, &device);
+    if a.lora_rank > 0 {
+        lm = lm.with_adapters(&trainer::model::LoraSpec {
+            rank: a.lora_rank,
+            alpha: 2.0 * a.lora_rank as f64,
+            dropout: 0.0,
+            targets: trainer::model::LoraTarget::ALL.to_vec(),
+        });
+    }
+    // The lowest free memory seen after a pass: the allocator keeps what a pass reserved.
+    let mut min_free = (env.read_memory)().map(|m| m.free);
+    let mut sample_memory = || {
+        if let Some(m) = (env.read_memory)() {
+            min_free = Some(min_free.map_or(m.free, |f| f.min(m.free)));
+        }
+    };
     let episode_len = a.prompt + a.turns * (a.new_tokens + a.observation);
     let positions = a.seq.max(a.prompt + a.new_tokens).max(episode_len) + 1;
     let arch = Architecture::<B>::new(cfg.clone(), positions, &device);
@@ -65,17 +80,36 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
             Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; b * t], [b, t]), &device);
         sync(&device)?;
         let t0 = Instant::now();
-        let stats = lm.sequence_stats(tokens, valid, &arch, 1.0);
-        let loss = stats.logprobs.mean().neg();
-        let grads = loss.backward();
-        drop(grads);
+        let mut loss_value = None;
+        if a.checkpointing {
+            let parts = trainer::model::recompute::layerwise_grads(
+                &lm,
+                &lm.backbone,
+                tokens.clone(),
+                valid,
+                &arch.rope,
+                |h| {
+                    let loss = lm.stats_of_hidden(h, tokens, 1.0).logprobs.mean().neg();
+                    loss_value = Some(loss.clone().detach());
+                    loss
+                },
+            );
+            drop(parts);
+        } else {
+            let stats = lm.sequence_stats(tokens, valid, &arch, 1.0);
+            let loss = stats.logprobs.mean().neg();
+            let grads = loss.backward();
+            drop(grads);
+            loss_value = Some(loss.detach());
+        }
         sync(&device)?;
         if i > 0 {
             times.push(t0.elapsed().as_secs_f64());
         }
+        sample_memory();
         // The same weights and tokens every pass: kernel choices that change the numbers show
         // here. Read once, outside the timed region.
-        if i == 0 {
+        if let (0, Some(loss)) = (i, loss_value) {
             first_loss = loss.into_scalar().elem::<f64>();
         }
         eprintln!("train pass {i}: {:.3} s", t0.elapsed().as_secs_f64());
@@ -87,6 +121,12 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
         seconds: train_s,
         tokens_per_s: (b * t) as f64 / train_s,
         loss: first_loss,
+        lora_rank: a.lora_rank,
+        checkpointing: a.checkpointing,
+        peak_memory_gib: env
+            .memory
+            .zip(min_free)
+            .map(|(m, free)| (m.total - free) as f64 / (1u64 << 30) as f64),
     });
     let mut gen_rows = Vec::new();
     let inner = burn::module::AutodiffModule::valid(&lm);
@@ -149,8 +189,8 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, engine_note: &str
     };
     let report = Report {
         products,
-        engine: format!("burn {}{engine_note}", B::name(&device)),
-        params: param_count(&cfg),
+        engine: format!("burn {}{}", B::name(&device), env.note),
+        params: trainer::memory::param_count(&cfg),
         train,
         generate: gen_rows,
         turns,
@@ -262,20 +302,12 @@ fn bench_products<B: burn::tensor::backend::Backend>(
     Ok(rows)
 }
 
-fn param_count(c: &trainer::model::ModelConfig) -> usize {
-    let hd = c.head_dim;
-    let attn = c.hidden_size * hd * (c.num_attention_heads * 2 + c.num_key_value_heads * 2);
-    let mlp = 3 * c.hidden_size * c.intermediate_size;
-    let emb = c.vocab_size * c.hidden_size * if c.tie_word_embeddings { 1 } else { 2 };
-    c.num_hidden_layers * (attn + mlp) + emb
-}
-
 /// What `bench-model` prints (scripts/bench_gpu_trainer.sh reads it).
 #[derive(serde::Serialize)]
 struct Report {
     products: Vec<ProductRow>,
     engine: String,
-    params: usize,
+    params: u64,
     train: Option<TrainRow>,
     generate: Vec<GenerateRow>,
     turns: Option<TurnsRow>,
@@ -432,6 +464,12 @@ struct TrainRow {
     tokens_per_s: f64,
     /// The first pass's loss (the same weights and tokens every pass).
     loss: f64,
+    /// Adapter rank (0: every weight trained).
+    lora_rank: usize,
+    /// Whether passes ran layer by layer.
+    checkpointing: bool,
+    /// Device memory in use after the passes (the allocator keeps what they reserved), GiB.
+    peak_memory_gib: Option<f64>,
 }
 
 /// The best generation run of one batch size.

@@ -187,6 +187,13 @@ pub struct BenchArgs {
     /// Tokens of each synthetic observation (with `--turns`).
     #[arg(long, default_value_t = 64)]
     pub observation: usize,
+    /// Train adapters of this rank on every projection (alpha twice the rank) instead of every
+    /// weight (0).
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: usize,
+    /// Training passes layer by layer, recomputing each layer in the backward pass.
+    #[arg(long)]
+    pub checkpointing: bool,
 }
 
 /// The stage configuration: the TOML file (or the defaults), then the flags that override it.
@@ -228,6 +235,10 @@ pub struct ServeArgs {
     /// checkpoint (step-N/ or final/ with policy.mpk, a stage directory, or its `latest`).
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
+    /// A PEFT adapter directory (a stage's final/adapter, or one PEFT wrote) served on the
+    /// model.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// Chat template (detected from tokenizer_config.json when unset).
     #[arg(long, value_enum)]
     pub template: Option<trainer::chat::ChatTemplate>,

@@ -19,6 +19,8 @@ pub struct DeviceEnv {
     pub note: String,
     /// The device's memory, where it could be read.
     pub memory: Option<DeviceMemory>,
+    /// Reads the device's memory now (for peaks over a run).
+    pub read_memory: fn() -> Option<DeviceMemory>,
 }
 
 /// Work generic over the backend, run on the one the flags pick.
@@ -34,6 +36,7 @@ pub fn run_on(kind: DeviceKind, precision: Precision, job: impl Job) -> Result<(
             let env = DeviceEnv {
                 note: String::new(),
                 memory: DeviceMemory::host(),
+                read_memory: DeviceMemory::host,
             };
             job.run::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(
                 Default::default(),
@@ -58,6 +61,7 @@ fn run_cuda(p: Precision, job: impl Job) -> Result<()> {
     let env = DeviceEnv {
         note,
         memory: gpu_memory(),
+        read_memory: gpu_memory,
     };
     let device = burn::backend::cuda::CudaDevice::new(0);
     let result = match p {

@@ -29,6 +29,7 @@ fn serve<B: burn::tensor::backend::Backend>(a: &ServeArgs, device: B::Device) ->
         seed: a.seed,
         model: a.model.clone(),
         checkpoint: a.checkpoint.clone(),
+        adapter: a.adapter.clone(),
         template: a.template,
     };
     let loaded = load::<B>(&src, a.context, &device).context("loading the model")?;
