@@ -127,6 +127,24 @@ fn strip_descriptions(schema: &mut Value) {
     }
 }
 
+/// Share of the model's context one tool output may take, where the context is known: a
+/// verify.py log of 16,000 characters (the default cap, about 10,000 tokens) would fill an
+/// 8k context by itself.
+pub const OBSERVATION_SHARE: f64 = 0.25;
+
+/// Characters of one tool output put into the conversation: `max`, or less where a known
+/// `context` (tokens) is small, so that one output takes at most [`OBSERVATION_SHARE`] of
+/// it; never below 1,024 (an error's first lines).
+pub fn observation_chars(max: usize, context: Option<u64>) -> usize {
+    match context {
+        Some(ctx) => {
+            let fits = (ctx as f64 * OBSERVATION_SHARE / TOKENS_PER_CHAR_GUESS) as usize;
+            max.min(fits.max(1024))
+        }
+        None => max,
+    }
+}
+
 /// Characters of a first prompt: the system prompt, the task prompt and the tools' schemas
 /// (what the model's chat template renders, give or take its own markup).
 pub fn first_prompt_chars(system: &str, prompt: &str, tools: &[ToolDefinition]) -> usize {
@@ -191,7 +209,8 @@ pub struct AgentLimits {
     pub max_idle_replies: u32,
     /// Model calls per episode before the runner submits for the model.
     pub max_model_calls: u32,
-    /// Characters of one observation put into the conversation (middle cut beyond).
+    /// Characters of one observation put into the conversation (middle cut beyond); less
+    /// where a known context is small ([`observation_chars`]).
     pub max_observation_chars: usize,
     /// The model's context in tokens, when known (else learned from its errors).
     pub context_tokens: Option<u64>,
@@ -579,7 +598,7 @@ impl Agent {
                 let text = match self.execute(id, call).await? {
                     Executed::Observed(resp) => {
                         rec.turns = resp.info.turn;
-                        let text = observation_text(&resp, max_obs);
+                        let text = observation_text(&resp, observation_chars(max_obs, context));
                         if resp.done {
                             conv.push(
                                 json!({"role": "tool", "tool_call_id": call.id, "content": text}),

@@ -2,8 +2,8 @@
 //! binary's handling of a user's error.
 
 use agent_runner::agent::{
-    compact_tool, first_prompt_chars, full_prompt_too_long, Conversation, PromptStyle, Transcript,
-    COMPACT_SYSTEM_PROMPT, COMPACT_TOOLS, SYSTEM_PROMPT,
+    compact_tool, first_prompt_chars, full_prompt_too_long, observation_chars, Conversation,
+    PromptStyle, Transcript, COMPACT_SYSTEM_PROMPT, COMPACT_TOOLS, SYSTEM_PROMPT,
 };
 use agent_runner::openai::wire::ToolDefinition;
 use serde_json::{json, Value};
@@ -113,4 +113,16 @@ fn a_users_error_prints_one_line_without_a_backtrace() {
         err.trim(),
         "agent-runner: reading /nonexistent/module.py: No such file or directory (os error 2)"
     );
+}
+
+#[test]
+fn one_tool_output_takes_at_most_a_quarter_of_a_known_context() {
+    // Unknown context: the configured cap.
+    assert_eq!(observation_chars(16_000, None), 16_000);
+    // 8k tokens: a quarter is 2,048 tokens, about 3,150 characters.
+    let small = observation_chars(16_000, Some(8192));
+    assert!((3000..3300).contains(&small), "{small}");
+    // A large context keeps the cap; a tiny one keeps an error's first lines.
+    assert_eq!(observation_chars(16_000, Some(128_000)), 16_000);
+    assert_eq!(observation_chars(16_000, Some(700)), 1024);
 }
