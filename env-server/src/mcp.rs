@@ -8,8 +8,11 @@
 //! step through [`EpisodeManager::step`](crate::episode::EpisodeManager::step), so the budget,
 //! the limits and the trajectory log are those of the HTTP API. A tool's output is the
 //! result's text; the whole step answer (reward, terminated, truncated, info) and the
-//! `episode_id` are its `structuredContent`. A call with arguments the tool rejects is an error result and takes
-//! no turn, as a 4xx does over HTTP. A `reset` in a session that already has an episode
+//! `episode_id` are its `structuredContent`. A call with arguments the tool rejects, or of a
+//! tool that does not exist, is an error result the model reads and takes no turn, as a 4xx
+//! does over HTTP. A session opened with a task in its URL gets the task prompt in the
+//! `initialize` answer's instructions (clients put those before the model); the prompt and
+//! the workspace's `SKILL.md` are also resources ([`PROMPT_URI`], [`SKILL_URI`]). A `reset` in a session that already has an episode
 //! closes that one first if it is still running; a session that ends (DELETE, or idle past the
 //! server's idle timeout) closes its episode if it is still running.
 //!
