@@ -209,12 +209,6 @@ impl<B: AutodiffBackend> Learner<B> {
         self.renderer.tokenizer()
     }
 
-    /// Adds one micro-batch's policy loss.
-    pub fn policy_backward(&mut self, loss: Tensor<B, 1>) {
-        let p = self.policy.as_ref().expect("policy");
-        self.actor_opt.backward(p, loss);
-    }
-
     /// Adds the policy loss `loss` makes of the statistics of one micro-batch of `tokens`:
     /// one backward pass, or layer by layer with `optim.activation_checkpointing`.
     pub fn policy_backward_stats(
@@ -239,12 +233,6 @@ impl<B: AutodiffBackend> Learner<B> {
             let stats = p.sequence_stats(tokens, valid, &self.arch, temperature);
             self.actor_opt.backward(p, loss(stats));
         }
-    }
-
-    /// Adds one micro-batch's critic loss.
-    pub fn critic_backward(&mut self, loss: Tensor<B, 1>) {
-        let c = self.critic.as_ref().expect("critic");
-        self.critic_opt.backward(c, loss);
     }
 
     /// Adds the critic loss `loss` makes of the values `[batch, seq]` of one micro-batch of
