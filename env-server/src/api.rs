@@ -27,6 +27,8 @@ pub struct AppState {
     pub episodes: EpisodeManager,
     /// The evaluation queue.
     pub evaluator: Arc<Evaluator>,
+    /// Admission of new work, stopped by a drain ([`crate::drain`]).
+    pub drain: Arc<crate::drain::Drain>,
     /// Bearer token required on every call but health, if set.
     pub api_key: Option<String>,
     /// What `/v1/info` reports.
@@ -110,11 +112,18 @@ impl From<EpisodeError> for ApiError {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "host_busy", msg)
             }
             EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
+            EpisodeError::Draining(e) => e.into(),
             EpisodeError::Internal(_) => {
                 tracing::error!(error = %msg, "episode request failed inside the server");
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg)
             }
         }
+    }
+}
+
+impl From<crate::drain::Draining> for ApiError {
+    fn from(e: crate::drain::Draining) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "draining", e.to_string())
     }
 }
 
@@ -205,6 +214,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let mcp = crate::mcp::McpFront::new(state.clone());
     Router::new()
         .route("/v1/health", get(health))
+        .route("/v1/ready", get(ready))
         .route(
             "/mcp",
             axum::routing::any(crate::mcp::handle).with_state(mcp),
@@ -289,12 +299,13 @@ impl Drop for AbortOnDrop {
 
 /// Runs the rest of the request in its own task, holding one of the in-flight permits, and
 /// waits for it. With no permit left (clients that send and hang up, again and again) the
-/// answer is 503 `busy`; `/v1/health` needs none. A step runs to its end whoever waits for it
+/// answer is 503 `busy`; `/v1/health` and `/v1/ready` need none (probes must answer however
+/// busy the server is). A step runs to its end whoever waits for it
 /// (it is logged, and a retry gets its answer); an evaluation whose client hung up is
 /// cancelled, its processes ended (nobody gets its result, and its device time is others').
 async fn detach(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let (method, path) = (req.method().clone(), req.uri().path().to_string());
-    let permit = if path == "/v1/health" {
+    let permit = if is_probe(&path) {
         None
     } else {
         match state.in_flight.clone().try_acquire_owned() {
@@ -380,8 +391,14 @@ async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next)
         .await
 }
 
+/// Liveness and readiness: answered without a token (a cluster's probes carry none) and
+/// without an in-flight permit. They tell only whether the server is up and takes work.
+fn is_probe(path: &str) -> bool {
+    matches!(path, "/v1/health" | "/v1/ready")
+}
+
 async fn auth(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if req.uri().path() == "/v1/health" {
+    if is_probe(req.uri().path()) {
         return next.run(req).await;
     }
     if let Some(key) = &state.api_key {
@@ -432,7 +449,7 @@ async fn reset(
 
 #[utoipa::path(post, path = "/v1/episodes/{id}/step", request_body = StepRequest,
     params(("id" = String, Path, description = "episode id")),
-    responses((status = 200, body = StepResponse), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    responses((status = 200, body = StepResponse), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody), (status = 503, body = ErrorBody)))]
 async fn step(
     State(s): State<Arc<AppState>>,
     ApiPath(id): ApiPath<String>,
@@ -499,12 +516,13 @@ async fn close(
 }
 
 #[utoipa::path(post, path = "/v1/evaluate", request_body = EvaluateRequest,
-    responses((status = 200, body = EvaluationResult), (status = 400, body = ErrorBody), (status = 429, body = ErrorBody)))]
+    responses((status = 200, body = EvaluationResult), (status = 400, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)))]
 async fn evaluate(
     State(s): State<Arc<AppState>>,
     ApiJson(req): ApiJson<EvaluateRequest>,
 ) -> ApiResult<EvaluationResult> {
     req.check_caps()?;
+    let _work = s.drain.admit()?;
     let task = match &req.task {
         TaskRef::Id(id) => s
             .episodes
@@ -543,9 +561,16 @@ async fn evaluate(
             "tolerance must be a positive number",
         ));
     }
-    Ok(Json(
-        s.evaluator.evaluate(&task, &files, opts.tolerance).await?,
-    ))
+    // Past a drain's grace the evaluation is given up (dropping it ends its processes) and
+    // its client told so, to take it to another server.
+    tokio::select! {
+        r = s.evaluator.evaluate(&task, &files, opts.tolerance) => Ok(Json(r?)),
+        () = s.drain.expired() => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "drained",
+            "the server stopped before this evaluation finished; retry on another server",
+        )),
+    }
 }
 
 #[utoipa::path(get, path = "/v1/tasks", responses((status = 200, body = TaskList)))]
@@ -567,6 +592,15 @@ async fn tasks(State(s): State<Arc<AppState>>) -> Json<TaskList> {
 #[utoipa::path(get, path = "/v1/health", responses((status = 200, description = "alive")))]
 async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
+}
+
+/// Readiness, apart from liveness: 200 while a new episode would be admitted; 503 with the
+/// reason (`draining`, `at_capacity`, `host_busy`) otherwise, so a load balancer sends new
+/// work elsewhere while the server finishes what it has.
+#[utoipa::path(get, path = "/v1/ready", responses((status = 200, description = "takes new episodes and evaluations"), (status = 503, body = ErrorBody)))]
+async fn ready(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    s.episodes.admits()?;
+    Ok(Json(json!({"status": "ready"})))
 }
 
 #[utoipa::path(get, path = "/v1/info", responses((status = 200, description = "version, devices, capacity, sandbox")))]
@@ -716,6 +750,7 @@ fn device_counter(
         evaluate,
         tasks,
         health,
+        ready,
         info
     ),
     components(schemas(

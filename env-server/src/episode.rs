@@ -20,6 +20,7 @@ use kernelbench::{Task, TaskSet};
 use serde_json::Value;
 use tokio::sync::Mutex;
 
+use crate::drain::Drain;
 use crate::evaluation::Evaluator;
 use crate::retention;
 use crate::runtime::{Device, PythonInfo, WORKSPACE_FILES};
@@ -55,6 +56,9 @@ pub enum EpisodeError {
     /// Something on the server's side failed.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The server is draining before it stops: no new episodes or steps.
+    #[error(transparent)]
+    Draining(#[from] crate::drain::Draining),
 }
 
 /// Settings of the episode manager.
@@ -202,8 +206,20 @@ pub struct EpisodeManager {
     next_episode: AtomicU64,
     /// Slots for commands running at once, over all episodes.
     commands: tokio::sync::Semaphore,
+    /// Whether new episodes and steps are admitted (not while draining), and the work the
+    /// drain waits for.
+    drain: Arc<Drain>,
     /// Counters for `/metrics`.
     pub counters: Counters,
+}
+
+/// What [`EpisodeManager::truncate_open`] ended.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Truncated {
+    /// Open episodes truncated, the reason logged.
+    pub truncated: usize,
+    /// Open episodes left as they were: a step still held them.
+    pub busy: usize,
 }
 
 /// Counters for `/metrics`.
@@ -688,7 +704,8 @@ impl Setup {
 }
 
 impl EpisodeManager {
-    /// A manager; call [`EpisodeManager::recover`] once before serving.
+    /// A manager; call [`EpisodeManager::recover`] once before serving. Resets and steps are
+    /// admitted through `drain`.
     pub fn new(
         cfg: EpisodeConfig,
         tasks: Arc<TaskSet>,
@@ -696,6 +713,7 @@ impl EpisodeManager {
         python: PythonInfo,
         harness_dir: PathBuf,
         evaluator: Arc<Evaluator>,
+        drain: Arc<Drain>,
     ) -> Self {
         let cfg_commands = cfg.max_commands.max(1);
         let setup = Setup {
@@ -713,6 +731,7 @@ impl EpisodeManager {
             summaries: SyncMutex::new(HashMap::new()),
             next_episode: AtomicU64::new(0),
             commands: tokio::sync::Semaphore::new(cfg_commands),
+            drain,
             counters: Counters::default(),
         }
     }
@@ -924,8 +943,17 @@ impl EpisodeManager {
         Ok(())
     }
 
-    /// Starts an episode.
-    pub async fn reset(&self, req: ResetRequest) -> Result<ResetResponse, EpisodeError> {
+    /// Whether a new episode would be admitted now (what readiness answers): not while the
+    /// server drains, is at its episode cap, or the host's memory is short.
+    pub fn admits(&self) -> Result<(), EpisodeError> {
+        if self.drain.is_draining() {
+            return Err(crate::drain::Draining.into());
+        }
+        self.room()
+    }
+
+    /// Room for one more episode: under the cap, and the host's memory over its reserve.
+    fn room(&self) -> Result<(), EpisodeError> {
         let open = self.open_count();
         if open >= self.cfg().max_episodes {
             return Err(EpisodeError::AtCapacity(open));
@@ -934,6 +962,13 @@ impl EpisodeManager {
         if let Some(why) = self.cfg().admission.refuse_episode() {
             return Err(EpisodeError::HostBusy(why));
         }
+        Ok(())
+    }
+
+    /// Starts an episode.
+    pub async fn reset(&self, req: ResetRequest) -> Result<ResetResponse, EpisodeError> {
+        let _work = self.drain.admit()?;
+        self.room()?;
         let task = match (&req.task_source, &req.task) {
             (Some(_), Some(_)) => {
                 return Err(EpisodeError::BadRequest(
@@ -1042,6 +1077,8 @@ impl EpisodeManager {
         if ep.is_done() {
             return Err(EpisodeError::Ended(id.to_string()));
         }
+        // After the replay: an answered step stays answerable while draining.
+        let _work = self.drain.admit()?;
         let call = ToolCall::parse(tool, arguments)?;
         ep.last_active = Instant::now();
         let budget = Duration::from_secs_f64(ep.limits.time_budget_s).saturating_sub(ep.tool_time);
@@ -1460,30 +1497,60 @@ impl EpisodeManager {
             if ep.is_done() || ep.last_active.elapsed() < self.cfg().idle_timeout {
                 continue;
             }
-            ep.status = EpisodeStatus::Truncated;
-            ep.truncation_reason = Some("idle_timeout".into());
-            let record = TrajectoryRecord::Truncated {
-                time: trajectory::now(),
-                body: TruncatedRecord {
-                    reason: "idle_timeout".into(),
-                    turn: ep.turn,
-                },
-            };
-            if let Err(e) = self.log(&mut ep, record).await {
-                tracing::warn!(episode = %ep.id, error = %e, "logging an idle timeout");
-            }
-            *self
-                .counters
-                .ended
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry("truncated_idle_timeout".into())
-                .or_default() += 1;
-            self.cleanup(&mut ep).await;
-            slot.publish(&ep);
+            self.truncate(&slot, &mut ep, "idle_timeout").await;
             n += 1;
         }
         n
+    }
+
+    /// Truncates every open episode that no step holds, logging `reason` (a drain's end).
+    /// One a step still holds is counted as busy and left as it is: its log ends in its last
+    /// answered step, and the next start marks it truncated (`server_restart`).
+    pub async fn truncate_open(&self, reason: &str) -> Truncated {
+        let slots: Vec<Arc<Slot>> = self
+            .episodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let mut out = Truncated::default();
+        for slot in slots {
+            let Ok(mut ep) = slot.episode.try_lock() else {
+                out.busy += 1;
+                continue;
+            };
+            if !ep.is_done() {
+                self.truncate(&slot, &mut ep, reason).await;
+                out.truncated += 1;
+            }
+        }
+        out
+    }
+
+    /// Ends an open episode as truncated for `reason`: logged, counted, cleaned up.
+    async fn truncate(&self, slot: &Slot, ep: &mut Episode, reason: &str) {
+        ep.status = EpisodeStatus::Truncated;
+        ep.truncation_reason = Some(reason.into());
+        let record = TrajectoryRecord::Truncated {
+            time: trajectory::now(),
+            body: TruncatedRecord {
+                reason: reason.into(),
+                turn: ep.turn,
+            },
+        };
+        if let Err(e) = self.log(ep, record).await {
+            tracing::warn!(episode = %ep.id, reason, error = %e, "logging a truncation");
+        }
+        *self
+            .counters
+            .ended
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(format!("truncated_{reason}"))
+            .or_default() += 1;
+        self.cleanup(ep).await;
+        slot.publish(ep);
     }
 
     /// Moves episodes that ended more than the grace period ago out of memory; returns how

@@ -6,6 +6,7 @@
 //! - [`api`]: routes, errors, auth, metrics, OpenAPI ([`api::router`] builds the app).
 //! - [`http`]: serving the app over TCP with connection, header, idle and write limits.
 //! - [`mcp`]: the MCP front (`/mcp`): one MCP session per episode, the same tools and log.
+//! - [`drain`]: draining before a stop (readiness false, new work refused, a grace period).
 //! - [`episode`]: the episode manager (workspaces, limits, idle expiry, recovery).
 //! - [`retention`]: what stays on disk (trajectory logs, the build cache, crash leftovers).
 //! - [`evaluation`]: the evaluation queue, device leases, the harness runs.
@@ -18,6 +19,7 @@
 pub mod admission;
 pub mod api;
 pub mod build;
+pub mod drain;
 pub mod episode;
 pub mod evaluation;
 pub mod http;
@@ -356,6 +358,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         cfg.limits.total_processes,
     );
     let tool_limits = ToolLimits::default();
+    let drain = Arc::new(drain::Drain::default());
     let episodes = episode::EpisodeManager::new(
         episode::EpisodeConfig {
             data_dir: data_dir.clone(),
@@ -378,6 +381,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         python.clone(),
         harness_dir,
         evaluator.clone(),
+        drain.clone(),
     );
     let interrupted = episodes.recover()?;
     // Nothing is live before the first request: what is under episodes/ and evals/ was left
@@ -455,6 +459,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     Ok(Arc::new(AppState {
         episodes,
         evaluator,
+        drain,
         api_key: cfg.api_key,
         info,
         max_body_bytes: cfg.max_body_bytes,

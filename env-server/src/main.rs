@@ -162,6 +162,12 @@ struct Args {
     /// Seconds between retention passes (logs, build cache); one also runs at start.
     #[arg(long, default_value_t = 300)]
     retention_interval_s: u64,
+    /// On SIGTERM or SIGINT: seconds the work already admitted (evaluations, steps) gets to
+    /// finish while new work is refused and readiness is false; then what is left is ended
+    /// and the server exits 0. A second signal exits at once. Keep it under the scheduler's
+    /// own grace (Kubernetes' terminationGracePeriodSeconds).
+    #[arg(long, default_value_t = 120.0)]
+    drain_grace_s: f64,
 }
 
 /// The API key, from wherever it was given. A key on the command line is visible to every
@@ -263,6 +269,10 @@ fn main() -> anyhow::Result<()> {
 async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
     let secs =
         |s: f64, name: &str| Duration::try_from_secs_f64(s).with_context(|| format!("--{name}"));
+    let drain_grace = secs(args.drain_grace_s, "drain-grace-s")?;
+    // Installed before anything starts: a signal that comes during start-up is then a drain
+    // too, never the default action (an exit that skips the drain's log lines).
+    let mut signals = Signals::new()?;
     let http = HttpLimits {
         max_connections: args.max_connections.max(1),
         max_requests_in_flight: args.max_requests_in_flight.max(1),
@@ -332,25 +342,48 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         .with_context(|| format!("binding {}", args.bind))?;
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let counters = Arc::clone(&state.http);
-    env_server::http::serve(listener, router(state), http, counters, shutdown_signal()).await?;
+    let drained = {
+        let state = state.clone();
+        async move {
+            let first = signals.next().await;
+            tracing::info!(signal = first, "stop asked");
+            // An operator who asks twice does not want to wait for the grace period.
+            tokio::spawn(async move {
+                let second = signals.next().await;
+                tracing::warn!(signal = second, "second stop signal: exiting at once; every answered step is in its episode's log, and the next start marks the episodes in flight truncated (server_restart)");
+                env_server::build::stop_compilers();
+                std::process::exit(1);
+            });
+            env_server::drain::drain(&state, drain_grace).await;
+        }
+    };
+    env_server::http::serve(listener, router(state), http, counters, drained).await?;
     // A header precompile still running would outlive the server otherwise.
     env_server::build::stop_compilers();
     tracing::info!("stopped");
     Ok(())
 }
 
-/// Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending().await,
+/// SIGTERM and SIGINT, both taken from their default action for the life of the process.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("handling SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("handling SIGINT")?,
+        })
+    }
+
+    /// The next signal's name.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
     }
 }
