@@ -40,6 +40,23 @@ pub enum Command {
     BenchLoad(BenchLoadArgs),
     /// Serve a policy behind an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models).
     Serve(ServeArgs),
+    /// Print a stage's memory plan for a config and model (what every stage prints and checks
+    /// at start), without loading anything.
+    MemoryPlan(MemoryPlanArgs),
+}
+
+/// `memory-plan`'s flags.
+#[derive(Args, Clone)]
+pub struct MemoryPlanArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// The stage whose context applies: `warmup` trains on rollout.single_turn_context, the
+    /// others on rollout.context.
+    #[arg(long, default_value = "ppo")]
+    pub stage: String,
+    /// Free device memory in GiB to check the plan against (exit status 1 when it does not fit).
+    #[arg(long)]
+    pub free_gib: Option<f64>,
 }
 
 /// Where tensors live.

@@ -44,10 +44,42 @@ fn main() -> Result<()> {
             d.stage.common.precision,
             stages::Stage(&cli.command),
         ),
+        Command::MemoryPlan(m) => memory_plan(m),
         Command::Evaluate(e) => device::run_on(
             e.common.device,
             e.common.precision,
             stages::Stage(&cli.command),
         ),
     }
+}
+
+/// `memory-plan`: the plan of a stage, printed, and checked against `--free-gib`.
+fn memory_plan(m: &cli::MemoryPlanArgs) -> Result<()> {
+    use anyhow::Context;
+    let cfg = cli::load_config(&m.common)?;
+    let dir = cfg
+        .model
+        .path
+        .as_deref()
+        .context("the plan needs the model's config.json: set model.path or --model")?;
+    let model = trainer::model::ModelConfig::from_file(dir)?;
+    let context = match m.stage.as_str() {
+        "warmup" => cfg.rollout.single_turn_context,
+        _ => cfg.rollout.context,
+    };
+    let elem = match m.common.precision {
+        cli::Precision::F32 => 4,
+        cli::Precision::Bf16 => 2,
+    };
+    let plan = trainer::memory::MemoryPlan::new(&model, &cfg, elem, context);
+    println!("{plan}");
+    if let Some(free) = m.free_gib {
+        let bytes = (free * (1u64 << 30) as f64) as u64;
+        plan.check(&trainer::memory::DeviceMemory {
+            free: bytes,
+            total: bytes,
+            name: "the device",
+        })?;
+    }
+    Ok(())
 }

@@ -152,7 +152,11 @@ fn run<B: AutodiffBackend>(
             }
             println!("{text}");
         }
-        Command::Plot(_) | Command::BenchModel(_) | Command::BenchLoad(_) | Command::Serve(_) => {
+        Command::Plot(_)
+        | Command::BenchModel(_)
+        | Command::BenchLoad(_)
+        | Command::Serve(_)
+        | Command::MemoryPlan(_) => {
             unreachable!("not a stage")
         }
     }
