@@ -453,7 +453,8 @@ fn load_record<B: Backend, M: Module<B>>(
 
 type Named = Vec<(String, Vec<usize>, Vec<f32>)>;
 
-fn tensor_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> (Vec<usize>, Vec<f32>) {
+/// A tensor's shape and values as f32 (for export).
+pub(crate) fn tensor_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> (Vec<usize>, Vec<f32>) {
     let shape = t.dims().to_vec();
     let data = t
         .into_data()

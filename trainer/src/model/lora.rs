@@ -521,12 +521,7 @@ fn target_at(columns: &[(LoraTarget, usize)], offset: usize) -> LoraTarget {
 }
 
 fn as_named<B: Backend>(name: String, t: Tensor<B, 2>) -> (String, Vec<usize>, Vec<f32>) {
-    let shape = t.dims().to_vec();
-    let data = t
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .unwrap_or_default();
+    let (shape, data) = super::lm::tensor_f32(t);
     (name, shape, data)
 }
 
