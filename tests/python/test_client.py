@@ -70,8 +70,9 @@ def test_episode_round_trip(server):
     ep = env.reset(task="L1/1_ReLU", max_turns=10)
     assert [t["function"]["name"] for t in ep.tools][:2] == ["Bash", "Glob"]
     obs, reward, terminated, truncated, info = ep.step("Bash", {"command": "echo hi"}, request_id="fixed")
-    # The command's output, then the budget line every kernel-task observation ends with.
-    assert re.fullmatch(r"hi\n\[9 of 10 tool calls left; \d+ s of 300 s tool time left\]", obs["text"]), obs["text"]
+    # The command's output, then the budget line every kernel-task observation ends with (the
+    # CPU default tool time: 900 s).
+    assert re.fullmatch(r"hi\n\[9 of 10 tool calls left; \d+ s of 900 s tool time left\]", obs["text"]), obs["text"]
     assert reward == 0 and not terminated and not truncated
     again = env.step(ep.id, "Bash", {"command": "echo hi"}, request_id="fixed")
     assert again["info"]["replayed"] is True
