@@ -222,7 +222,9 @@ def test_the_compile_baselines_first_call_gets_the_setup_timeout(tmp_path, ext_d
     (ws / "model.py").write_text(CHAIN_TASK.format(n=steps, c=random.uniform(0.001, 0.002)))
     (ws / "kernels" / "chain.cpp").write_text(CHAIN_KERNEL)
     (ws / "model_new.py").write_text(CHAIN_MODEL_NEW.replace("STEPS", str(steps)))
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir))
+    # A cache of its own: torch.compile lifts the float constant out of the graph, so a cache
+    # another run warmed would hold this graph whatever the constant.
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     call_timeout = 1.0
     out = subprocess.run([sys.executable, str(SKILLS / "evaluate.py"), "candidate", "--task", str(ws / "model.py"), "--candidate", str(ws),
