@@ -364,7 +364,7 @@ fn the_peft_export_is_what_transformers_computes() {
     }
 }
 
-/// A tiny checkpoint directory (config and tokenizer; the weights are seeded random).
+/// A tiny checkpoint directory: config, tokenizer and random weights.
 fn tiny_model_dir(dir: &Path) -> PathBuf {
     let m = dir.join("model");
     std::fs::create_dir_all(&m).unwrap();
@@ -377,6 +377,12 @@ fn tiny_model_dir(dir: &Path) -> PathBuf {
         "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "max_position_embeddings": 64, "tie_word_embeddings": true,
         "eos_token_id": 2});
+    // Weights on disk: a stage loads the same base however the test threads share burn's
+    // random generator (a seeded random init would race with the other tests' draws).
+    let config = ModelConfig::from_json(&cfg.to_string()).unwrap();
+    CausalLm::<B>::random(&config, &Default::default())
+        .save_pretrained(&config, &m)
+        .unwrap();
     std::fs::write(m.join("config.json"), cfg.to_string()).unwrap();
     m
 }
