@@ -151,8 +151,12 @@ mod tests {
             let grads = (lp * w.clone()).sum().backward();
             x.grad(&grads).unwrap()
         };
-        let d = (grad(true) - grad(false)).abs().max().into_scalar();
-        assert!(d < 1e-5, "gradients differ by {d}");
+        // Exact up to f32 rounding, relative to the gradient's size (the inputs are unseeded
+        // draws: an absolute bound failed about once in a few hundred at 1.2e-5).
+        let reference = grad(false);
+        let scale = reference.clone().abs().max().into_scalar().max(1.0);
+        let d = (grad(true) - reference).abs().max().into_scalar() / scale;
+        assert!(d < 1e-5, "gradients differ by {d} of their largest");
     }
 
     #[test]
