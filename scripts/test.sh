@@ -54,33 +54,22 @@ fi
 # the ones the test build links against, and nothing is built again inside the tests.
 phase "test build" cargo build --workspace --locked --bins --tests
 export CUDA_AGENT_BIN_DIR="$target/debug"
-# Then the Python tests and the red-team corpus, while the release trainer builds beside them
-# at the candidates' build priority (nice 10), in the CPU they leave (imports, timeouts, timing
-# loops that use one core). The Python client's tests run against the real server binary
-# cargo built and the judge's rules, a test file per core at a time (a file's module fixtures,
-# its server or its extension build, stay in one process); the red-team corpus of adversarial
-# and legitimate candidates (CPU ones) runs several cases at a time. Their verdicts depend on
-# timing (late work, timed outputs), so no other test runs beside them: cargo's tests come
-# after. The learning test runs the trainer as a release binary (its ML code is 40-55x slower
-# in debug), built here once, not by the test; by rustc alone: .ci/run's clippy driver
+# The learning test runs the trainer as a release binary (its ML code is 40-55x slower in
+# debug), built here once, not by the test; by rustc alone: .ci/run's clippy driver
 # (RUSTC_WORKSPACE_WRAPPER) lints the debug build, and would build this one without MIR
-# optimisations. The Python stream's output is printed when it ends, from its log.
-python_log="$target/test-logs/python.log"
-mkdir -p "$(dirname "$python_log")"
-(
-  status=0
-  phase "python tests" "$CUDA_AGENT_PYTHON" -m pytest -q -n auto --dist loadfile tests/python || status=$?
-  phase "red-team corpus" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam || status=$?
-  exit "$status"
-) >"$python_log" 2>&1 &
-python_stream=$!
+# optimisations. It is built before the Python tests and the red-team corpus, not beside them:
+# at the candidates' build priority it starved their builds past the 300 s build limit. The
+# Python client's tests run against the real server binary cargo built and the judge's rules,
+# a test file per core at a time (a file's module fixtures, its server or its extension build,
+# stay in one process); the red-team corpus of adversarial and legitimate candidates (CPU ones)
+# runs several cases at a time. Their verdicts depend on timing (late work, timed outputs), so
+# no other test runs beside them: cargo's tests come after.
 status=0
-phase "release trainer build" nice -n 10 env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
+phase "release trainer build" env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
   cargo build --release --locked -p trainer --bin trainer || status=$?
 export CUDA_AGENT_TRAINER_BIN="$target/release/trainer"
 python_status=0
-wait "$python_stream" || python_status=$?
-echo "test.sh: python tests and red-team corpus (from $python_log):" >&2
-cat "$python_log"
+phase "python tests" "$CUDA_AGENT_PYTHON" -m pytest -q -n auto --dist loadfile tests/python || python_status=$?
+phase "red-team corpus" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam || python_status=$?
 phase "cargo test" cargo test --workspace --locked "$@" || status=$?
 [ "$status" = 0 ] && [ "$python_status" = 0 ]
