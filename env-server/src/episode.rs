@@ -1480,15 +1480,19 @@ impl EpisodeManager {
         Ok(state)
     }
 
-    /// Truncates and cleans up episodes idle past the timeout; returns how many.
-    pub async fn expire_idle(&self) -> usize {
-        let slots: Vec<Arc<Slot>> = self
-            .episodes
+    /// Every episode's slot, taken out of the map's lock (work on them may await).
+    fn all_slots(&self) -> Vec<Arc<Slot>> {
+        self.episodes
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .values()
             .cloned()
-            .collect();
+            .collect()
+    }
+
+    /// Truncates and cleans up episodes idle past the timeout; returns how many.
+    pub async fn expire_idle(&self) -> usize {
+        let slots = self.all_slots();
         let mut n = 0;
         for slot in slots {
             let Ok(mut ep) = slot.episode.try_lock() else {
@@ -1507,13 +1511,7 @@ impl EpisodeManager {
     /// One a step still holds is counted as busy and left as it is: its log ends in its last
     /// answered step, and the next start marks it truncated (`server_restart`).
     pub async fn truncate_open(&self, reason: &str) -> Truncated {
-        let slots: Vec<Arc<Slot>> = self
-            .episodes
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let slots = self.all_slots();
         let mut out = Truncated::default();
         for slot in slots {
             let Ok(mut ep) = slot.episode.try_lock() else {
