@@ -322,3 +322,4 @@ impl TaskSet {
 }
 
 pub mod report;
+pub mod similarity;
