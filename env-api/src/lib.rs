@@ -39,6 +39,12 @@ pub struct ResetRequest {
     /// [`caps::TASK_SOURCE_BYTES`]. Its id is `custom/<hash>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_source: Option<String>,
+    /// Idempotency key: a retried reset with the same key gets the first answer (the same
+    /// episode) instead of a second episode, while the server that answered it remembers the
+    /// key (the most recent [`caps::RESET_KEYS`]; not across restarts, which end the
+    /// episode anyway). A client that fails over to another server sends the same key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// What the agent sees after a reset or a step.
@@ -93,6 +99,9 @@ pub struct ResetInfo {
     pub limits: EpisodeLimits,
     /// Evaluation device (`cpu` or `cuda`).
     pub device: String,
+    /// This answer is a replay of an earlier reset with the same `request_id`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
 }
 
 /// `POST /v1/episodes` answer.
@@ -424,6 +433,12 @@ pub struct EvaluateOptions {
     pub device: Option<String>,
     /// Absolute and relative tolerance (default by dtype).
     pub tolerance: Option<f64>,
+    /// Idempotency key: a retry with the same key joins the evaluation still running under
+    /// it, or gets its verdict once it has one, instead of paying for a second evaluation
+    /// (the most recent [`caps::EVALUATION_KEYS`] keys, in the server's memory). A client
+    /// that fails over to another server sends the same key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// `POST /v1/evaluate`.
@@ -687,6 +702,11 @@ pub mod caps {
     pub const SOLUTION_FILE_BYTES: usize = 4 << 20;
     /// The largest `options.max_turns` of a reset.
     pub const MAX_TURNS: u32 = 100_000;
+    /// Reset idempotency keys a server remembers (each with its episode's id): the oldest
+    /// is forgotten beyond this, so memory stays bounded whatever clients send.
+    pub const RESET_KEYS: usize = 65_536;
+    /// Evaluation idempotency keys a server remembers (each with its verdict, some KiB).
+    pub const EVALUATION_KEYS: usize = 1_024;
 }
 
 /// A request field over its cap (see [`caps`]).
@@ -761,6 +781,7 @@ impl Capped for ResetRequest {
     fn check_caps(&self) -> Result<(), FieldTooLong> {
         cap_opt("task", self.task.as_ref(), caps::ID)?;
         cap_opt("split", self.split.as_ref(), caps::NAME)?;
+        cap_opt("request_id", self.request_id.as_ref(), caps::ID)?;
         cap_opt(
             "task_source",
             self.task_source.as_ref(),
@@ -826,6 +847,7 @@ impl Capped for EvaluateRequest {
         }
         if let Some(o) = &self.options {
             cap_opt("options.device", o.device.as_ref(), caps::NAME)?;
+            cap_opt("options.request_id", o.request_id.as_ref(), caps::ID)?;
         }
         Ok(())
     }

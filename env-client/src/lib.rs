@@ -1,5 +1,10 @@
 //! Rust client of the environment API. Steps carry a `request_id`, so a step retried after a
-//! transport error never runs twice on the server.
+//! transport error never runs twice on the server. [`fleet::Fleet`] spreads episodes and
+//! evaluations over several servers and moves new work off servers that go away.
+
+pub mod fleet;
+
+pub use fleet::{Fleet, FleetConfig, FleetError, ServerHandle};
 
 use std::time::Duration;
 
@@ -36,6 +41,44 @@ impl ClientError {
             ClientError::Api { status, .. } => matches!(status, 429 | 502 | 503 | 504),
         }
     }
+
+    /// Whether the server is draining or has stopped (503 `draining` or `drained`): it takes
+    /// no new work, and retrying there is futile.
+    pub fn is_draining(&self) -> bool {
+        matches!(self, ClientError::Api { status: 503, code, .. } if code == "draining" || code == "drained")
+    }
+
+    /// Whether the server is gone or going: no connection, a connection lost mid-request, or
+    /// draining. An episode on it is lost (not failed); new work belongs on another server.
+    /// A timeout is not this: the server may only be slow.
+    pub fn is_server_gone(&self) -> bool {
+        match self {
+            ClientError::Transport(e) => is_connection_failure(e),
+            ClientError::Api { .. } => self.is_draining(),
+        }
+    }
+
+    /// Whether the request may have reached the server but its answer did not come back (the
+    /// connection broke after it was sent): retry there with the same `request_id`.
+    pub fn is_lost_answer(&self) -> bool {
+        matches!(self, ClientError::Transport(e) if is_connection_failure(e) && !e.is_connect())
+    }
+
+    /// Whether the server refused the work for want of room (503 `at_capacity`, `host_busy`,
+    /// `busy`, `too_many_connections`; 429): another server may have it.
+    pub fn is_full(&self) -> bool {
+        match self {
+            ClientError::Api { status: 429, .. } => true,
+            ClientError::Api {
+                status: 503, code, ..
+            } => matches!(
+                code.as_str(),
+                "at_capacity" | "host_busy" | "busy" | "too_many_connections"
+            ),
+            ClientError::Transport(_) => false,
+            ClientError::Api { .. } => false,
+        }
+    }
 }
 
 /// A client of one server.
@@ -61,6 +104,11 @@ impl EnvClient {
             api_key: None,
             retries: 3,
         })
+    }
+
+    /// The server's base URL.
+    pub fn base(&self) -> &str {
+        &self.base
     }
 
     /// Sends `Authorization: Bearer KEY`.
@@ -133,11 +181,12 @@ impl EnvClient {
         tool: &str,
         arguments: Value,
     ) -> Result<StepResponse, ClientError> {
-        let request_id = format!("{:016x}{:016x}", rand_u64(), rand_u64());
-        self.step_with_id(id, tool, arguments, &request_id).await
+        self.step_with_id(id, tool, arguments, &new_request_id())
+            .await
     }
 
     /// A step with a given request_id (the server answers a repeat with the first answer).
+    /// Not retried once the server drains: it takes no new step.
     pub async fn step_with_id(
         &self,
         id: &str,
@@ -161,7 +210,7 @@ impl EnvClient {
                 )
                 .await;
             match r {
-                Err(e) if e.is_retryable() && attempt < self.retries => {
+                Err(e) if e.is_retryable() && !e.is_draining() && attempt < self.retries => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
                 }
@@ -196,6 +245,17 @@ impl EnvClient {
         self.send(self.req(reqwest::Method::POST, "/v1/evaluate").json(req))
             .await
     }
+}
+
+/// Whether the connection failed (refused, reset, closed mid-answer), as against a timeout or
+/// an answer that was not what was expected.
+fn is_connection_failure(e: &reqwest::Error) -> bool {
+    !e.is_timeout() && (e.is_connect() || e.is_request() || e.is_body())
+}
+
+/// A fresh idempotency key (32 hex digits).
+pub fn new_request_id() -> String {
+    format!("{:016x}{:016x}", rand_u64(), rand_u64())
 }
 
 fn rand_u64() -> u64 {

@@ -13,12 +13,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use env_api::*;
+use futures_util::future::{BoxFuture, FutureExt as _, WeakShared};
 use serde_json::{json, Value};
 use utoipa::OpenApi;
 
 use crate::episode::{EpisodeError, EpisodeManager};
 use crate::evaluation::{EvalError, Evaluator};
 use crate::http::HttpCounters;
+use crate::idempotency::Keys;
 use crate::Retention;
 
 /// Everything the handlers share.
@@ -48,10 +50,35 @@ pub struct AppState {
     pub retention: Retention,
     /// Limits of the MCP front (`/mcp`).
     pub mcp: crate::mcp::McpLimits,
+    /// Evaluations' idempotency keys (`options.request_id`): what a retry with the same key
+    /// joins or is answered from.
+    pub evaluation_keys: std::sync::Mutex<Keys<EvaluationKey>>,
+}
+
+/// What an evaluation's answer is: its verdict, or the error every request waiting on it gets.
+type EvaluationAnswer = Result<EvaluationResult, ApiError>;
+
+/// An evaluation's idempotency key: the evaluation still running (every request with the key
+/// waits on it, and it is cancelled only when the last of them hangs up), or its verdict.
+#[derive(Clone)]
+pub enum EvaluationKey {
+    /// Running; gone once no request waits on it.
+    Running(WeakShared<BoxFuture<'static, EvaluationAnswer>>),
+    /// Judged.
+    Done(Arc<EvaluationResult>),
+}
+
+impl std::fmt::Debug for EvaluationKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Running(_) => f.write_str("Running"),
+            Self::Done(r) => f.debug_tuple("Done").field(&r.reward).finish(),
+        }
+    }
 }
 
 /// An error answer: status plus `{error: {code, message}}`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ApiError {
     status: StatusCode,
     code: &'static str,
@@ -522,7 +549,59 @@ async fn evaluate(
     ApiJson(req): ApiJson<EvaluateRequest>,
 ) -> ApiResult<EvaluationResult> {
     req.check_caps()?;
-    let _work = s.drain.admit()?;
+    let Some(key) = req.options.as_ref().and_then(|o| o.request_id.clone()) else {
+        let work = s.drain.admit()?;
+        return Ok(Json(judge(s, req, work, None).await?));
+    };
+    // A key seen before is answered from its verdict or joins its evaluation, also while
+    // draining (no new work); only a new key is admitted.
+    let running = {
+        let mut keys = s.evaluation_keys.lock().unwrap_or_else(|e| e.into_inner());
+        let joined = match keys.get(&key) {
+            Some(EvaluationKey::Done(verdict)) => return Ok(Json((*verdict).clone())),
+            Some(EvaluationKey::Running(weak)) => weak.upgrade(),
+            None => None,
+        };
+        match joined {
+            Some(running) => running,
+            None => {
+                let work = s.drain.admit()?;
+                let running = judge(s.clone(), req, work, Some(key.clone()))
+                    .boxed()
+                    .shared();
+                if let Some(weak) = running.downgrade() {
+                    keys.insert(&key, EvaluationKey::Running(weak));
+                }
+                running
+            }
+        }
+    };
+    Ok(Json(running.await?))
+}
+
+/// Judges one evaluation request holding `work` (the drain waits for it), and records the
+/// verdict under `key`. Dropping it cancels the evaluation, its processes ended.
+async fn judge(
+    s: Arc<AppState>,
+    req: EvaluateRequest,
+    work: crate::drain::Work,
+    key: Option<String>,
+) -> EvaluationAnswer {
+    let answer = judge_admitted(&s, req).await;
+    drop(work);
+    if let Some(key) = key {
+        let mut keys = s.evaluation_keys.lock().unwrap_or_else(|e| e.into_inner());
+        match &answer {
+            Ok(verdict) => keys.insert(&key, EvaluationKey::Done(Arc::new(verdict.clone()))),
+            // An error (a drain's end, a harness failure, a bad request) is not a verdict:
+            // a retry with the key is judged afresh.
+            Err(_) => keys.remove_if(&key, |k| matches!(k, EvaluationKey::Running(_))),
+        }
+    }
+    answer
+}
+
+async fn judge_admitted(s: &AppState, req: EvaluateRequest) -> EvaluationAnswer {
     let task = match &req.task {
         TaskRef::Id(id) => s
             .episodes
@@ -564,7 +643,7 @@ async fn evaluate(
     // Past a drain's grace the evaluation is given up (dropping it ends its processes) and
     // its client told so, to take it to another server.
     tokio::select! {
-        r = s.evaluator.evaluate(&task, &files, opts.tolerance) => Ok(Json(r?)),
+        r = s.evaluator.evaluate(&task, &files, opts.tolerance) => Ok(r?),
         () = s.drain.expired() => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "drained",

@@ -22,6 +22,7 @@ use tokio::sync::Mutex;
 
 use crate::drain::Drain;
 use crate::evaluation::Evaluator;
+use crate::idempotency::Keys;
 use crate::retention;
 use crate::runtime::{Device, PythonInfo, WORKSPACE_FILES};
 use crate::trajectory::{self, is_episode_id, TrajectoryLog};
@@ -209,9 +210,16 @@ pub struct EpisodeManager {
     /// Whether new episodes and steps are admitted (not while draining), and the work the
     /// drain waits for.
     drain: Arc<Drain>,
+    /// Resets' idempotency keys: each key's episode id once its reset answered (the answer
+    /// itself is the first record of the episode's log), unset while it runs.
+    reset_keys: SyncMutex<Keys<ResetKey>>,
     /// Counters for `/metrics`.
     pub counters: Counters,
 }
+
+/// A reset's idempotency key: its episode's id once known. Concurrent resets with one key
+/// wait on the same cell, so only the first creates an episode.
+type ResetKey = Arc<tokio::sync::OnceCell<String>>;
 
 /// What [`EpisodeManager::truncate_open`] ended.
 #[derive(Debug, Default, Clone, Copy)]
@@ -610,6 +618,7 @@ impl Setup {
                             tools: agent_tools::tool_schemas(),
                             limits: limits.clone(),
                             device,
+                            replayed: false,
                         },
                     };
                     let log = TrajectoryLog::open(&self.trajectories_dir(), id)
@@ -732,6 +741,7 @@ impl EpisodeManager {
             next_episode: AtomicU64::new(0),
             commands: tokio::sync::Semaphore::new(cfg_commands),
             drain,
+            reset_keys: SyncMutex::new(Keys::new(env_api::caps::RESET_KEYS)),
             counters: Counters::default(),
         }
     }
@@ -965,8 +975,85 @@ impl EpisodeManager {
         Ok(())
     }
 
-    /// Starts an episode.
+    /// Starts an episode. A reset whose `request_id` was seen before gets the first answer
+    /// (marked `replayed`), also while the server drains: it is no new work.
     pub async fn reset(&self, req: ResetRequest) -> Result<ResetResponse, EpisodeError> {
+        let Some(key) = req.request_id.clone() else {
+            return self.start(req).await;
+        };
+        let cell: ResetKey = {
+            let mut keys = self.reset_keys.lock().unwrap_or_else(|e| e.into_inner());
+            keys.get(&key).unwrap_or_else(|| {
+                let cell = ResetKey::default();
+                keys.insert(&key, cell.clone());
+                cell
+            })
+        };
+        let mut fresh = None;
+        let started = cell
+            .get_or_try_init(|| {
+                let fresh = &mut fresh;
+                async move {
+                    let resp = self.start(req).await?;
+                    let id = resp.episode_id.clone();
+                    *fresh = Some(resp);
+                    Ok::<_, EpisodeError>(id)
+                }
+            })
+            .await;
+        match (started, fresh) {
+            (Ok(_), Some(resp)) => Ok(resp),
+            (Ok(id), None) => self.replayed_reset(id).await,
+            (Err(e), _) => {
+                // Nothing was started: the key may be used again. Left alone while another
+                // request with it waits on the cell (it will try in its turn).
+                let mut keys = self.reset_keys.lock().unwrap_or_else(|e| e.into_inner());
+                keys.remove_if(&key, |c| {
+                    Arc::ptr_eq(c, &cell) && c.get().is_none() && Arc::strong_count(c) <= 2
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// The first answer to a reset, from the first record of its episode's log.
+    async fn replayed_reset(&self, id: &str) -> Result<ResetResponse, EpisodeError> {
+        let path = trajectory::path_of(&self.trajectories_dir(), id);
+        let found = blocking(
+            self.cfg().io_timeout,
+            "reading the trajectory log",
+            move || {
+                let mut found = None;
+                trajectory::for_each(&path, |r| {
+                    if let TrajectoryRecord::Reset { body, .. } = r {
+                        found = Some(body.response);
+                    }
+                    // The reset is the first record.
+                    found.is_none()
+                })
+                .map(|()| found)
+            },
+        )
+        .await?;
+        match found {
+            Ok(Some(mut resp)) => {
+                self.counters.replays.fetch_add(1, Ordering::Relaxed);
+                resp.info.replayed = true;
+                Ok(resp)
+            }
+            // The log is gone (retention): the episode with it.
+            Ok(None) => Err(EpisodeError::Unknown(id.to_string())),
+            Err(trajectory::LogError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Err(EpisodeError::Unknown(id.to_string()))
+            }
+            Err(e) => Err(internal(e)),
+        }
+    }
+
+    /// Starts a new episode.
+    async fn start(&self, req: ResetRequest) -> Result<ResetResponse, EpisodeError> {
         let _work = self.drain.admit()?;
         self.room()?;
         let task = match (&req.task_source, &req.task) {

@@ -23,6 +23,7 @@ pub mod drain;
 pub mod episode;
 pub mod evaluation;
 pub mod http;
+pub mod idempotency;
 pub mod mcp;
 pub mod observe;
 pub mod retention;
@@ -472,6 +473,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             max_sessions: cfg.max_episodes,
             session_idle: cfg.idle_timeout,
         },
+        evaluation_keys: std::sync::Mutex::new(idempotency::Keys::new(
+            env_api::caps::EVALUATION_KEYS,
+        )),
     }))
 }
 

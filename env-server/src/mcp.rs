@@ -189,6 +189,7 @@ impl StartQuery {
             seed: self.seed,
             options,
             task_source: None,
+            request_id: None,
         }
     }
 }
