@@ -104,7 +104,9 @@ impl LoraSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerSection {
-    /// Base URLs; episodes are spread across them round-robin.
+    /// Base URLs, or `dns+http://NAME:PORT` for every address a name resolves to (a headless
+    /// Service); new episodes are spread across them round-robin and moved off servers that
+    /// are gone or draining, and an episode stays on its server.
     pub urls: Vec<String>,
     /// Bearer key, if the servers want one.
     pub api_key: Option<String>,
@@ -114,6 +116,8 @@ pub struct ServerSection {
     pub retries: u32,
     /// Requests in flight at once, over all servers.
     pub concurrency: usize,
+    /// Seconds between resolutions of `dns+http` names.
+    pub resolve_every_s: f64,
 }
 
 impl Default for ServerSection {
@@ -124,6 +128,7 @@ impl Default for ServerSection {
             timeout_s: 900.0,
             retries: 3,
             concurrency: 64,
+            resolve_every_s: 30.0,
         }
     }
 }

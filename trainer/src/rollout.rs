@@ -4,12 +4,11 @@
 //! Generation is synchronous (it owns the device); HTTP is async and runs on a tokio runtime
 //! between generations, all live episodes' steps at once under a concurrency bound.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use env_api::{EvaluateRequest, ResetRequest, ResetResponse, SolutionRef, StepResponse, TaskRef};
-use env_client::{ClientError, EnvClient};
+use env_client::{ClientError, Fleet, FleetConfig, FleetError, ServerHandle};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
@@ -65,57 +64,64 @@ pub struct TurnBatch {
     pub reused_tokens: usize,
 }
 
-/// The environment servers, with requests spread across them and bounded in number.
+/// The environment servers (a fleet: URLs, or `dns+http://NAME:PORT` for every address of a
+/// name), with new episodes spread across them and moved off servers that go away, and
+/// requests bounded in number.
 #[derive(Debug, Clone)]
 pub struct EnvPool {
-    clients: Vec<EnvClient>,
-    next: Arc<AtomicUsize>,
+    fleet: Fleet,
+    sources: usize,
     permits: Arc<Semaphore>,
 }
 
 impl EnvPool {
-    /// Clients of every configured URL.
+    /// The fleet of the configured URLs.
     pub fn new(section: &ServerSection) -> Result<Self, TrainError> {
         if section.urls.is_empty() {
             return Err(TrainError::Config("server.urls is empty".into()));
         }
-        let timeout = Duration::from_secs_f64(section.timeout_s.max(1.0));
-        let clients = section
-            .urls
-            .iter()
-            .map(|u| {
-                let c = EnvClient::new(u, timeout)?.with_retries(section.retries);
-                Ok(match &section.api_key {
-                    Some(k) => c.with_api_key(k.clone()),
-                    None => c,
-                })
-            })
-            .collect::<Result<Vec<_>, ClientError>>()?;
+        let fleet = Fleet::new(FleetConfig {
+            urls: section.urls.clone(),
+            api_key: section.api_key.clone(),
+            timeout: Duration::from_secs_f64(section.timeout_s.max(1.0)),
+            retries: section.retries,
+            resolve_every: Duration::from_secs_f64(section.resolve_every_s.max(0.0)),
+            ..FleetConfig::default()
+        })
+        .map_err(|e| TrainError::Config(format!("server.urls: {e}")))?;
         Ok(Self {
-            clients,
-            next: Arc::new(AtomicUsize::new(0)),
+            fleet,
+            sources: section.urls.len(),
             permits: Arc::new(Semaphore::new(section.concurrency.max(1))),
         })
     }
 
-    /// Number of servers.
+    /// Number of configured URLs (a name may stand for many servers).
     pub fn len(&self) -> usize {
-        self.clients.len()
+        self.sources
     }
 
     /// Whether there are no servers (never: `new` refuses that).
     pub fn is_empty(&self) -> bool {
-        self.clients.is_empty()
+        self.sources == 0
     }
 
-    /// The next server, round-robin.
-    fn pick(&self) -> usize {
-        self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len()
+    /// The fleet.
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
     }
+}
 
-    /// The client of server `i`.
-    pub fn client(&self, i: usize) -> &EnvClient {
-        &self.clients[i]
+/// A fleet's failure as the client error the rollout reports (a fleet with no server to ask
+/// included).
+fn client_error(e: FleetError) -> ClientError {
+    match e {
+        FleetError::Server { source, .. } => source,
+        other => ClientError::Api {
+            status: 0,
+            code: "no_server".into(),
+            message: other.to_string(),
+        },
     }
 }
 
@@ -124,8 +130,12 @@ impl EnvPool {
 pub struct RolloutStats {
     /// Episodes started.
     pub episodes: usize,
-    /// Episodes lost to server errors (left out of training).
+    /// Episodes that failed on a server error (left out of training), not counting `lost`.
     pub failed: usize,
+    /// Episodes lost with their server: it went away or drained while they ran (left out of
+    /// training; nothing was wrong with them).
+    #[serde(default)]
+    pub lost: usize,
     /// Assistant turns sampled.
     pub turns: usize,
     /// Tokens the policy sampled.
@@ -195,7 +205,10 @@ impl RolloutSettings {
 /// One conversation of a rollout.
 struct Live {
     sample: Sample,
-    server: usize,
+    /// The server the episode lives on (none when its reset failed).
+    server: Option<ServerHandle>,
+    /// Ended because its server went away or drained.
+    lost: bool,
     done: bool,
     last_turn: Vec<u32>,
 }
@@ -276,9 +289,7 @@ fn rollout(
     seed: u64,
     turns: &mut dyn Turns,
 ) -> (Vec<Sample>, RolloutStats) {
-    let Round {
-        rt, pool, settings, ..
-    } = *round;
+    let Round { rt, settings, .. } = *round;
     let mut stats = RolloutStats {
         episodes: resets.len(),
         ..Default::default()
@@ -320,7 +331,7 @@ fn rollout(
         if !closing.is_empty() {
             if turns.keeps_episodes() {
                 let te = Instant::now();
-                rt.block_on(close_all(pool, &live, &closing));
+                rt.block_on(close_all(&live, &closing));
                 stats.env_s += te.elapsed().as_secs_f64();
             }
             for (i, outcome) in closing {
@@ -332,11 +343,18 @@ fn rollout(
             }
         }
     }
-    let samples: Vec<Sample> = live.into_iter().map(|l| l.sample).collect();
-    stats.failed = samples
+    stats.lost = live.iter().filter(|l| l.lost).count();
+    stats.failed = live
         .iter()
-        .filter(|s| s.outcome == Some(Outcome::Failed))
+        .filter(|l| !l.lost && l.sample.outcome == Some(Outcome::Failed))
         .count();
+    if stats.lost > 0 {
+        tracing::warn!(
+            lost = stats.lost,
+            "episodes lost with their servers (gone or draining)"
+        );
+    }
+    let samples: Vec<Sample> = live.into_iter().map(|l| l.sample).collect();
     stats.total_tokens = samples.iter().map(|s| s.tokens.len()).sum();
     (samples, stats)
 }
@@ -352,14 +370,14 @@ fn open(
     let t0 = Instant::now();
     let opened = round.rt.block_on(reset_all(round.pool, resets));
     if !turns.keeps_episodes() {
-        let closes: Vec<(usize, String)> = opened
+        let closes: Vec<(ServerHandle, String)> = opened
             .iter()
             .filter_map(|r| r.as_ref().ok())
-            .map(|(s, r)| (*s, r.episode_id.clone()))
+            .map(|(s, r)| (s.clone(), r.episode_id.clone()))
             .collect();
         round.rt.block_on(async {
             for (s, id) in closes {
-                let _ = round.pool.client(s).close(&id).await;
+                let _ = s.client().close(&id).await;
             }
         });
     }
@@ -386,7 +404,8 @@ fn open(
                 Live {
                     done: sample.outcome.is_some(),
                     sample,
-                    server,
+                    server: Some(server),
+                    lost: false,
                     last_turn: Vec::new(),
                 }
             }
@@ -397,7 +416,8 @@ fn open(
                 sample.reason = Some(e.to_string());
                 Live {
                     sample,
-                    server: 0,
+                    server: None,
+                    lost: false,
                     done: true,
                     last_turn: Vec::new(),
                 }
@@ -534,6 +554,7 @@ impl Turns for MultiTurn<'_> {
                 }
                 Err(e) => {
                     tracing::warn!(episode = %l.sample.episode_id, "step failed: {e}");
+                    l.lost = e.is_server_gone();
                     l.sample.outcome = Some(Outcome::Failed);
                     l.sample.reason = Some(e.to_string());
                     l.done = true;
@@ -573,31 +594,33 @@ impl Turns for SingleTurn {
         let te = Instant::now();
         let results = round.rt.block_on(async {
             let mut set = tokio::task::JoinSet::new();
-            for (k, (i, req)) in jobs.iter().enumerate() {
-                let client = round.pool.client(live[*i].server).clone();
+            for (k, (_, req)) in jobs.iter().enumerate() {
+                // Any server judges it (the fleet adds the idempotency key).
+                let fleet = round.pool.fleet.clone();
                 let permits = round.pool.permits.clone();
                 let req = req.clone();
                 set.spawn(async move {
                     let _permit = permits.acquire_owned().await;
-                    (k, client.evaluate(&req).await)
+                    (k, fleet.evaluate(&req).await.map_err(client_error))
                 });
             }
             collect(set, jobs.len()).await
         });
         for ((i, _), r) in jobs.iter().zip(results) {
-            let s = &mut live[*i].sample;
+            let l = &mut live[*i];
             match r {
                 Ok(res) => {
-                    s.reward = res.reward as f32;
-                    s.outcome = Some(Outcome::Finished);
-                    s.reason = res.reason;
+                    l.sample.reward = res.reward as f32;
+                    l.sample.outcome = Some(Outcome::Finished);
+                    l.sample.reason = res.reason;
                 }
                 Err(e) => {
-                    s.outcome = Some(Outcome::Failed);
-                    s.reason = Some(e.to_string());
+                    l.lost = e.is_server_gone();
+                    l.sample.outcome = Some(Outcome::Failed);
+                    l.sample.reason = Some(e.to_string());
                 }
             }
-            live[*i].done = true;
+            l.done = true;
         }
         te.elapsed().as_secs_f64()
     }
@@ -646,25 +669,27 @@ fn append_observation(
 async fn reset_all(
     pool: &EnvPool,
     resets: &[ResetRequest],
-) -> Vec<Result<(usize, ResetResponse), ClientError>> {
+) -> Vec<Result<(ServerHandle, ResetResponse), ClientError>> {
     let mut set = tokio::task::JoinSet::new();
     for (k, req) in resets.iter().enumerate() {
-        let server = pool.pick();
-        let client = pool.client(server).clone();
+        let fleet = pool.fleet.clone();
         let permits = pool.permits.clone();
-        let req = req.clone();
+        let mut req = req.clone();
+        // One key for every try: a server that got the reset answers a retry with the same
+        // episode, so no retry leaves a second one behind.
+        req.request_id
+            .get_or_insert_with(env_client::new_request_id);
         set.spawn(async move {
             let _permit = permits.acquire_owned().await;
-            // A reset is not idempotent, but a lost answer only leaves an idle episode that
-            // the server reaps; retry transport errors a couple of times.
+            // The fleet tries every server; when all are full, wait a little and try again.
             let mut attempt = 0;
             loop {
-                match client.reset(&req).await {
+                match fleet.reset(&req).await.map_err(client_error) {
                     Err(e) if e.is_retryable() && attempt < 2 => {
                         attempt += 1;
                         tokio::time::sleep(Duration::from_millis(300 << attempt)).await;
                     }
-                    other => return (k, other.map(|r| (server, r))),
+                    other => return (k, other),
                 }
             }
         });
@@ -681,27 +706,37 @@ async fn step_all(
     let mut set = tokio::task::JoinSet::new();
     for (k, (i, name, args)) in steps.iter().enumerate() {
         let l = &live[*i];
-        let client = pool.client(l.server).clone();
+        let Some(server) = l.server.clone() else {
+            continue;
+        };
         let permits = pool.permits.clone();
         let id = l.sample.episode_id.clone();
         let request_id = format!("{tag}-{i}-{}", l.sample.turns.len());
         let (name, args) = (name.clone(), args.clone());
         set.spawn(async move {
             let _permit = permits.acquire_owned().await;
-            (k, client.step_with_id(&id, &name, args, &request_id).await)
+            (
+                k,
+                server
+                    .client()
+                    .step_with_id(&id, &name, args, &request_id)
+                    .await,
+            )
         });
     }
     collect(set, steps.len()).await
 }
 
-async fn close_all(pool: &EnvPool, live: &[Live], closing: &[(usize, Outcome)]) {
+async fn close_all(live: &[Live], closing: &[(usize, Outcome)]) {
     let mut set = tokio::task::JoinSet::new();
     for (i, _) in closing {
         let l = &live[*i];
-        let client = pool.client(l.server).clone();
+        let Some(server) = l.server.clone() else {
+            continue;
+        };
         let id = l.sample.episode_id.clone();
         set.spawn(async move {
-            if let Err(e) = client.close(&id).await {
+            if let Err(e) = server.client().close(&id).await {
                 tracing::warn!(episode = %id, "close failed: {e}");
             }
         });
