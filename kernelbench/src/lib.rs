@@ -323,3 +323,5 @@ impl TaskSet {
 
 pub mod report;
 pub mod similarity;
+#[cfg(feature = "cli")]
+pub mod synth;

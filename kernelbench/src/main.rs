@@ -97,8 +97,10 @@ enum Cmd {
         #[arg(long, default_value = "inductor")]
         compile_backend: String,
         /// Also run a known non-deterministic and a known constant composition through the filters.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "llm_url")]
         plant_bad: bool,
+        #[command(flatten)]
+        llm: LlmArgs,
     },
     /// Print the report of a results file.
     Report {
@@ -111,6 +113,52 @@ enum Cmd {
         #[arg(long)]
         png: Option<PathBuf>,
     },
+}
+
+/// Synthesis by a model instead of random composition.
+#[derive(Debug, clap::Args)]
+struct LlmArgs {
+    /// A chat-completions endpoint's base URL (`http://127.0.0.1:8000/v1`): a model proposes
+    /// the tasks from samples of the seed operators, and the filters judge them.
+    #[arg(long)]
+    llm_url: Option<String>,
+    /// The model to ask (default: the first `GET /models` lists).
+    #[arg(long, requires = "llm_url")]
+    model: Option<String>,
+    /// The environment variable holding the endpoint's API key (sent as a bearer token).
+    #[arg(long, requires = "llm_url")]
+    api_key_env: Option<String>,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Requests at most (default: 5 per task asked for).
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Seed operators offered per prompt.
+    #[arg(long, default_value_t = 8)]
+    ops_per_prompt: usize,
+    /// Most completion tokens per answer.
+    #[arg(long, default_value_t = 2048)]
+    max_tokens: u64,
+    /// Sampling temperature (default: the server's).
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Longest wait for one request attempt, seconds.
+    #[arg(long, default_value_t = 300)]
+    request_timeout_s: u64,
+    /// Retries per request on 429, 5xx and connection errors (exponential backoff).
+    #[arg(long, default_value_t = 5)]
+    max_retries: u32,
+    /// Operator-sequence similarity (0-1) at which a proposal is a near-duplicate of a
+    /// reference or already accepted task.
+    #[arg(long, default_value_t = kernelbench::similarity::DEFAULT_THRESHOLD)]
+    max_similarity: f64,
+    /// Tasks proposals must not nearly duplicate (default: the bundled suite).
+    #[arg(long)]
+    kernelbench_dir: Option<PathBuf>,
+    /// Longest the filters may take over one proposal, seconds (then it is rejected).
+    #[arg(long, default_value_t = 600)]
+    judge_timeout_s: u64,
 }
 
 fn load_tasks(dir: &Option<PathBuf>) -> anyhow::Result<TaskSet> {
@@ -329,14 +377,11 @@ async fn replay(
         .collect())
 }
 
-/// The synthesis worker, compiled in so the command works from any directory.
-const SYNTH_PY: &str = include_str!("../synth/synth.py");
-
 fn synth(python: &Path, args: &[String], count: usize, out: &Path) -> anyhow::Result<()> {
     use std::io::BufRead as _;
     std::fs::create_dir_all(out)?;
     let script = out.join(".synth.py");
-    std::fs::write(&script, SYNTH_PY)?;
+    std::fs::write(&script, kernelbench::synth::SYNTH_PY)?;
     let started = std::time::Instant::now();
     let mut child = std::process::Command::new(python)
         .arg(&script)
@@ -398,8 +443,91 @@ fn synth(python: &Path, args: &[String], count: usize, out: &Path) -> anyhow::Re
     Ok(())
 }
 
+/// Synthesis by a model: the filters' settings go to the worker, the rest to the run.
+async fn synth_llm(
+    llm: LlmArgs,
+    count: usize,
+    seed: u64,
+    device: String,
+    out: PathBuf,
+    python: PathBuf,
+    filter_args: Vec<String>,
+) -> anyhow::Result<()> {
+    use kernelbench::synth::llm::{self, LlmSynthConfig, Verdict};
+    use kernelbench::synth::worker::WorkerConfig;
+    let url = llm.llm_url.context("--llm-url")?;
+    let api_key = match &llm.api_key_env {
+        Some(var) => Some(std::env::var(var).with_context(|| format!("--api-key-env {var}"))?),
+        None => None,
+    };
+    std::fs::create_dir_all(&out)?;
+    let script = out.join(".synth.py");
+    std::fs::write(&script, kernelbench::synth::SYNTH_PY)?;
+    let cfg = LlmSynthConfig {
+        url,
+        model: llm.model,
+        api_key,
+        count,
+        max_requests: llm.max_requests.unwrap_or(5 * count),
+        concurrency: llm.concurrency.max(1),
+        seed,
+        ops_per_prompt: llm.ops_per_prompt,
+        max_tokens: llm.max_tokens,
+        temperature: llm.temperature,
+        request_timeout: Duration::from_secs(llm.request_timeout_s),
+        max_retries: llm.max_retries,
+        out: out.clone(),
+        device,
+        reference: load_tasks(&llm.kernelbench_dir)?,
+        max_similarity: llm.max_similarity,
+        worker: WorkerConfig {
+            python,
+            script: script.clone(),
+            args: filter_args,
+            timeout: Duration::from_secs(llm.judge_timeout_s),
+        },
+    };
+    let bar = indicatif::ProgressBar::new(count as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} accepted, {msg} [{elapsed}<{eta}]",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let started = std::time::Instant::now();
+    let result = llm::run(cfg, |rec, report| {
+        if rec.verdict == Verdict::Accepted {
+            bar.inc(1);
+        }
+        let rejected: u64 = report.rejected.values().sum();
+        let tokens = report.usage.prompt_tokens + report.usage.completion_tokens;
+        bar.set_message(format!(
+            "{rejected} rejected, {} failed, {tokens} tokens",
+            report.failed
+        ));
+    })
+    .await;
+    bar.finish_and_clear();
+    let _ = std::fs::remove_file(&script);
+    let report = result?;
+    println!(
+        "{} in {:.1} s -> {}",
+        report.markdown().trim_end(),
+        started.elapsed().as_secs_f64(),
+        out.display()
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
     match Cli::parse().cmd {
         Cmd::List {
             kernelbench_dir,
@@ -455,7 +583,24 @@ async fn main() -> anyhow::Result<()> {
             max_ms,
             compile_backend,
             plant_bad,
+            llm,
         } => {
+            if llm.llm_url.is_some() {
+                let mut filter_args: Vec<String> = vec![
+                    "--device".into(),
+                    device.clone(),
+                    "--min-ms".into(),
+                    min_ms.to_string(),
+                    "--max-ms".into(),
+                    max_ms.to_string(),
+                    "--compile-backend".into(),
+                    compile_backend,
+                ];
+                if let Some(s) = size {
+                    filter_args.extend(["--size".into(), s]);
+                }
+                return synth_llm(llm, count, seed, device, out, python, filter_args).await;
+            }
             let mut args: Vec<String> = vec![
                 "--count".into(),
                 count.to_string(),

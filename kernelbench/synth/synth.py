@@ -9,12 +9,20 @@ only those that pass the filters of the CUDA Agent recipe:
 
 Prints one JSON object per line (seeds, each candidate's verdict, done) for the caller's
 progress bar; writes tasks to OUT/level2/ and the manifest to OUT/manifest.jsonl.
+
+With --judge it composes nothing: it prints the seed operators, then reads task sources
+proposed by a model (one JSON object per line on stdin: {"id", "source"}) and answers each
+with its verdict ({"event": "verdict", "id", "reason", "eager_ms"}); the caller writes the
+tasks. A proposed source is screened first (imports, calls and attributes a task has no use
+for): a guard against a model's mistakes, not a sandbox.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
+import os
 import json
 import random
 import sys
@@ -303,21 +311,90 @@ def verdict(source, device, small, args):
     return None, ms
 
 
+# What a proposed task may import (top-level modules) and may not call or touch.
+ALLOWED_IMPORTS = {"torch", "math", "os", "typing", "__future__", "functools", "operator", "numbers"}
+FORBIDDEN_CALLS = {"eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals", "locals",
+                   "vars", "setattr", "delattr", "exit", "quit", "memoryview"}
+ALLOWED_DUNDERS = {"__init__", "__name__", "__future__"}
+REQUIRED_DEFS = ("get_inputs", "get_init_inputs", "get_inputs_alt")
+
+
+def screen(source):
+    """The reason a proposed source is refused before it runs, or None."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        return f"syntax_error: line {e.lineno}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or "."]
+        else:
+            names = []
+        for n in names:
+            if n.split(".")[0] not in ALLOWED_IMPORTS:
+                return f"forbidden_import: {n}"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
+            return f"forbidden_call: {node.func.id}"
+        if isinstance(node, ast.Attribute):
+            if node.attr.startswith("__") and node.attr not in ALLOWED_DUNDERS:
+                return f"forbidden_attribute: {node.attr}"
+            if isinstance(node.value, ast.Name) and node.value.id == "os" and node.attr != "environ":
+                return f"forbidden_attribute: os.{node.attr}"
+        if isinstance(node, ast.Name) and node.id.startswith("__") and node.id not in ALLOWED_DUNDERS:
+            return f"forbidden_name: {node.id}"
+    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    missing = [n for n in ("Model",) + REQUIRED_DEFS if n not in top]
+    if missing:
+        return "not_a_task: does not define " + ", ".join(missing)
+    return None
+
+
+def judge(args, device, small):
+    """Verdicts on proposed sources read from stdin (see the module's docstring)."""
+    # The protocol keeps the real stdout; what a candidate prints goes to stderr.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def send(obj):
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    seeds = mine(device, small)
+    send({"event": "seeds", "count": len(seeds), "ops": [{"name": s.name, "family": s.family} for s in seeds]})
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+        except ValueError:
+            continue
+        reason, eager_ms = screen(req["source"]), None
+        if reason is None:
+            reason, eager_ms = verdict(req["source"], device, small, args)
+        send({"event": "verdict", "id": req["id"], "reason": reason, "eager_ms": eager_ms})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--count", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None)
     p.add_argument("--size", choices=["small", "full"], default=None, help="input sizes used by the filters (default: small on CPU)")
     p.add_argument("--min-ms", type=float, default=1.0)
     p.add_argument("--max-ms", type=float, default=100.0)
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the filter (inductor, or eager to only trace)")
     p.add_argument("--max-attempts", type=int, default=0, help="give up after this many candidates (default 20 x count)")
     p.add_argument("--plant-bad", action="store_true", help="also test a known non-deterministic and a constant composition")
+    p.add_argument("--judge", action="store_true", help="judge proposed sources from stdin instead of composing")
     args = p.parse_args()
     device = torch.device(args.device)
     small = (args.size or ("small" if device.type == "cpu" else "full")) == "small"
+    if args.judge:
+        return judge(args, device, small)
+    if not args.out or args.count <= 0:
+        p.error("--out and a positive --count are needed unless --judge")
     out = Path(args.out)
     (out / "level2").mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)

@@ -1,0 +1,17 @@
+//! Task synthesis by a model (`kernelbench synth --llm-url`): a chat-completions endpoint
+//! proposes fused tasks from samples of the seed operators, and every proposal goes through
+//! the filters of random synthesis (`synth/synth.py`, run as a worker) and a near-duplicate
+//! check ([`crate::similarity`]).
+//!
+//! [`chat`] is the endpoint's client, [`propose`] the prompt and the reading of answers,
+//! [`worker`] the filters' Python process, [`llm`] the run: requests, verdicts, log, manifest
+//! and cost report.
+
+pub mod chat;
+pub mod llm;
+pub mod propose;
+pub mod worker;
+
+/// The synthesis worker (random composition, and the filters for `--judge`), compiled in so
+/// the command works from any directory.
+pub const SYNTH_PY: &str = include_str!("../../synth/synth.py");
