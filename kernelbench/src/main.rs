@@ -510,9 +510,9 @@ async fn synth_llm(
     bar.finish_and_clear();
     let _ = std::fs::remove_file(&script);
     let report = result?;
+    print!("{}", report.markdown());
     println!(
-        "{} in {:.1} s -> {}",
-        report.markdown().trim_end(),
+        "in {:.1} s -> {}",
         started.elapsed().as_secs_f64(),
         out.display()
     );

@@ -403,13 +403,15 @@ impl Judge {
             return Ok(false);
         }
         self.hashes.insert(hash.clone());
-        let nearest = [
+        // The reference first: on a tie, the bundled task is the one named.
+        let nearest = match (
             self.reference.nearest(&source),
             self.accepted.nearest(&source),
-        ]
-        .into_iter()
-        .flatten()
-        .max_by(|a, b| a.similarity.total_cmp(&b.similarity));
+        ) {
+            (Some(r), Some(a)) if a.similarity > r.similarity => Some(a),
+            (Some(r), _) => Some(r),
+            (None, a) => a,
+        };
         if let Some(n) = nearest {
             rec.similar_to = Some(n.name.clone());
             rec.similarity = Some(n.similarity);
