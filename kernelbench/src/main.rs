@@ -485,6 +485,7 @@ async fn synth_llm(
             script: script.clone(),
             args: filter_args,
             timeout: Duration::from_secs(llm.judge_timeout_s),
+            start_timeout: Duration::from_secs(300),
         },
     };
     let bar = indicatif::ProgressBar::new(count as u64);

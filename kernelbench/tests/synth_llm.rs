@@ -437,3 +437,47 @@ fn trainer_serve_answers_are_judged() {
         log.iter().map(|r| r.usage.prompt_tokens).sum::<u64>()
     );
 }
+
+/// The filters' worker survives its candidates: one that ends the process and one that hangs
+/// are rejected, and the restarted worker judges the next one; a forbidden import never runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_worker_outlives_candidates_that_kill_or_hang_it() {
+    use kernelbench::synth::worker::{JudgeWorker, WorkerConfig};
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("synth.py");
+    std::fs::write(&script, kernelbench::synth::SYNTH_PY).unwrap();
+    let mut worker = JudgeWorker::start(WorkerConfig {
+        python: python().into(),
+        script,
+        args: [
+            "--device",
+            "cpu",
+            "--min-ms",
+            "0",
+            "--compile-backend",
+            "eager",
+        ]
+        .map(String::from)
+        .to_vec(),
+        // Long enough for a good candidate on a busy machine; the hang costs this much.
+        timeout: Duration::from_secs(10),
+        start_timeout: Duration::from_secs(300),
+    })
+    .await
+    .unwrap();
+    assert!(worker.seeds().len() >= 200);
+    let forward = "return F.softmax(F.logsigmoid(y) * torch.cos(x), dim=1)";
+    let exits = GOOD.replace(forward, "raise SystemExit(3)");
+    let v = worker.judge(&exits).await.unwrap();
+    assert_eq!(v.reason.as_deref(), Some("worker_died: exit status: 3"));
+    let hangs = GOOD.replace(forward, "while True:\n            y = y + 1");
+    let v = worker.judge(&hangs).await.unwrap();
+    assert_eq!(v.reason.as_deref(), Some("judge_timeout: 10 s"));
+    let imports = GOOD.replace("import os\n", "import os\nimport subprocess\n");
+    let v = worker.judge(&imports).await.unwrap();
+    assert_eq!(v.reason.as_deref(), Some("forbidden_import: subprocess"));
+    let v = worker.judge(GOOD).await.unwrap();
+    assert_eq!(v.reason, None);
+    assert!(v.eager_ms.is_some());
+}

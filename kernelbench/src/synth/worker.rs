@@ -40,8 +40,10 @@ pub struct WorkerConfig {
     pub script: PathBuf,
     /// The filters' settings: `--device`, `--size`, `--min-ms`, `--max-ms`, `--compile-backend`.
     pub args: Vec<String>,
-    /// Longest wait for one verdict (and for the start, which mines the seeds).
+    /// Longest wait for one verdict.
     pub timeout: Duration,
+    /// Longest wait for the start (torch's import and the mining of the seeds).
+    pub start_timeout: Duration,
 }
 
 /// A seed operator the worker mined.
@@ -122,7 +124,7 @@ impl JudgeWorker {
             return Err(WorkerError::Start("no pipes".into()));
         };
         let mut stdout = BufReader::new(stdout).lines();
-        let seeds = tokio::time::timeout(config.timeout, async {
+        let seeds = tokio::time::timeout(config.start_timeout, async {
             while let Some(line) = stdout.next_line().await.map_err(WorkerError::Io)? {
                 if let Ok(Event::Seeds { ops }) = serde_json::from_str(&line) {
                     return Ok(ops);
@@ -134,7 +136,9 @@ impl JudgeWorker {
             )))
         })
         .await
-        .map_err(|_| WorkerError::Start(format!("no seed operators in {:?}", config.timeout)))??;
+        .map_err(|_| {
+            WorkerError::Start(format!("no seed operators in {:?}", config.start_timeout))
+        })??;
         tracing::info!(seeds = seeds.len(), "filters' worker started");
         Ok(Self {
             config,
