@@ -61,7 +61,7 @@ impl ClientError {
     /// Whether the request may have reached the server but its answer did not come back (the
     /// connection broke after it was sent): retry there with the same `request_id`.
     pub fn is_lost_answer(&self) -> bool {
-        matches!(self, ClientError::Transport(e) if is_connection_failure(e) && !e.is_connect())
+        matches!(self, ClientError::Transport(e) if is_connection_failure(e) && !e.is_connect() && !e.is_timeout())
     }
 
     /// Whether the server refused the work for want of room (503 `at_capacity`, `host_busy`,
@@ -81,6 +81,9 @@ impl ClientError {
     }
 }
 
+/// How long a connection may take to open.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A client of one server.
 #[derive(Debug, Clone)]
 pub struct EnvClient {
@@ -96,6 +99,9 @@ impl EnvClient {
     pub fn new(base: &str, timeout: Duration) -> Result<Self, ClientError> {
         let http = reqwest::Client::builder()
             .timeout(timeout)
+            // An address whose server is gone may drop packets rather than refuse them: give
+            // up on connecting long before the request's own timeout.
+            .connect_timeout(timeout.min(CONNECT_TIMEOUT))
             .pool_max_idle_per_host(1024)
             .build()?;
         Ok(Self {
@@ -250,7 +256,9 @@ impl EnvClient {
 /// Whether the connection failed (refused, reset, closed mid-answer), as against a timeout or
 /// an answer that was not what was expected.
 fn is_connection_failure(e: &reqwest::Error) -> bool {
-    !e.is_timeout() && (e.is_connect() || e.is_request() || e.is_body())
+    // A connect timeout is a failure to connect: an address whose pod is gone may drop
+    // packets rather than refuse them.
+    e.is_connect() || (!e.is_timeout() && (e.is_request() || e.is_body()))
 }
 
 /// A fresh idempotency key (32 hex digits).
