@@ -4,7 +4,8 @@
 //! 500 followed by a second good task, and a renamed copy of the first good task), with the
 //! filters on real torch. Checked: each verdict and its reason, the log's lines, the
 //! manifest's model field, the retry and the cost report. Then the plumbing against `trainer
-//! serve --tiny-random` when `CUDA_AGENT_TRAINER_BIN` names a trainer binary.
+//! serve --tiny-random` when `CUDA_AGENT_TRAINER_BIN` names a trainer binary, and the filters'
+//! worker alone against candidates that end or hang it.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::BufRead as _;
