@@ -384,6 +384,29 @@ async fn scripted_answers_get_their_verdicts_logs_and_costs() {
         )),
         "{stdout}"
     );
+
+    // A rerun into the same directory goes on counting requests and knows what was judged.
+    script
+        .lock()
+        .unwrap()
+        .replies
+        .push_back(Reply::Answer(fenced("Again (GOOD-1).", GOOD), 1, 1));
+    let o = synth(&url, out.path(), &["--model", "scripted-model"])
+        .args(["--count", "1", "--max-requests", "1"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let log: Vec<LogRecord> = lines(&out.path().join("llm-log.jsonl"));
+    let again = log.last().unwrap();
+    assert_eq!((log.len(), again.request), (8, 7));
+    assert_eq!(
+        again.reason.as_deref(),
+        Some("duplicate: the same source was judged before")
+    );
+    assert_eq!(
+        lines::<ManifestRecord>(&out.path().join("manifest.jsonl")).len(),
+        6
+    );
 }
 
 /// The plumbing against the trainer's own server: the model found through `/v1/models`,

@@ -6,7 +6,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -101,7 +100,8 @@ pub enum Verdict {
 /// One line of [`LOG_FILE`]: a request, its answer and the verdict.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LogRecord {
-    /// The request's number (0-based; it picks the operator sample).
+    /// The request's number (0-based, counted on over reruns into the same directory; with
+    /// the seed it picks the operator sample).
     pub request: u64,
     /// The model that answered (or was asked).
     pub model: String,
@@ -478,25 +478,25 @@ pub async fn run(
     tracing::info!(%model, seeds = pool.len(), "asking the model for tasks");
     let mut judge = Judge::open(&cfg, worker, &model)?;
 
+    // A rerun into the same directory goes on with the next requests' operator samples.
+    let first = std::fs::read_to_string(cfg.out.join(LOG_FILE))
+        .map(|t| t.lines().count() as u64)
+        .unwrap_or(0);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Answered>(cfg.concurrency.max(1));
-    let stop = Arc::new(AtomicBool::new(false));
     let issuer = {
-        let (stop, client, model) = (stop.clone(), client.clone(), model.clone());
+        let (client, model, device) = (client.clone(), model.clone(), cfg.device.clone());
         let sem = Arc::new(tokio::sync::Semaphore::new(cfg.concurrency.max(1)));
-        let cfg = cfg.clone();
+        let (requests, k, seed) = (cfg.max_requests as u64, cfg.ops_per_prompt, cfg.seed);
+        let (max_tokens, temperature) = (cfg.max_tokens, cfg.temperature);
         tokio::spawn(async move {
             let mut set = tokio::task::JoinSet::new();
-            for request in 0..cfg.max_requests as u64 {
+            for request in first..first + requests {
                 let Ok(permit) = sem.clone().acquire_owned().await else {
                     break;
                 };
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let seed_ops = sample_ops(&pool, cfg.ops_per_prompt, cfg.seed, request);
-                let messages = prompt(&seed_ops, &cfg.device);
+                let seed_ops = sample_ops(&pool, k, seed, request);
+                let messages = prompt(&seed_ops, &device);
                 let (tx, client, model) = (tx.clone(), client.clone(), model.clone());
-                let (max_tokens, temperature) = (cfg.max_tokens, cfg.temperature);
                 set.spawn(async move {
                     let result = client
                         .complete(&model, &messages, max_tokens, temperature)
@@ -529,8 +529,8 @@ pub async fn run(
             break;
         }
     }
-    // Enough accepted (or a failure): the requests still in flight are dropped.
-    stop.store(true, Ordering::Relaxed);
+    // Enough accepted (or a failure): the requests still in flight are dropped with the
+    // issuer's task set.
     issuer.abort();
     outcome?;
     let report = judge.report;
