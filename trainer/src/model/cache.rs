@@ -4,27 +4,59 @@ use burn::tensor::{backend::Backend, Bool, Tensor};
 
 use super::transformer::{positions_and_mask, Positions};
 
-/// Cached keys and values of one layer, `[batch, kv_heads, seq, head_dim]`.
+/// Slots a layer's storage grows by when new tokens do not fit. Tokens are written into free
+/// slots in place, so a decode step copies nothing; growing by `cat` copies the cache once per
+/// this many decode steps instead of at every step, where a context of thousands of tokens
+/// made the copy the step's main cost.
+const GROWTH: usize = 256;
+
+/// Cached keys and values of one layer: storage `[batch, kv_heads, capacity, head_dim]` of
+/// which the first `len` slots are filled.
 #[derive(Debug, Clone, Default)]
 pub struct LayerCache<B: Backend> {
     k: Option<Tensor<B, 4>>,
     v: Option<Tensor<B, 4>>,
+    len: usize,
 }
 
 impl<B: Backend> LayerCache<B> {
-    /// Appends new keys/values and returns the full ones.
+    /// Appends new keys/values `[batch, kv_heads, t, head_dim]` and returns the filled ones.
     pub fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let k = match self.k.take() {
-            Some(old) => Tensor::cat(vec![old, k], 2),
-            None => k,
-        };
-        let v = match self.v.take() {
-            Some(old) => Tensor::cat(vec![old, v], 2),
-            None => v,
-        };
+        let len = self.len + k.dims()[2];
+        let k = Self::write(self.k.take(), self.len, k);
+        let v = Self::write(self.v.take(), self.len, v);
+        self.len = len;
         self.k = Some(k.clone());
         self.v = Some(v.clone());
-        (k, v)
+        (k.narrow(2, 0, len), v.narrow(2, 0, len))
+    }
+
+    /// `new` written at slot `len` of `store`: in place when it fits (the storage is not
+    /// shared), else into a copy with [`GROWTH`] free slots after it.
+    fn write(store: Option<Tensor<B, 4>>, len: usize, new: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, h, t, d] = new.dims();
+        match store {
+            Some(store) if store.dims()[2] >= len + t => {
+                store.slice_assign([0..b, 0..h, len..len + t, 0..d], new)
+            }
+            store => {
+                let free = new
+                    .clone()
+                    .narrow(2, 0, 1)
+                    .zeros_like()
+                    .expand([b, h, GROWTH, d]);
+                let mut parts: Vec<Tensor<B, 4>> =
+                    store.map(|s| s.narrow(2, 0, len)).into_iter().collect();
+                parts.extend([new, free]);
+                Tensor::cat(parts, 2)
+            }
+        }
+    }
+
+    /// The filled keys and values, views of the storage.
+    fn filled(&self) -> (Option<Tensor<B, 4>>, Option<Tensor<B, 4>>) {
+        let view = |z: &Option<Tensor<B, 4>>| z.as_ref().map(|z| z.clone().narrow(2, 0, self.len));
+        (view(&self.k), view(&self.v))
     }
 }
 
@@ -40,9 +72,7 @@ impl<B: Backend> KvCache<B> {
     /// An empty cache for `n_layers` layers.
     pub fn new(n_layers: usize) -> Self {
         Self {
-            layers: (0..n_layers)
-                .map(|_| LayerCache { k: None, v: None })
-                .collect(),
+            layers: (0..n_layers).map(|_| LayerCache::default()).collect(),
             valid: None,
         }
     }
@@ -121,9 +151,13 @@ impl<B: Backend> KvCache<B> {
             layers: self
                 .layers
                 .iter()
-                .map(|l| LayerCache {
-                    k: take(&l.k),
-                    v: take(&l.v),
+                .map(|l| {
+                    let (k, v) = l.filled();
+                    LayerCache {
+                        k: take(&k),
+                        v: take(&v),
+                        len: n,
+                    }
                 })
                 .collect(),
             valid: Some(Tensor::from_data(
@@ -139,9 +173,9 @@ impl<B: Backend> KvCache<B> {
         if len >= self.len() {
             return;
         }
+        // The slots past `len` are free again: the next tokens are written over them.
         for l in &mut self.layers {
-            l.k = l.k.take().map(|k| k.narrow(2, 0, len));
-            l.v = l.v.take().map(|v| v.narrow(2, 0, len));
+            l.len = l.len.min(len);
         }
         self.valid = self.valid.take().map(|v| v.narrow(1, 0, len));
     }
@@ -186,8 +220,9 @@ impl<B: Backend> KvCache<B> {
         for r in rows {
             let len = r.len();
             for (i, l) in r.layers.into_iter().enumerate() {
-                layers_k[i].push(pad(l.k, &template[i].0, len));
-                layers_v[i].push(pad(l.v, &template[i].1, len));
+                let (k, v) = l.filled();
+                layers_k[i].push(pad(k, &template[i].0, len));
+                layers_v[i].push(pad(v, &template[i].1, len));
             }
             let flags: Vec<bool> = std::iter::repeat_n(false, longest - len)
                 .chain(std::iter::repeat_n(true, len))
@@ -204,9 +239,97 @@ impl<B: Backend> KvCache<B> {
                 .map(|(k, v)| LayerCache {
                     k: Some(Tensor::cat(k, 0)),
                     v: Some(Tensor::cat(v, 0)),
+                    len: longest,
                 })
                 .collect(),
             valid: Some(Tensor::cat(valid, 0)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::{Distribution, TensorData};
+
+    type B = NdArray<f32>;
+
+    fn max_diff(a: Tensor<B, 4>, b: Tensor<B, 4>) -> f32 {
+        assert_eq!(a.dims(), b.dims());
+        (a - b).abs().max().into_scalar()
+    }
+
+    /// Appends past the storage's growth step, a truncation written over, and a row taken out
+    /// keep exactly the keys and values a concatenation of every append would.
+    #[test]
+    fn appends_in_place_hold_what_concatenation_would() {
+        let device = Default::default();
+        let (b, h, d) = (2, 3, 4);
+        let mut cache = LayerCache::<B>::default();
+        let mut want_k: Vec<Tensor<B, 4>> = Vec::new();
+        let mut want_v: Vec<Tensor<B, 4>> = Vec::new();
+        let draw =
+            |t| Tensor::<B, 4>::random([b, h, t, d], Distribution::Normal(0.0, 1.0), &device);
+        for step in 0..(GROWTH + 40) {
+            let t = if step == 0 { 5 } else { 1 };
+            let (k, v) = (draw(t), draw(t));
+            want_k.push(k.clone());
+            want_v.push(v.clone());
+            let (got_k, got_v) = cache.append(k, v);
+            if step % 97 == 0 || step == GROWTH - 5 || step == GROWTH - 4 {
+                assert_eq!(max_diff(got_k, Tensor::cat(want_k.clone(), 2)), 0.0);
+                assert_eq!(max_diff(got_v, Tensor::cat(want_v.clone(), 2)), 0.0);
+            }
+        }
+        let filled = 5 + GROWTH + 39;
+        assert_eq!(cache.len, filled);
+        assert!(cache.k.as_ref().unwrap().dims()[2] >= filled);
+        // Cut back, then append: the new tokens take the freed slots.
+        cache.len = 100;
+        let (k, v) = (draw(3), draw(3));
+        let (got_k, _) = cache.append(k.clone(), v);
+        let want = Tensor::cat(vec![Tensor::cat(want_k.clone(), 2).narrow(2, 0, 100), k], 2);
+        assert_eq!(max_diff(got_k, want), 0.0);
+        assert_eq!(cache.len, 103);
+    }
+
+    /// A batch cache's row, truncated and stacked back with another, keeps its tokens.
+    #[test]
+    fn rows_truncate_and_stack_through_the_storage() {
+        let device = Default::default();
+        let (b, h, d) = (2, 2, 4);
+        let mut cache = KvCache::<B>::new(1);
+        let mut keys = Vec::new();
+        for t in [4, 1, 1] {
+            let valid = Tensor::<B, 2, Bool>::from_data(
+                TensorData::new(vec![true; b * t], [b, t]),
+                &device,
+            );
+            cache.extend(valid);
+            let k = Tensor::<B, 4>::random([b, h, t, d], Distribution::Normal(0.0, 1.0), &device);
+            keys.push(k.clone());
+            cache.layers[0].append(k.clone(), k);
+        }
+        let all = Tensor::cat(keys, 2);
+        let mut row = cache.row(1, &device);
+        assert_eq!(row.len(), 6);
+        let (k, _) = row.layers[0].filled();
+        assert_eq!(max_diff(k.unwrap(), all.clone().narrow(0, 1, 1)), 0.0);
+        row.truncate(5);
+        let short = cache.row(0, &device);
+        let stacked = KvCache::stack(vec![row, short], 1, &device);
+        assert_eq!(stacked.len(), 6);
+        let (k, _) = stacked.layers[0].filled();
+        let k = k.unwrap();
+        // Row 0 (the truncated one) is padded by one slot on the left.
+        assert_eq!(
+            max_diff(
+                k.clone().narrow(0, 0, 1).narrow(2, 1, 5),
+                all.clone().narrow(0, 1, 1).narrow(2, 0, 5)
+            ),
+            0.0
+        );
+        assert_eq!(max_diff(k.narrow(0, 1, 1), all.narrow(0, 0, 1)), 0.0);
     }
 }
