@@ -26,6 +26,11 @@ as the tool's answer. After `Submit` (or a limit) `reward` holds the milestone r
 episode whose rollout ended without Submit (the workspace is judged as it is); such an
 episode is also submitted when the instance is reset again or dropped. The only public
 methods are `reset` and the tools (TRL would offer any other as a tool).
+
+The server may be a fleet: several URLs separated by commas, or `dns+http://NAME:PORT` for
+every address of a headless Service (`cuda_agent_env`'s docstring). An episode whose server
+goes away or drains ends at once: the next tool call answers that it is lost, `lost` is
+True and `reward` stays 0.0 (leave it out of training).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cuda_agent_env import CudaAgentEnv, EnvError
+from cuda_agent_env import CudaAgentEnv, EnvError, is_server_gone
 
 __all__ = ["CudaAgentToolEnv", "episode_reward", "trl_environment"]
 
@@ -55,6 +60,7 @@ class CudaAgentToolEnv:
         self.done = False
         self.result: dict | None = None
         self.episode_id: str | None = None
+        self.lost = False
 
     def reset(self, **kwargs) -> str:
         """Starts a new episode (the previous one, if unfinished, is submitted as it is)."""
@@ -62,7 +68,7 @@ class CudaAgentToolEnv:
         args = {**self.reset_defaults, **{k: kwargs[k] for k in _RESET_KEYS if kwargs.get(k) is not None}}
         self._episode = self._client.reset(**args)
         self.episode_id = self._episode.id
-        self.reward, self.done, self.result = 0.0, False, None
+        self.reward, self.done, self.result, self.lost = 0.0, False, None, False
         return self._episode.observation["text"]
 
     def _finish(self) -> None:
@@ -82,8 +88,11 @@ class CudaAgentToolEnv:
         args = {k: v for k, v in arguments.items() if v is not None}
         try:
             obs, reward, terminated, truncated, info = self._episode.step(tool, args)
-        except EnvError as e:
-            if 400 <= e.status < 500:
+        except Exception as e:
+            if is_server_gone(e):
+                self.done, self.lost = True, True
+                raise ValueError("The episode's server went away; the episode is lost.") from None
+            if isinstance(e, EnvError) and 400 <= e.status < 500:
                 raise ValueError(f"{e.code}: {e.message}") from None
             raise
         text = obs["text"]

@@ -25,7 +25,10 @@ Configuration (the tool file lists the server's tools with their own schemas)::
 Each dataset row names its task in `extra_info.cuda_agent` (`{"task": "L1/19_ReLU"}`, or
 `split`/`seed`, or `task_source`, plus `max_turns`) and sets `agent_name: cuda_agent`; the
 episode's task prompt is appended to the row's prompt as a user message. The server URL and
-key come from `CUDA_AGENT_URL` and `CUDA_AGENT_API_KEY` (or the tool config's `base_url`).
+key come from `CUDA_AGENT_URL` and `CUDA_AGENT_API_KEY` (or the tool config's `base_url`); the
+URL may name a fleet (several URLs separated by commas, or `dns+http://NAME:PORT`; see
+`cuda_agent_env`). A trajectory whose server goes away or drains ends at once: its outcome
+has `lost: True` and reward 0.0 (leave it out of training).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import os
 import sys
 from typing import Any
 
-from cuda_agent_env import CudaAgentEnv, EnvError
+from cuda_agent_env import CudaAgentEnv, EnvError, is_server_gone
 
 __all__ = ["CURRENT_EPISODE", "CudaAgentVerlTool", "tool_config", "episode_outcome"]
 
@@ -97,8 +100,11 @@ class CudaAgentVerlTool(_Base):
             return f"error: the episode has ended (reward {_OUTCOMES[episode]['reward']})", 0.0, {}
         try:
             a = self.client.step(episode, self.name, parameters if parameters is not None else {})
-        except EnvError as e:
-            if 400 <= e.status < 500:
+        except Exception as e:
+            if is_server_gone(e):
+                _OUTCOMES[episode] = _lost(e)
+                return "error: the episode's server went away; the episode is lost", 0.0, {"lost": 1}
+            if isinstance(e, EnvError) and 400 <= e.status < 500:
                 return f"error ({e.code}): {e.message}", 0.0, {"refused": 1}
             raise
         text = a["observation"]["text"]
@@ -129,6 +135,10 @@ def tool_config(base_url: str) -> dict:
                        "tool_schema": s} for s in schemas]}
 
 
+def _lost(e: BaseException) -> dict:
+    return {"reward": 0.0, "evaluation": None, "done": True, "lost": True, "note": str(e)}
+
+
 def finish_episode(client: CudaAgentEnv, episode: str) -> dict:
     """The episode's outcome, submitting it first if the trajectory ended without Submit."""
     outcome = _OUTCOMES.pop(episode, None)
@@ -136,12 +146,23 @@ def finish_episode(client: CudaAgentEnv, episode: str) -> dict:
         try:
             a = client.step(episode, "Submit", {})
             outcome = {"reward": a["reward"], "evaluation": a["info"].get("evaluation"), "done": True}
-        except EnvError as e:  # ended by a limit meanwhile: its state has the result
-            s = client.state(episode)
-            result = s.get("result") or {}
-            outcome = {"reward": result.get("reward", -1.0), "evaluation": result or None, "done": True,
-                       "note": f"{e.code}"}
+        except Exception as e:
+            if not is_server_gone(e) and not isinstance(e, EnvError):
+                raise
+            outcome = _lost(e) if is_server_gone(e) else _ended(client, episode, e)
     return outcome
+
+
+def _ended(client: CudaAgentEnv, episode: str, e: EnvError) -> dict:
+    """An episode a limit ended meanwhile: its state has the result."""
+    try:
+        s = client.state(episode)
+    except Exception as gone:
+        if is_server_gone(gone):
+            return _lost(gone)
+        raise
+    result = s.get("result") or {}
+    return {"reward": result.get("reward", -1.0), "evaluation": result or None, "done": True, "note": f"{e.code}"}
 
 
 try:

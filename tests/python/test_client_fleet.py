@@ -139,3 +139,29 @@ def test_a_fleet_moves_new_work_off_a_killed_and_a_draining_server(fleet):
     worker.join(timeout=120)
     assert "held" in held["answer"]["observation"]["text"], "the step admitted before the drain is answered"
     assert procs[1].wait(timeout=120) == 0, "a drained server exits 0"
+
+
+def test_the_adapters_state_an_episode_lost_with_its_server(fleet):
+    from cuda_agent_trl import episode_reward, trl_environment
+    from cuda_agent_verl import CudaAgentVerlTool, finish_episode
+
+    procs, (a, b, c) = fleet
+    urls = ",".join([a, b, c])
+    trl = trl_environment(urls)()
+    trl.reset(task="tiny/0_red")
+    trl.Bash(command="echo before")
+    home = CudaAgentEnv(urls)._home(trl.episode_id)
+    # A verl trajectory's episode on the same server.
+    env = CudaAgentEnv(urls)
+    verl_episode = next(e for e in (env.reset(task="tiny/1_blue") for _ in range(3)) if e.server == home)
+    procs[[a, b, c].index(home)].kill()
+
+    with pytest.raises(ValueError, match="lost"):
+        trl.Bash(command="echo after")
+    assert trl.lost and trl.done
+    assert episode_reward(trl) == 0.0
+
+    tool = CudaAgentVerlTool({"base_url": urls}, {"function": {"name": "Bash"}})
+    text, _, metrics = tool._step(verl_episode.id, {"command": "echo after"})
+    assert "lost" in text and metrics == {"lost": 1}
+    assert finish_episode(env, verl_episode.id)["lost"] is True
