@@ -66,15 +66,19 @@ impl Server {
             .port();
         let url = format!("http://127.0.0.1:{port}");
         let log = std::fs::File::create(data_dir.with_extension("log")).unwrap();
-        let child = Command::new(binary())
+        let mut cmd = Command::new(binary());
+        // Precompiled headers cost a core-minute and 0.7 GB a variant: a server makes none of
+        // its own unless a test asks (`--pch`); the suite's runner makes a set once that every
+        // server shares (CUDA_AGENT_PCH_DIR with the variants in CUDA_AGENT_PCH).
+        if std::env::var_os("CUDA_AGENT_PCH_DIR").is_none() {
+            cmd.env("CUDA_AGENT_PCH", "none");
+        }
+        let child = cmd
             .args(["--bind", &format!("127.0.0.1:{port}"), "--data-dir"])
             .arg(data_dir)
             .arg("--python")
             .arg(python())
             .args(["--device", "cpu"])
-            // Precompiled headers cost a core-minute and 0.7 GB a variant: only the tests that
-            // check them ask for them (`--pch`).
-            .env("CUDA_AGENT_PCH", "none")
             .args(extra)
             .stdout(Stdio::null())
             .stderr(log)

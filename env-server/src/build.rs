@@ -376,20 +376,36 @@ impl Pch {
             let _ = std::fs::remove_file(&link);
             std::os::unix::fs::symlink(&flags.header, &link).map_err(|e| io(&link, e))?;
         }
-        // Unfinished variants of an interrupted run.
-        if let Ok(entries) = std::fs::read_dir(&torch_dir) {
-            for e in entries.flatten() {
-                if e.file_name().to_string_lossy().ends_with(".tmp") {
-                    let _ = std::fs::remove_file(e.path());
+        // Unfinished variants of an interrupted run; only while no other server sharing the
+        // directory (`--pch-dir`) is making one, whose file this would take from under it.
+        let lock = Self::lock_file(&dir)?;
+        if lock.try_lock().is_ok() {
+            if let Ok(entries) = std::fs::read_dir(&torch_dir) {
+                for e in entries.flatten() {
+                    if e.file_name().to_string_lossy().ends_with(".tmp") {
+                        let _ = std::fs::remove_file(e.path());
+                    }
                 }
             }
         }
+        drop(lock);
         for p in [root, dir.as_path(), torch_dir.as_path(), gch.as_path()] {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
                 .map_err(|e| io(p, e))?;
         }
         Ok(Self { dir, flags })
+    }
+
+    /// The lock servers sharing a directory hold while they make a variant or clean up.
+    fn lock_file(dir: &Path) -> Result<std::fs::File, PchError> {
+        let path = dir.join(".lock");
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| PchError::Io { path, source })
     }
 
     fn variant_path(&self, flags: &str) -> PathBuf {
@@ -451,6 +467,12 @@ impl Pch {
             path: path.to_path_buf(),
             source,
         };
+        // One maker per directory: a second server sharing it waits, then finds it made.
+        let lock = Self::lock_file(&self.dir)?;
+        lock.lock().map_err(|e| io(&self.dir.join(".lock"), e))?;
+        if out.is_file() {
+            return Ok(());
+        }
         // Written beside the directory gcc reads, then renamed in: never seen half made.
         let tmp = self.dir.join("torch").join(scratch_name("variant", "tmp"));
         let mut cmd = self.compiler(flags, path);

@@ -69,6 +69,9 @@ pub struct ServerConfig {
     /// for; None: the device's defaults ([`build::default_pch_variants`], what the binary
     /// uses); empty (the default here, for embedders and tests): none.
     pub pch_variants: Option<Vec<String>>,
+    /// Where the precompiled headers are kept; None: `pch/` in the data directory. Servers of
+    /// one machine may share one (they take turns making a variant, and use each other's).
+    pub pch_dir: Option<PathBuf>,
     /// Most evaluations waiting.
     pub max_eval_queue: usize,
     /// Default turn limit.
@@ -150,6 +153,7 @@ impl Default for ServerConfig {
             max_episodes: 4096,
             max_builds: build::default_max_builds(),
             pch_variants: Some(Vec::new()),
+            pch_dir: None,
             max_eval_queue: 1024,
             max_turns: 200,
             time_budget: None,
@@ -198,6 +202,9 @@ pub enum StartError {
     /// Episode recovery.
     #[error(transparent)]
     Episodes(#[from] episode::EpisodeError),
+    /// The precompiled headers (`--pch-only`; a server goes on without them).
+    #[error(transparent)]
+    Pch(#[from] build::PchError),
     /// The data directory.
     #[error("data directory {0}: {1}")]
     DataDir(PathBuf, #[source] std::io::Error),
@@ -219,6 +226,33 @@ pub enum StartError {
         /// Its mode.
         mode: u32,
     },
+}
+
+/// Makes the precompiled headers `cfg` asks for (its variants, or the device's defaults) in
+/// its precompiled-header directory, one after another, and returns the include directory
+/// builds put on `CPATH`: what `env-server --pch-only` does before a fleet or a test suite
+/// starts servers that share the directory.
+pub fn prepare_pch(cfg: &ServerConfig) -> Result<PathBuf, StartError> {
+    let python = runtime::PythonInfo::probe(&cfg.python)?;
+    let device = runtime::Device::choose(&cfg.device, &python)?;
+    let toolchain = build::Toolchain::for_device(device, &python);
+    let tool_path = std::env::join_paths(python.path_dirs()).unwrap_or_default();
+    let root = cfg
+        .pch_dir
+        .clone()
+        .unwrap_or_else(|| cfg.data_dir.join("pch"));
+    std::fs::create_dir_all(&root).map_err(|e| StartError::DataDir(root.clone(), e))?;
+    let pch = build::Pch::layout(&root, &python, device, &tool_path, &toolchain.env())?;
+    let variants = cfg
+        .pch_variants
+        .clone()
+        .unwrap_or_else(|| build::default_pch_variants(device));
+    for flags in &variants {
+        let t0 = std::time::Instant::now();
+        pch.build(flags, &tool_path)?;
+        tracing::info!(flags = %flags, seconds = t0.elapsed().as_secs_f64(), "precompiled torch/extension.h");
+    }
+    Ok(pch.dir)
 }
 
 /// Probes the machine, installs the harness, recovers episodes and returns the app state.
@@ -268,7 +302,8 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let mut toolchain_dirs = python.toolchain_dirs();
     if !variants.is_empty() {
         let env = toolchain.env();
-        match build::Pch::layout(&data_dir.join("pch"), &python, device, &tool_path, &env) {
+        let root = cfg.pch_dir.clone().unwrap_or_else(|| data_dir.join("pch"));
+        match build::Pch::layout(&root, &python, device, &tool_path, &env) {
             Ok(pch) => {
                 toolchain.pch_dir = Some(pch.dir.clone());
                 toolchain_dirs.push(pch.dir.clone());

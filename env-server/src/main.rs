@@ -14,7 +14,7 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use env_server::http::HttpLimits;
 use env_server::retention::TrajectoryRetention;
-use env_server::{build_state, router, spawn_janitor, ServerConfig};
+use env_server::{build_state, prepare_pch, router, spawn_janitor, ServerConfig};
 
 /// The variable the API key may come from.
 const API_KEY_VAR: &str = "CUDA_AGENT_API_KEY";
@@ -74,6 +74,14 @@ struct Args {
     /// precompiled headers (default: the flags candidates use most on the device).
     #[arg(long, env = "CUDA_AGENT_PCH", allow_hyphen_values = true)]
     pch: Option<String>,
+    /// Keep the precompiled headers here instead of `pch/` in the data directory: servers of
+    /// one machine (a test suite, several servers per host) can share one set.
+    #[arg(long, env = "CUDA_AGENT_PCH_DIR")]
+    pch_dir: Option<PathBuf>,
+    /// Make the precompiled headers (`--pch`'s variants, in `--pch-dir`), print their include
+    /// directory and exit: for an image or a host prepared before its servers start.
+    #[arg(long)]
+    pch_only: bool,
     /// Task input sizes: `small` (CPU-sized) or `full` (default: small on CPU, full on CUDA).
     #[arg(long, value_parser = ["small", "full"])]
     task_size: Option<String>,
@@ -332,6 +340,14 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         Some("none") => Some(Vec::new()),
         Some(v) => Some(v.split(';').map(|f| f.trim().to_string()).collect()),
     };
+    cfg.pch_dir = args.pch_dir;
+    if args.pch_only {
+        let dir = tokio::task::spawn_blocking(move || prepare_pch(&cfg))
+            .await?
+            .context("making the precompiled headers")?;
+        println!("{}", dir.display());
+        return Ok(());
+    }
     let state = tokio::task::spawn_blocking(move || build_state(cfg))
         .await?
         .context("starting the server")?;

@@ -4,16 +4,14 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
-use env_server::{build_state, router, AppState, ServerConfig};
+use env_server::{router, AppState, ServerConfig};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-fn python() -> std::path::PathBuf {
-    std::env::var_os("CUDA_AGENT_PYTHON")
-        .map(Into::into)
-        .unwrap_or_else(|| "python3".into())
-}
+mod common;
+
+use common::{state_from, test_config};
 
 fn state(dir: &std::path::Path, api_key: Option<&str>) -> Arc<AppState> {
     state_with(dir, api_key, std::time::Duration::from_secs(300))
@@ -30,21 +28,6 @@ fn state_with(
         eval_timeout,
         ..test_config(dir)
     })
-}
-
-fn test_config(dir: &std::path::Path) -> ServerConfig {
-    ServerConfig {
-        data_dir: dir.to_path_buf(),
-        device: "cpu".into(),
-        python: python(),
-        skip_compile: true,
-        max_body_bytes: 64 * 1024,
-        ..ServerConfig::default()
-    }
-}
-
-fn state_from(cfg: ServerConfig) -> Arc<AppState> {
-    build_state(cfg).expect("server state")
 }
 
 async fn call(

@@ -34,7 +34,12 @@ fn start(dir: &Path, args: &[&str]) -> (Child, SocketAddr) {
         .port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
     let log = std::fs::File::create(dir.join("server.log")).expect("log");
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_env-server"))
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_env-server"));
+    // The suite's shared precompiled headers where its runner made them, else none.
+    if std::env::var_os("CUDA_AGENT_PCH_DIR").is_none() {
+        cmd.env("CUDA_AGENT_PCH", "none");
+    }
+    let child = cmd
         .args([
             "--bind",
             &addr.to_string(),
@@ -48,7 +53,6 @@ fn start(dir: &Path, args: &[&str]) -> (Child, SocketAddr) {
         .arg(python())
         .args(args)
         .env_remove("CUDA_AGENT_API_KEY")
-        .env("CUDA_AGENT_PCH", "none")
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
         .spawn()

@@ -20,14 +20,31 @@ pub fn python() -> std::path::PathBuf {
         .unwrap_or_else(|| "python3".into())
 }
 
+/// The precompiled headers the suite's runner made once for every server it starts
+/// (`scripts/test.sh`: `CUDA_AGENT_PCH_DIR` and the variants in `CUDA_AGENT_PCH`); none
+/// without them, as a server embedded with the default configuration has.
+pub fn suite_pch() -> (Option<Vec<String>>, Option<std::path::PathBuf>) {
+    let Some(dir) = std::env::var_os("CUDA_AGENT_PCH_DIR") else {
+        return (Some(Vec::new()), None);
+    };
+    let variants = std::env::var("CUDA_AGENT_PCH")
+        .ok()
+        .filter(|v| v.trim() != "none")
+        .map(|v| v.split(';').map(|f| f.trim().to_string()).collect());
+    (Some(variants.unwrap_or_default()), Some(dir.into()))
+}
+
 /// A CPU configuration over `dir` with small bodies.
 pub fn test_config(dir: &std::path::Path) -> ServerConfig {
+    let (pch_variants, pch_dir) = suite_pch();
     ServerConfig {
         data_dir: dir.to_path_buf(),
         device: "cpu".into(),
         python: python(),
         skip_compile: true,
         max_body_bytes: 64 * 1024,
+        pch_variants,
+        pch_dir,
         ..ServerConfig::default()
     }
 }
