@@ -34,7 +34,10 @@ def server():
     binary = os.environ.get("CUDA_AGENT_SERVER_BIN")
     if not binary or not Path(binary).is_file():
         pytest.skip("no server binary (CUDA_AGENT_SERVER_BIN): scripts/test.sh sets it")
-    proc, url, base = start_server(binary)
+    # Its builds run at background priority beside the cases being timed (and, on a shared
+    # machine, beside anything else): the subject here is the observation, not the build
+    # limit, so a slow build must not end a case as `time_limit`.
+    proc, url, base = start_server(binary, "--eval-timeout-s", "900")
     yield url
     proc.kill()
     proc.wait()
