@@ -213,3 +213,15 @@ def test_containerfiles_copy_what_exists_and_build_what_exists(containerfile):
         assert f'name = "{package}"' in manifest
         assert (ROOT / package / "src" / "bin" / f"{binary}.rs").exists() or (ROOT / package / "src" / "main.rs").exists()
     assert (DEPLOY / "Containerfile.dockerignore").exists()
+
+
+def test_the_cuda_image_has_the_toolkit_torch_was_built_with():
+    # torch.utils.cpp_extension refuses an nvcc whose major version differs from the CUDA torch
+    # was built with: an image with another toolkit would fail every CUDA candidate's build.
+    import torch
+
+    tag = re.search(r"ARG CUDA_IMAGE=\S*/cuda:(\d+)\.(\d+)", (DEPLOY / "Containerfile").read_text())
+    assert tag, "the CUDA Containerfile names its base image in ARG CUDA_IMAGE"
+    if torch.version.cuda is None:
+        pytest.skip("this torch is a CPU build: it names no CUDA version to compare")
+    assert tag.group(1) == torch.version.cuda.split(".")[0], f"image CUDA {tag.group(1)}.{tag.group(2)}, torch built with {torch.version.cuda}"
