@@ -184,8 +184,18 @@ impl Repo {
                 }
             }
         }
-        let idents = source
-            .split(|c: char| !is_ident_char(c))
+        // The vendored crates' items count as identifiers (vendor/README.md names them), not
+        // their paths and strings.
+        let mut vendored = String::new();
+        for f in files
+            .iter()
+            .filter(|f| f.starts_with("vendor/") && f.ends_with(".rs"))
+        {
+            vendored.push_str(&std::fs::read_to_string(root().join(f)).unwrap_or_default());
+        }
+        let idents = [&source, &vendored]
+            .into_iter()
+            .flat_map(|t| t.split(|c: char| !is_ident_char(c)))
             .filter(|w| !w.is_empty())
             .map(str::to_string)
             .collect();
@@ -361,6 +371,11 @@ fn spans(doc: &str, text: &str) -> Vec<Span> {
             continue;
         }
         if line.trim().is_empty() {
+            flush(&mut para, &mut out);
+        } else if trimmed.starts_with('|') {
+            // A table row is a paragraph of its own.
+            flush(&mut para, &mut out);
+            para.push((n, line));
             flush(&mut para, &mut out);
         } else {
             para.push((n, line));
@@ -672,6 +687,29 @@ fn check_test_names(repo: &Repo, span: &Span, report: &mut Report) {
     }
 }
 
+/// A Rust path (`EpisodeManager::reset`, `drain::Work`, `aten::add`): each of its names must
+/// be an identifier of the sources.
+fn check_items(repo: &Repo, span: &Span, report: &mut Report) {
+    let t = span.text.strip_suffix("()").unwrap_or(&span.text);
+    let segments: Vec<&str> = t.split("::").collect();
+    let item = segments.len() >= 2
+        && segments.iter().all(|s| {
+            s.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                && s.chars().all(is_ident_char)
+        });
+    if !item || span.external {
+        return;
+    }
+    report.count("item");
+    let missing: Vec<&&str> = segments
+        .iter()
+        .filter(|s| !repo.idents.contains(**s))
+        .collect();
+    if !missing.is_empty() {
+        report.fail(span, format!("no identifier {missing:?} in the sources"));
+    }
+}
+
 /// What `--help` prints, per program and subcommand.
 struct Helps {
     bin_dir: Option<PathBuf>,
@@ -881,18 +919,16 @@ fn find_command(repo: &Repo, ws: &[String]) -> Invocation {
             return Invocation::Ours(pkg, after.to_vec());
         }
         let interp = i > 0 && is_python(&ws[i - 1]);
-        if w.ends_with(".py") && !w.contains(['<', '*']) && (interp || (i == 0 && w.contains('/')))
-        {
-            let path = if repo.files.contains(w.as_str()) {
-                w.clone()
-            } else {
-                // SKILL.md runs the harness scripts from the agent's workspace.
-                format!("skills/{w}")
+        if w.ends_with(".py") && !w.contains(['<', '*']) && (interp || i == 0) {
+            // A script by its path, or by its name alone: the harness's in the agent's
+            // workspace (SKILL.md), a benchmark's in scripts/.
+            let path = [w.clone(), format!("skills/{w}"), format!("scripts/{w}")]
+                .into_iter()
+                .find(|p| repo.files.contains(p));
+            return match path {
+                Some(p) => Invocation::Ours(p, ws[i + 1..].to_vec()),
+                None => Invocation::Foreign,
             };
-            if !repo.files.contains(&path) {
-                return Invocation::Foreign;
-            }
-            return Invocation::Ours(path, ws[i + 1..].to_vec());
         }
         if w.ends_with(".sh") && repo.files.contains(w.as_str()) && i == 0 {
             return Invocation::Ours(w.clone(), ws[i + 1..].to_vec());
@@ -1012,6 +1048,7 @@ fn check_docs(repo: &Repo, helps: &mut Helps, docs: &[(String, String)]) -> Repo
         check_tasks(repo, &span, &span.text, &mut report);
         if span.fence.is_none() {
             check_test_names(repo, &span, &mut report);
+            check_items(repo, &span, &mut report);
         }
         let flags = check_command(repo, helps, &span, &text, &mut report);
         lone_flags.extend(flags.into_iter().map(|f| (span.clone(), f)));
@@ -1077,6 +1114,7 @@ fn each_kind_of_stale_name_is_reported_with_its_line() {
 `scripts/test.sh`, `scripts/no_such_script.sh` and `no_such_module_anywhere.rs`.\n\
 `POST /v1/evaluate` and `GET /v1/no_such_route`, on `L1/2_Add` and `L1/999_NoSuchTask`.\n\
 `a_background_command_cannot_raise_its_cpu_share` and `a_test_that_was_never_written_anywhere`.\n\
+`EpisodeManager::reset` and `EpisodeManager::no_such_method`.\n\
 \n\
 `--max-builds` and `--no-such-flag-anywhere`; `kernelbench no-such-subcommand`.\n\
 \n\
@@ -1095,14 +1133,15 @@ env-server --bind 127.0.0.1:8080 --no-such-server-flag\n\
         "fake.md:2: `GET /v1/no_such_route`",
         "fake.md:2: `L1/999_NoSuchTask`",
         "fake.md:3: `a_test_that_was_never_written_anywhere`",
-        "fake.md:5: `--no-such-flag-anywhere`",
+        "fake.md:4: `EpisodeManager::no_such_method`",
+        "fake.md:6: `--no-such-flag-anywhere`",
     ];
     let built = |b: &str| helps.bin_dir.as_ref().is_some_and(|d| d.join(b).is_file());
     if built("kernelbench") {
-        want.push("fake.md:5: `kernelbench no-such-subcommand`");
+        want.push("fake.md:6: `kernelbench no-such-subcommand`");
     }
     if built("env-server") {
-        want.push("fake.md:8: `env-server --bind 127.0.0.1:8080 --no-such-server-flag`");
+        want.push("fake.md:9: `env-server --bind 127.0.0.1:8080 --no-such-server-flag`");
     }
     for w in &want {
         assert!(
