@@ -107,6 +107,9 @@ struct Span {
     /// The paragraph cites another repository (`github.com/...`): its paths are that
     /// repository's.
     external: bool,
+    /// A table row whose first cell is a directory of the checkout (`trainer/`): the row's
+    /// relative paths are inside it.
+    scope: Option<String>,
 }
 
 /// Everything a check reads of the checkout, gathered once.
@@ -255,6 +258,17 @@ impl Repo {
             .any(|f| glob_match(rel, f))
     }
 
+    /// Some file (or directory) under `dir` ends with `tail` at a segment boundary.
+    fn has_tail_under(&self, dir: &str, tail: &str) -> bool {
+        let tail = tail.trim_end_matches('/');
+        let suffix = format!("/{tail}");
+        let prefix = format!("{dir}/");
+        self.files
+            .iter()
+            .chain(&self.dirs)
+            .any(|f| f.starts_with(&prefix) && (f.ends_with(&suffix) || f[prefix.len()..] == *tail))
+    }
+
     /// Some file (or directory) of the checkout ends with `tail` at a segment boundary.
     fn has_tail(&self, tail: &str) -> bool {
         let tail = tail.trim_end_matches('/');
@@ -366,6 +380,7 @@ fn spans(doc: &str, text: &str) -> Vec<Span> {
                     text: joined,
                     fence: Some(lang.clone()),
                     external: false,
+                    scope: None,
                 });
             }
             continue;
@@ -393,6 +408,16 @@ fn inline_spans(doc: &str, para: &[(usize, &str)], out: &mut Vec<Span>) {
         .collect();
     let run = |at: usize| chars[at..].iter().take_while(|c| c.0 == '`').count();
     let external = para.iter().any(|(_, l)| l.contains("github.com/"));
+    let scope = match para {
+        [(_, row)] if row.trim_start().starts_with('|') => row
+            .split('|')
+            .nth(1)
+            .map(str::trim)
+            .and_then(|c| c.strip_prefix('`')?.strip_suffix("/`"))
+            .filter(|d| !d.contains(['`', ' ']))
+            .map(str::to_string),
+        _ => None,
+    };
     let mut i = 0;
     while i < chars.len() {
         if chars[i].0 != '`' {
@@ -425,6 +450,7 @@ fn inline_spans(doc: &str, para: &[(usize, &str)], out: &mut Vec<Span>) {
             text: text.trim().to_string(),
             fence: None,
             external,
+            scope: scope.clone(),
         });
         i = close + ticks;
     }
@@ -568,7 +594,11 @@ fn check_paths(repo: &Repo, span: &Span, text: &str, report: &mut Report) {
         }
         report.count("path");
         let name = tail.rsplit('/').next().unwrap();
-        if !repo.has_tail(&tail) && !repo.names.contains(&tail) && !repo.names.contains(name) {
+        let found = match &span.scope {
+            Some(dir) if repo.dirs.contains(dir) => repo.has_tail_under(dir, &tail),
+            _ => repo.has_tail(&tail),
+        };
+        if !found && !repo.names.contains(&tail) && !repo.names.contains(name) {
             report.fail(
                 span,
                 format!(
@@ -1120,7 +1150,8 @@ fn each_kind_of_stale_name_is_reported_with_its_line() {
 \n\
 ```sh\n\
 env-server --bind 127.0.0.1:8080 --no-such-server-flag\n\
-```\n";
+```\n\
+| `env-api/` | `src/lib.rs`, and `rollout.rs`, which is the trainer's |\n";
     let report = check_docs(
         &repo,
         &mut helps,
@@ -1134,6 +1165,7 @@ env-server --bind 127.0.0.1:8080 --no-such-server-flag\n\
         "fake.md:2: `L1/999_NoSuchTask`",
         "fake.md:3: `a_test_that_was_never_written_anywhere`",
         "fake.md:4: `EpisodeManager::no_such_method`",
+        "fake.md:11: `rollout.rs`",
         "fake.md:6: `--no-such-flag-anywhere`",
     ];
     let built = |b: &str| helps.bin_dir.as_ref().is_some_and(|d| d.join(b).is_file());
