@@ -220,6 +220,10 @@ pub struct Throughput {
     /// Context tokens taken from caches kept across turns instead.
     #[serde(default)]
     pub reused_tokens: usize,
+    /// Of the batch's failed episodes, those lost with their server (it went away or drained
+    /// while they ran): a fleet's health, not the policy's.
+    #[serde(default)]
+    pub lost_episodes: usize,
     /// Seconds per phase.
     pub time_s: TimeSplit,
 }

@@ -46,6 +46,7 @@ fn ppo_record(step: usize, entropy: f64) -> MetricsRecord {
             policy_tokens_per_min: 480.0,
             prefilled_tokens: 300,
             reused_tokens: 900,
+            lost_episodes: 1,
             time_s: TimeSplit {
                 generate: 20.0,
                 env: 10.0,

@@ -144,6 +144,7 @@ fn throughput(stats: &RolloutStats, rollout_s: f64, update_s: f64, total_s: f64)
         policy_tokens_per_min: stats.policy_tokens as f64 / minutes,
         prefilled_tokens: stats.prefilled_tokens,
         reused_tokens: stats.reused_tokens,
+        lost_episodes: stats.lost,
         time_s: TimeSplit {
             generate: stats.generate_s,
             env: stats.env_s,
