@@ -718,6 +718,20 @@ fn check_test_names(repo: &Repo, span: &Span, report: &mut Report) {
     }
 }
 
+/// The project's environment variables (`CUDA_AGENT_*`, `REDTEAM_*`) are read somewhere.
+fn check_env_vars(repo: &Repo, span: &Span, text: &str, report: &mut Report) {
+    for w in text.split(|c: char| !is_ident_char(c)) {
+        let ours = w.starts_with("CUDA_AGENT_") || w.starts_with("REDTEAM_");
+        if !ours || w.ends_with('_') || w.chars().any(|c| c.is_ascii_lowercase()) {
+            continue;
+        }
+        report.count("env var");
+        if !repo.idents.contains(w) {
+            report.fail(span, format!("no source reads `{w}`"));
+        }
+    }
+}
+
 /// A Rust path (`EpisodeManager::reset`, `drain::Work`, `aten::add`): each of its names must
 /// be an identifier of the sources.
 fn check_items(repo: &Repo, span: &Span, report: &mut Report) {
@@ -1077,6 +1091,7 @@ fn check_docs(repo: &Repo, helps: &mut Helps, docs: &[(String, String)]) -> Repo
         check_paths(repo, &span, &text, &mut report);
         check_routes(repo, &span, &span.text, &mut report);
         check_tasks(repo, &span, &span.text, &mut report);
+        check_env_vars(repo, &span, &text, &mut report);
         if span.fence.is_none() {
             check_test_names(repo, &span, &mut report);
             check_items(repo, &span, &mut report);
@@ -1153,7 +1168,7 @@ fn each_kind_of_stale_name_is_reported_with_its_line() {
 `scripts/test.sh`, `scripts/no_such_script.sh` and `no_such_module_anywhere.rs`.\n\
 `POST /v1/evaluate` and `GET /v1/no_such_route`, on `L1/2_Add` and `L1/999_NoSuchTask`.\n\
 `a_background_command_cannot_raise_its_cpu_share` and `a_test_that_was_never_written_anywhere`.\n\
-`EpisodeManager::reset` and `EpisodeManager::no_such_method`.\n\
+`EpisodeManager::reset` and `EpisodeManager::no_such_method`, `CUDA_AGENT_NO_SUCH_VARIABLE`.\n\
 \n\
 `--max-builds` and `--no-such-flag-anywhere`; `kernelbench no-such-subcommand`.\n\
 \n\
@@ -1174,6 +1189,7 @@ env-server --bind 127.0.0.1:8080 --no-such-server-flag\n\
         "fake.md:2: `L1/999_NoSuchTask`",
         "fake.md:3: `a_test_that_was_never_written_anywhere`",
         "fake.md:4: `EpisodeManager::no_such_method`",
+        "fake.md:4: `CUDA_AGENT_NO_SUCH_VARIABLE`",
         "fake.md:11: `rollout.rs`",
         "fake.md:6: `--no-such-flag-anywhere`",
     ];
