@@ -135,18 +135,38 @@ fn root() -> PathBuf {
     Path::new(ROOT).canonicalize().expect("repository root")
 }
 
+/// The checkout's files, relative to its root: git's tracked and not-ignored ones, or where
+/// there is no git, a walk that leaves out build outputs and caches.
 fn git_files() -> Vec<String> {
+    let root = root();
     let out = Command::new("git")
         .args(["ls-files", "-co", "--exclude-standard"])
-        .current_dir(root())
-        .output()
-        .expect("git ls-files");
-    assert!(out.status.success(), "git ls-files failed");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .filter(|f| root().join(f).exists())
-        .collect()
+        .current_dir(&root)
+        .output();
+    if let Some(out) = out.ok().filter(|o| o.status.success()) {
+        return String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .filter(|f| root.join(f).exists())
+            .collect();
+    }
+    let mut files = Vec::new();
+    let mut todo = vec![root.clone()];
+    while let Some(dir) = todo.pop() {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let path = e.path();
+            if path.is_dir() {
+                let skip = ["target", ".git", "__pycache__", ".pytest_cache", "data"];
+                if !skip.contains(&name.as_str()) {
+                    todo.push(path);
+                }
+            } else if let Ok(rel) = path.strip_prefix(&root) {
+                files.push(rel.to_string_lossy().into_owned());
+            }
+        }
+    }
+    files
 }
 
 fn ext_of(name: &str) -> Option<&str> {
