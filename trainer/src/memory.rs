@@ -211,7 +211,9 @@ impl MemoryPlan {
         });
         let per_token_kv = 2 * layers * kvh * hd * elem;
         let r = &cfg.rollout;
-        let active = r.generation_batch.max(1) as u64 * r.context as u64 * per_token_kv;
+        // A batch's cache holds up to the growth step of free slots past its longest row.
+        let slots = r.context as u64 + crate::model::cache::GROWTH as u64;
+        let active = r.generation_batch.max(1) as u64 * slots * per_token_kv;
         let kept = ((r.kv_cache_gib * GIB) as u64)
             .min(r.batch.max(1) as u64 * r.context as u64 * per_token_kv);
         items.push(PlanItem {

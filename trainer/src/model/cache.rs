@@ -8,7 +8,7 @@ use super::transformer::{positions_and_mask, Positions};
 /// slots in place, so a decode step copies nothing; growing by `cat` copies the cache once per
 /// this many decode steps instead of at every step, where a context of thousands of tokens
 /// made the copy the step's main cost.
-const GROWTH: usize = 256;
+pub const GROWTH: usize = 256;
 
 /// Cached keys and values of one layer: storage `[batch, kv_heads, capacity, head_dim]` of
 /// which the first `len` slots are filled.
