@@ -66,15 +66,6 @@ const NOT_REPO_NAMES: &[(&str, &str, &str)] = &[
 /// Flags of other programs that the docs name without their command: (flag, program).
 const FOREIGN_FLAGS: &[(&str, &str)] = &[("--build-arg", "docker build, in docs/DEPLOY.md")];
 
-/// Failures in docs/BENCHMARKS.md, which is edited apart: reported by this test's output
-/// but not failing it until that file is brought up to date. Each is the start of its
-/// failure line (`doc:line: `span``).
-const KNOWN_BENCHMARKS_GAPS: &[&str] = &[
-    // `trainer bench-model --shape small.json`: a shape file of the measurement's own, not
-    // in trainer/assets/shapes/.
-    "docs/BENCHMARKS.md:1466: `--shape small.json",
-];
-
 /// File name endings that make a span a file name even without a `/`.
 const EXTENSIONS: &[&str] = &[
     "rs",
@@ -1151,25 +1142,7 @@ fn the_docs_name_only_what_exists() {
         println!("notice: {n}");
     }
     println!("checked: {:?}", report.checked);
-    let (gaps, failures): (Vec<_>, Vec<_>) = report
-        .failures
-        .iter()
-        .partition(|(doc, _)| doc == "docs/BENCHMARKS.md");
-    let known = |g: &str| KNOWN_BENCHMARKS_GAPS.iter().any(|k| g.starts_with(k));
-    for (_, g) in &gaps {
-        let tag = if known(g) { " (known)" } else { "" };
-        println!("docs/BENCHMARKS.md gap{tag}: {g}");
-    }
-    for k in KNOWN_BENCHMARKS_GAPS {
-        if !gaps.iter().any(|(_, g)| g.starts_with(k)) {
-            println!("KNOWN_BENCHMARKS_GAPS entry no longer occurs, remove it: {k}");
-        }
-    }
-    let failures: Vec<&str> = failures
-        .iter()
-        .chain(gaps.iter().filter(|(_, g)| !known(g)))
-        .map(|(_, f)| f.as_str())
-        .collect();
+    let failures: Vec<&str> = report.failures.iter().map(|(_, f)| f.as_str()).collect();
     assert!(
         failures.is_empty(),
         "{} things the docs name do not exist:\n{}",

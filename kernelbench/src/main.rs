@@ -41,8 +41,8 @@ enum Cmd {
         /// Bearer token.
         #[arg(long, env = "CUDA_AGENT_API_KEY", hide_env_values = true)]
         api_key: Option<String>,
-        /// Solutions: `<dir>/L1/19_ReLU.py`, `<dir>/L1_19_ReLU.py`, or KernelBench's
-        /// `level_1_problem_19_sample_0_kernel.py`.
+        /// Solutions: `<dir>/L1/1_ReLU.py`, `<dir>/L1_1_ReLU.py`, or KernelBench's
+        /// `level_1_problem_1_sample_0_kernel.py`.
         #[arg(long, conflicts_with = "trajectories")]
         solutions: Option<PathBuf>,
         /// The server's trajectory logs (`<data-dir>/trajectories`): the files of each finished episode.
