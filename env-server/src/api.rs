@@ -20,7 +20,7 @@ use utoipa::OpenApi;
 use crate::episode::{EpisodeError, EpisodeManager};
 use crate::evaluation::{EvalError, Evaluator};
 use crate::http::HttpCounters;
-use crate::idempotency::Keys;
+use crate::idempotency::{body_digest, BodyDigest, KeyReused, Keys};
 use crate::Retention;
 
 /// Everything the handlers share.
@@ -52,7 +52,7 @@ pub struct AppState {
     pub mcp: crate::mcp::McpLimits,
     /// Evaluations' idempotency keys (`options.request_id`): what a retry with the same key
     /// joins or is answered from.
-    pub evaluation_keys: std::sync::Mutex<Keys<EvaluationKey>>,
+    pub evaluation_keys: std::sync::Mutex<Keys<(BodyDigest, EvaluationKey)>>,
 }
 
 /// What an evaluation's answer is: its verdict, or the error every request waiting on it gets.
@@ -140,11 +140,18 @@ impl From<EpisodeError> for ApiError {
             }
             EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
             EpisodeError::Draining(e) => e.into(),
+            EpisodeError::KeyReused(e) => e.into(),
             EpisodeError::Internal(_) => {
                 tracing::error!(error = %msg, "episode request failed inside the server");
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg)
             }
         }
+    }
+}
+
+impl From<crate::idempotency::KeyReused> for ApiError {
+    fn from(e: crate::idempotency::KeyReused) -> Self {
+        Self::new(StatusCode::CONFLICT, "request_id_reused", e.to_string())
     }
 }
 
@@ -553,24 +560,33 @@ async fn evaluate(
         let work = s.drain.admit()?;
         return Ok(Json(judge(s, req, work, None).await?));
     };
+    let digest = body_digest(&EvaluateRequest {
+        options: req.options.clone().map(|o| EvaluateOptions {
+            request_id: None,
+            ..o
+        }),
+        ..req.clone()
+    });
     // A key seen before is answered from its verdict or joins its evaluation, also while
-    // draining (no new work); only a new key is admitted.
+    // draining (no new work); only a new key is admitted. A key seen with another request is
+    // refused: the verdict it holds is another solution's.
     let running = {
         let mut keys = s.evaluation_keys.lock().unwrap_or_else(|e| e.into_inner());
         let joined = match keys.get(&key) {
-            Some(EvaluationKey::Done(verdict)) => return Ok(Json((*verdict).clone())),
-            Some(EvaluationKey::Running(weak)) => weak.upgrade(),
+            Some((d, _)) if d != digest => return Err(KeyReused(key).into()),
+            Some((_, EvaluationKey::Done(verdict))) => return Ok(Json((*verdict).clone())),
+            Some((_, EvaluationKey::Running(weak))) => weak.upgrade(),
             None => None,
         };
         match joined {
             Some(running) => running,
             None => {
                 let work = s.drain.admit()?;
-                let running = judge(s.clone(), req, work, Some(key.clone()))
+                let running = judge(s.clone(), req, work, Some((key.clone(), digest)))
                     .boxed()
                     .shared();
                 if let Some(weak) = running.downgrade() {
-                    keys.insert(&key, EvaluationKey::Running(weak));
+                    keys.insert(&key, (digest, EvaluationKey::Running(weak)));
                 }
                 running
             }
@@ -585,17 +601,20 @@ async fn judge(
     s: Arc<AppState>,
     req: EvaluateRequest,
     work: crate::drain::Work,
-    key: Option<String>,
+    key: Option<(String, BodyDigest)>,
 ) -> EvaluationAnswer {
     let answer = judge_admitted(&s, req).await;
     drop(work);
-    if let Some(key) = key {
+    if let Some((key, digest)) = key {
         let mut keys = s.evaluation_keys.lock().unwrap_or_else(|e| e.into_inner());
         match &answer {
-            Ok(verdict) => keys.insert(&key, EvaluationKey::Done(Arc::new(verdict.clone()))),
+            Ok(verdict) => keys.insert(
+                &key,
+                (digest, EvaluationKey::Done(Arc::new(verdict.clone()))),
+            ),
             // An error (a drain's end, a harness failure, a bad request) is not a verdict:
             // a retry with the key is judged afresh.
-            Err(_) => keys.remove_if(&key, |k| matches!(k, EvaluationKey::Running(_))),
+            Err(_) => keys.remove_if(&key, |(_, k)| matches!(k, EvaluationKey::Running(_))),
         }
     }
     answer

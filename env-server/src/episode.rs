@@ -22,7 +22,7 @@ use tokio::sync::Mutex;
 
 use crate::drain::Drain;
 use crate::evaluation::Evaluator;
-use crate::idempotency::Keys;
+use crate::idempotency::{body_digest, BodyDigest, KeyReused, Keys};
 use crate::retention;
 use crate::runtime::{Device, PythonInfo, WORKSPACE_FILES};
 use crate::trajectory::{self, is_episode_id, TrajectoryLog};
@@ -60,6 +60,9 @@ pub enum EpisodeError {
     /// The server is draining before it stops: no new episodes or steps.
     #[error(transparent)]
     Draining(#[from] crate::drain::Draining),
+    /// A reset's `request_id` came again with another request.
+    #[error(transparent)]
+    KeyReused(#[from] crate::idempotency::KeyReused),
 }
 
 /// Settings of the episode manager.
@@ -212,7 +215,7 @@ pub struct EpisodeManager {
     drain: Arc<Drain>,
     /// Resets' idempotency keys: each key's episode id once its reset answered (the answer
     /// itself is the first record of the episode's log), unset while it runs.
-    reset_keys: SyncMutex<Keys<ResetKey>>,
+    reset_keys: SyncMutex<Keys<(BodyDigest, ResetKey)>>,
     /// Counters for `/metrics`.
     pub counters: Counters,
 }
@@ -981,13 +984,21 @@ impl EpisodeManager {
         let Some(key) = req.request_id.clone() else {
             return self.start(req).await;
         };
+        let digest = body_digest(&ResetRequest {
+            request_id: None,
+            ..req.clone()
+        });
         let cell: ResetKey = {
             let mut keys = self.reset_keys.lock().unwrap_or_else(|e| e.into_inner());
-            keys.get(&key).unwrap_or_else(|| {
-                let cell = ResetKey::default();
-                keys.insert(&key, cell.clone());
-                cell
-            })
+            match keys.get(&key) {
+                Some((d, _)) if d != digest => return Err(KeyReused(key).into()),
+                Some((_, cell)) => cell,
+                None => {
+                    let cell = ResetKey::default();
+                    keys.insert(&key, (digest, cell.clone()));
+                    cell
+                }
+            }
         };
         let mut fresh = None;
         let started = cell
@@ -1008,7 +1019,7 @@ impl EpisodeManager {
                 // Nothing was started: the key may be used again. Left alone while another
                 // request with it waits on the cell (it will try in its turn).
                 let mut keys = self.reset_keys.lock().unwrap_or_else(|e| e.into_inner());
-                keys.remove_if(&key, |c| {
+                keys.remove_if(&key, |(_, c)| {
                     Arc::ptr_eq(c, &cell) && c.get().is_none() && Arc::strong_count(c) <= 2
                 });
                 Err(e)

@@ -8,6 +8,22 @@
 
 use std::collections::{HashMap, VecDeque};
 
+/// A request body without its key, as a digest. A key names one request: sent again with
+/// another body (a client's bug, or keys reused across runs) it is refused, never answered
+/// with what the first body got — an evaluation's verdict must be its own solution's.
+pub type BodyDigest = [u8; 32];
+
+/// The digest of `body` (its JSON form: the wire types hold no unordered maps).
+pub fn body_digest<T: serde::Serialize>(body: &T) -> BodyDigest {
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    crate::build::digest_parts([bytes.as_slice()])
+}
+
+/// A key sent again with another body.
+#[derive(Debug, thiserror::Error)]
+#[error("request_id {0:?} was already used for a different request; use a fresh key for new work")]
+pub struct KeyReused(pub String);
+
 /// The most recent keys and their values, at most `cap` of them.
 #[derive(Debug)]
 pub struct Keys<V> {
@@ -75,6 +91,33 @@ impl<V: Clone> Keys<V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bodies_differ_by_digest_and_keys_are_left_out_by_the_caller() {
+        #[derive(serde::Serialize)]
+        struct Body<'a> {
+            solution: &'a str,
+            request_id: Option<&'a str>,
+        }
+        let a = body_digest(&Body {
+            solution: "a",
+            request_id: None,
+        });
+        assert_eq!(
+            a,
+            body_digest(&Body {
+                solution: "a",
+                request_id: None
+            })
+        );
+        assert_ne!(
+            a,
+            body_digest(&Body {
+                solution: "b",
+                request_id: None
+            })
+        );
+    }
 
     #[test]
     fn the_oldest_keys_are_forgotten_beyond_the_cap() {

@@ -404,3 +404,37 @@ async fn idle_episodes_expire_and_are_cleaned_up() {
         "truncated"
     );
 }
+
+/// A `request_id` names one request. Sent again with the same body it gets the first answer
+/// (the same episode, the same verdict); sent with another body it is refused, so a verdict is
+/// never handed to a solution it was not judged on and an episode never to a reset that asked
+/// for another task.
+#[tokio::test]
+async fn a_request_id_reused_for_another_request_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = state(dir.path(), None);
+    let reset = json!({"task": "L1/1_ReLU", "request_id": "k"});
+    let (st, first) = call(&s, "POST", "/v1/episodes", Some(reset.clone())).await;
+    assert_eq!(st, StatusCode::OK, "{first}");
+    let (st, again) = call(&s, "POST", "/v1/episodes", Some(reset)).await;
+    assert_eq!(st, StatusCode::OK, "{again}");
+    assert_eq!(again["episode_id"], first["episode_id"]);
+    assert_eq!(again["info"]["replayed"], true, "{again}");
+    let other = json!({"task": "L1/2_Add", "request_id": "k"});
+    let (st, v) = call(&s, "POST", "/v1/episodes", Some(other)).await;
+    assert_eq!(st, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["code"], "request_id_reused", "{v}");
+
+    let evaluate = |solution: &str| json!({"task": "L1/2_Add", "solution": solution, "options": {"request_id": "e"}});
+    let failing = "raise SystemExit(3)\n";
+    let (st, judged) = call(&s, "POST", "/v1/evaluate", Some(evaluate(failing))).await;
+    assert_eq!(st, StatusCode::OK, "{judged}");
+    assert_eq!(judged["reward"], -1.0, "{judged}");
+    let (st, replayed) = call(&s, "POST", "/v1/evaluate", Some(evaluate(failing))).await;
+    assert_eq!(st, StatusCode::OK, "{replayed}");
+    assert_eq!(replayed, judged);
+    let other = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, a, b):\n        return a + b\n";
+    let (st, v) = call(&s, "POST", "/v1/evaluate", Some(evaluate(other))).await;
+    assert_eq!(st, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["code"], "request_id_reused", "{v}");
+}
