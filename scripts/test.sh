@@ -81,7 +81,7 @@ phase "release trainer build" env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
 export CUDA_AGENT_TRAINER_BIN="$target/release/trainer"
 pch_include=""
 if wait "$pch_pid"; then
-  pch_include="$(cat "$target/pch.include")"
+  pch_include="$(tail -n 1 "$target/pch.include")"
 else
   # Not fatal: every build then parses the headers, as without them.
   echo "test.sh: precompiled headers not made ($target/test-logs/pch.log):" >&2

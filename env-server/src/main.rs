@@ -257,7 +257,9 @@ fn limit_malloc_arenas() {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Logs on stderr: stdout carries what a command is asked for (`--pch-only`'s directory).
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
