@@ -586,31 +586,10 @@ async fn main() -> anyhow::Result<()> {
             plant_bad,
             llm,
         } => {
-            if llm.llm_url.is_some() {
-                let mut filter_args: Vec<String> = vec![
-                    "--device".into(),
-                    device.clone(),
-                    "--min-ms".into(),
-                    min_ms.to_string(),
-                    "--max-ms".into(),
-                    max_ms.to_string(),
-                    "--compile-backend".into(),
-                    compile_backend,
-                ];
-                if let Some(s) = size {
-                    filter_args.extend(["--size".into(), s]);
-                }
-                return synth_llm(llm, count, seed, device, out, python, filter_args).await;
-            }
-            let mut args: Vec<String> = vec![
-                "--count".into(),
-                count.to_string(),
-                "--seed".into(),
-                seed.to_string(),
+            // The filters' settings, the same for tasks composed at random and by a model.
+            let mut filter_args: Vec<String> = vec![
                 "--device".into(),
-                device,
-                "--out".into(),
-                out.display().to_string(),
+                device.clone(),
                 "--min-ms".into(),
                 min_ms.to_string(),
                 "--max-ms".into(),
@@ -619,8 +598,20 @@ async fn main() -> anyhow::Result<()> {
                 compile_backend,
             ];
             if let Some(s) = size {
-                args.extend(["--size".into(), s]);
+                filter_args.extend(["--size".into(), s]);
             }
+            if llm.llm_url.is_some() {
+                return synth_llm(llm, count, seed, device, out, python, filter_args).await;
+            }
+            let mut args: Vec<String> = vec![
+                "--count".into(),
+                count.to_string(),
+                "--seed".into(),
+                seed.to_string(),
+                "--out".into(),
+                out.display().to_string(),
+            ];
+            args.extend(filter_args);
             if plant_bad {
                 args.push("--plant-bad".into());
             }
