@@ -357,6 +357,52 @@ for _f in pathlib.Path(sys.argv[0]).resolve().parent.glob("*.py"):
     );
 }
 
+/// A task may allow PyTorch operators (`ALLOW_OPS` in its model.py); the agent's copy of
+/// model.py is its own to edit, and widening the list there allows nothing: the judge reads
+/// the server's copy of the task. A candidate whose sum is PyTorch's `add`, with a no-op call
+/// into its extension, fails `pytorch_compute` after the agent allowed `add` in its workspace.
+#[tokio::test(flavor = "multi_thread")]
+async fn widening_allow_ops_in_the_workspace_allows_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    let c = server.client();
+    let id = c
+        .reset(&ResetRequest {
+            task: Some("L1/2_Add".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .episode_id;
+    let s = c
+        .step(
+            &id,
+            "Bash",
+            json!({"command": "cat model.py > m.py && rm -f model.py && { cat m.py; printf '\\nALLOW_OPS = (\"add\",)\\n'; } > model.py; tail -n 1 model.py"}),
+        )
+        .await
+        .unwrap();
+    assert!(
+        s.observation.text.contains("ALLOW_OPS = (\"add\",)"),
+        "{}",
+        s.observation.text
+    );
+    let torch_add =
+        ADD_CANDIDATE.replace("        return out\n", "        return torch.add(a, b)\n");
+    assert_ne!(torch_add, ADD_CANDIDATE);
+    c.step(
+        &id,
+        "Write",
+        json!({"file_path": "model_new.py", "content": torch_add}),
+    )
+    .await
+    .unwrap();
+    let s = c.step(&id, "Submit", json!({})).await.unwrap();
+    assert_eq!(s.reward, -1.0, "{:?}", s.info.evaluation);
+    let reason = s.info.evaluation.unwrap().reason.unwrap();
+    assert!(reason.starts_with("pytorch_compute"), "{reason}");
+}
+
 /// The tiny family: same tools, flow and reward shape, judged without PyTorch.
 #[tokio::test(flavor = "multi_thread")]
 async fn tiny_family_episodes_and_evaluate() {
