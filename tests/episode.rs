@@ -9,6 +9,22 @@ use server::Server;
 /// A correct C++ candidate for L1/2_Add (CPU): one compiled loop, no PyTorch compute.
 const ADD_CANDIDATE: &str = include_str!("cpu_add_candidate.py");
 
+/// A server over a data directory in `dir` (no torch.compile baselines) and an episode on
+/// L1/2_Add: the server and the episode's id.
+async fn add_episode(dir: &std::path::Path) -> (Server, String) {
+    let server = Server::start(&dir.join("data"), &["--skip-compile"]);
+    let id = server
+        .client()
+        .reset(&ResetRequest {
+            task: Some("L1/2_Add".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .episode_id;
+    (server, id)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_episode_with_every_tool_then_submit() {
     let dir = tempfile::tempdir().unwrap();
@@ -278,16 +294,8 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
 #[tokio::test(flavor = "multi_thread")]
 async fn tampering_with_the_workspace_harness_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    let (server, id) = add_episode(dir.path()).await;
     let c = server.client();
-    let id = c
-        .reset(&ResetRequest {
-            task: Some("L1/2_Add".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .episode_id;
     // A wrong candidate (a * b) that, when imported in the evaluation sandbox, tries to
     // replace the reference task with one that agrees with it, and to rewrite the harness.
     let tamper = r#"
@@ -364,16 +372,8 @@ for _f in pathlib.Path(sys.argv[0]).resolve().parent.glob("*.py"):
 #[tokio::test(flavor = "multi_thread")]
 async fn widening_allow_ops_in_the_workspace_allows_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    let (server, id) = add_episode(dir.path()).await;
     let c = server.client();
-    let id = c
-        .reset(&ResetRequest {
-            task: Some("L1/2_Add".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .episode_id;
     let s = c
         .step(
             &id,
