@@ -30,8 +30,10 @@ fn variant(data_dir: &Path) -> Option<PathBuf> {
 #[tokio::test]
 async fn precompiled_headers_are_checked_and_builds_use_them() {
     let dir = tempfile::tempdir().unwrap();
+    // Made in this server's own data directory, not the suite's shared one.
     let s = state_from(ServerConfig {
         pch_variants: Some(vec!["-O3".into()]),
+        pch_dir: None,
         ..test_config(dir.path())
     });
     assert_eq!(s.info["build"]["precompiled_headers"], json!(["-O3"]));
