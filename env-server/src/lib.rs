@@ -228,6 +228,21 @@ pub enum StartError {
     },
 }
 
+impl ServerConfig {
+    /// The directory the precompiled headers are kept in: `pch_dir`, else `pch/` in the data
+    /// directory (`data_dir`, as the server resolved it).
+    fn pch_root(&self, data_dir: &std::path::Path) -> PathBuf {
+        self.pch_dir.clone().unwrap_or_else(|| data_dir.join("pch"))
+    }
+
+    /// The flag sets to precompile for on `device`: the configured ones, else its defaults.
+    fn pch_variants_on(&self, device: runtime::Device) -> Vec<String> {
+        self.pch_variants
+            .clone()
+            .unwrap_or_else(|| build::default_pch_variants(device))
+    }
+}
+
 /// Makes the precompiled headers `cfg` asks for (its variants, or the device's defaults) in
 /// its precompiled-header directory, one after another, and returns the include directory
 /// builds put on `CPATH`: what `env-server --pch-only` does before a fleet or a test suite
@@ -237,17 +252,10 @@ pub fn prepare_pch(cfg: &ServerConfig) -> Result<PathBuf, StartError> {
     let device = runtime::Device::choose(&cfg.device, &python)?;
     let toolchain = build::Toolchain::for_device(device, &python);
     let tool_path = std::env::join_paths(python.path_dirs()).unwrap_or_default();
-    let root = cfg
-        .pch_dir
-        .clone()
-        .unwrap_or_else(|| cfg.data_dir.join("pch"));
+    let root = cfg.pch_root(&cfg.data_dir);
     std::fs::create_dir_all(&root).map_err(|e| StartError::DataDir(root.clone(), e))?;
     let pch = build::Pch::layout(&root, &python, device, &tool_path, &toolchain.env())?;
-    let variants = cfg
-        .pch_variants
-        .clone()
-        .unwrap_or_else(|| build::default_pch_variants(device));
-    for flags in &variants {
+    for flags in &cfg.pch_variants_on(device) {
         let t0 = std::time::Instant::now();
         pch.build(flags, &tool_path)?;
         tracing::info!(flags = %flags, seconds = t0.elapsed().as_secs_f64(), "precompiled torch/extension.h");
@@ -295,15 +303,11 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let device = runtime::Device::choose(&cfg.device, &python)?;
     let mut toolchain = build::Toolchain::for_device(device, &python);
     let tool_path = std::env::join_paths(python.path_dirs()).unwrap_or_default();
-    let variants = cfg
-        .pch_variants
-        .clone()
-        .unwrap_or_else(|| build::default_pch_variants(device));
+    let variants = cfg.pch_variants_on(device);
     let mut toolchain_dirs = python.toolchain_dirs();
     if !variants.is_empty() {
         let env = toolchain.env();
-        let root = cfg.pch_dir.clone().unwrap_or_else(|| data_dir.join("pch"));
-        match build::Pch::layout(&root, &python, device, &tool_path, &env) {
+        match build::Pch::layout(&cfg.pch_root(&data_dir), &python, device, &tool_path, &env) {
             Ok(pch) => {
                 toolchain.pch_dir = Some(pch.dir.clone());
                 toolchain_dirs.push(pch.dir.clone());
