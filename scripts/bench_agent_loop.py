@@ -265,7 +265,7 @@ def main() -> int:
                 ratio = f" | {a / b:.2f}"
             print(f"| {layout} | {label} | " + " | ".join(cells) + ratio + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{l}/{s}": rows for (l, s), rows in results.items()}, indent=2))
+        Path(args.json).write_text(json.dumps({f"{layout}/{s}": rows for (layout, s), rows in results.items()}, indent=2))
     return 0
 
 

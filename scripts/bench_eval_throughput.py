@@ -254,7 +254,7 @@ def main():
             vals = [p.get(key, 0.0) for p in phases]
             return statistics.mean(vals), max(vals)
         correct = sum(1 for _, _, r in results if r.get("correct"))
-        lat = sorted(l for _, l, _ in results)
+        lat = sorted(latency for _, latency, _ in results)
         print()
         widths = [28, 10, 10]
         print(row(["", "mean", "max"], widths))
@@ -297,7 +297,7 @@ def main():
         observed(results)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump([{"task": t, "latency_s": l, **r} for t, l, r in results], f, indent=1)
+                json.dump([{"task": t, "latency_s": latency, **r} for t, latency, r in results], f, indent=1)
 
         bad = [(t, r.get("reason")) for t, _, r in results if not r.get("correct")]
         for t, reason in bad[:5]:

@@ -102,7 +102,7 @@ def main() -> int:
             t0 = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             walls.append(time.perf_counter() - t0)
-            lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+            lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
             last = json.loads(lines[-1]) if lines else {"correct": False, "reason": out.stderr[-500:]}
             verdicts.append({"candidate": cand.name, "task": str(task), "build_s": build_s, "wall_s": walls[-1], **last})
             if args.json:  # kept current, so an interrupted run keeps what it did
@@ -165,7 +165,7 @@ def before(skills: Path, cands: list, dirs: dict, task_default, device: str, env
     def run(argv):
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, old, *argv], capture_output=True, text=True, env=env)
-        lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         return (json.loads(lines[-1]) if lines else {"correct": False, "reason": out.stderr[-500:]}), time.perf_counter() - t0
 
     print(f"\nBefore: {skills}", flush=True)

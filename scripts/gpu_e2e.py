@@ -116,7 +116,7 @@ def main():
                 tm, sp = r["times_ms"], r["speedup"]
                 print(f"| {task} | {r['reward']} | {fmt(tm['eager'])} | {fmt(tm['compile'])} | {fmt(tm['candidate'])} | "
                       f"{fmt(sp['eager'])} | {fmt(sp['compile'])} | {took:.0f} |" + (f" {r['reason']}" if r.get("reason") else ""), flush=True)
-        print("\n".join(l for l in urllib.request.urlopen(url + "/metrics").read().decode().splitlines() if "device" in l or "reward" in l))
+        print("\n".join(line for line in urllib.request.urlopen(url + "/metrics").read().decode().splitlines() if "device" in line or "reward" in line))
     finally:
         proc.kill()
         proc.wait()

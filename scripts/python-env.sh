@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Prints the path of a Python virtual environment holding scripts/requirements.txt,
-# creating it on first use. The venv lives outside the checkout, keyed by the hash of the
-# requirements file, so fresh clones on the same machine (CI, other sessions) reuse it
-# instead of downloading torch's ~3 GB again.
+# Prints the path of a Python virtual environment holding scripts/requirements.txt (or the
+# requirements file given as the argument), creating it on first use. The venv lives outside
+# the checkout, keyed by the hash of the requirements file, so fresh clones on the same
+# machine (CI, other sessions) reuse it instead of downloading torch's ~3 GB again.
 #
 # It is built from the system Python (/usr/bin/python3) in a world-traversable place, because
 # the sandbox runs tool processes under their own uids: an interpreter under /root or a
 # private home directory would be unreachable for them.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-req="$here/requirements.txt"
+req="${1:-$here/requirements.txt}"
 base_python="${CUDA_AGENT_BASE_PYTHON:-/usr/bin/python3}"
 if ! "$base_python" -c 'import venv, ensurepip' 2>/dev/null || [ ! -e /usr/include/python3.11/Python.h ] && [ "$base_python" = /usr/bin/python3 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -28,7 +28,7 @@ if [ ! -e "$venv/.ready" ]; then
   exec 9>"$root/$key.lock"
   flock 9
   if [ ! -e "$venv/.ready" ]; then
-    echo "creating python venv $venv (torch is large; the first time takes minutes)" >&2
+    echo "creating python venv $venv from $req (torch is large; the first time takes minutes)" >&2
     rm -rf "$venv"
     "$base_python" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2

@@ -22,6 +22,10 @@ phase() {
   echo "test.sh: $name: $((SECONDS - start)) s (exit status $status)" >&2
   return "$status"
 }
+# The Python side's lint gate (ruff.toml), as clippy is the Rust side's: seconds, so first,
+# before the torch venv is made.
+lint_venv="$(scripts/python-env.sh scripts/requirements-lint.txt)"
+phase "ruff" "$lint_venv/bin/ruff" check --quiet
 venv="$(scripts/python-env.sh)"
 export CUDA_AGENT_PYTHON="$venv/bin/python"
 # Servers the tests start build no precompiled headers unless a test asks (`--pch`).

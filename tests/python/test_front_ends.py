@@ -76,7 +76,7 @@ def test_verify_prints_progress_a_summary_and_writes_the_verdict(tmp_path, ext_d
     # Progress first, each with its time, the summary after them.
     for step in ("starting the reference and candidate workers", "model_new.py imported", "checking input set 1 of 2",
                  "checking input set 2 of 2", "checking an input set off the task's distribution", "checking the second input shape"):
-        assert any(step in l and l.startswith("[") for l in lines), (step, out.stdout)
+        assert any(step in line and line.startswith("[") for line in lines), (step, out.stdout)
     summary = out.stdout[out.stdout.index("PASS"):]
     assert summary.startswith("PASS: ModelNew matches Model on 2 input sets, an input set off the task's distribution, the second input shape"), summary
     assert "output 0 (float32): passes where |got - want| <= atol 0.0001 + rtol 0.0001 * max(|want|," in summary, summary
@@ -105,7 +105,7 @@ def test_a_silent_step_is_said_to_still_run():
     time.sleep(0.1)
     p.close()
     lines = out.getvalue().splitlines()
-    beats = [l for l in lines if "still running: workers ready; building" in l]
+    beats = [line for line in lines if "still running: workers ready; building" in line]
     assert 1 <= len(beats) <= 4, lines
     assert lines[-1] == "[   0.7 s] model_new.py imported", lines
     # Quiet once closed.
