@@ -258,6 +258,8 @@ impl<B: Backend> Sampling<'_, B> {
         let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [n, max_len]), device);
         let mut last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
         let vocab = last.dims()[1];
+        // Each later step feeds one token per row: the backend's decode step where it has one.
+        let decoder = lm.decoder(arch);
         // Rows still generating, as indices into `out`.
         let mut live: Vec<usize> = (0..n).collect();
         // Sampling from the whole distribution (PPO's default) and greedy decoding choose on the
@@ -337,12 +339,23 @@ impl<B: Backend> Sampling<'_, B> {
             }
             live = keep.iter().map(|&r| live[r]).collect();
             let rows = live.len();
-            let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
-            let valid = Tensor::<B, 2, Bool>::from_data(
-                TensorData::new(vec![true; rows], [rows, 1]),
-                device,
-            );
-            last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
+            let fused = decoder.as_ref().and_then(|d| {
+                let ids =
+                    Tensor::<B, 1, Int>::from_data(TensorData::new(next.clone(), [rows]), device);
+                d.step(ids, &mut cache)
+            });
+            last = match fused {
+                Some(logits) => logits,
+                None => {
+                    let tokens =
+                        Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
+                    let valid = Tensor::<B, 2, Bool>::from_data(
+                        TensorData::new(vec![true; rows], [rows, 1]),
+                        device,
+                    );
+                    lm.forward_last(tokens, valid, arch, Some(&mut cache))
+                }
+            };
         }
         (out, ended)
     }

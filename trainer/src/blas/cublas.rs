@@ -232,6 +232,94 @@ pub fn install() -> Result<(), CublasError> {
     Ok(())
 }
 
+/// Whether [`install`] ran and found cuBLAS.
+pub fn installed() -> bool {
+    !HANDLES.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+}
+
+/// One column-major product `C = alpha · op(A) · op(B) + beta · C` on operands already on the
+/// device (addresses), for callers that queue their own work on cubecl's stream.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawGemm {
+    /// Whether `A` is read transposed.
+    pub transpose_a: bool,
+    /// Rows of `op(A)` and of `C`.
+    pub m: usize,
+    /// Columns of `op(B)` and of `C`.
+    pub n: usize,
+    /// Columns of `op(A)`, rows of `op(B)`.
+    pub k: usize,
+    /// `A`'s address and leading dimension.
+    pub a: (u64, usize),
+    /// `B`'s address and leading dimension (never transposed).
+    pub b: (u64, usize),
+    /// `C`'s address and leading dimension.
+    pub c: (u64, usize),
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of `C`'s old value (1 accumulates into it).
+    pub beta: f32,
+}
+
+/// Runs `g` on `stream` with every operand of `dtype` (f32 or bf16) and f32 accumulation, on
+/// the handle of CUDA device `device` (made current here). For external operations, on
+/// cubecl's device thread.
+pub(crate) fn raw_gemm(
+    device: usize,
+    stream: cuda::CUstream,
+    dtype: DType,
+    g: &RawGemm,
+) -> Result<(), String> {
+    let ty = data_type(dtype).ok_or_else(|| format!("cuBLAS product: no {dtype:?} products"))?;
+    let mut handles = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
+    if !handles.iter().any(|(d, _)| *d == device) {
+        let blas = device_blas(device).map_err(|e| e.to_string())?;
+        handles.push((device, blas));
+    }
+    let blas = &handles
+        .iter()
+        .find(|(d, _)| *d == device)
+        .expect("inserted above")
+        .1;
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    // SAFETY: the caller passes live device allocations large enough for the shapes and
+    // leading dimensions given, and the stream cubecl queued its launch on; the handle belongs
+    // to this device's primary context, made current here.
+    unsafe {
+        driver::ctx::set_current(blas.context).map_err(|e| format!("cuCtxSetCurrent: {e}"))?;
+        blas::set_stream(blas.handle, stream as sys::cudaStream_t)
+            .map_err(|e| format!("cublasSetStream: {e:?}"))?;
+        blas::gemm_ex(
+            blas.handle,
+            op(g.transpose_a),
+            op(false),
+            g.m as i32,
+            g.n as i32,
+            g.k as i32,
+            (&g.alpha as *const f32).cast(),
+            g.a.0 as *const std::ffi::c_void,
+            ty,
+            g.a.1 as i32,
+            g.b.0 as *const std::ffi::c_void,
+            ty,
+            g.b.1 as i32,
+            (&g.beta as *const f32).cast(),
+            g.c.0 as *mut std::ffi::c_void,
+            ty,
+            g.c.1 as i32,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(|e| format!("cublasGemmEx: {e:?}"))
+    }
+}
+
 fn data_type(dtype: DType) -> Option<sys::cudaDataType> {
     match dtype {
         DType::F32 => Some(sys::cudaDataType::CUDA_R_32F),

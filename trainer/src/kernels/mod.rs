@@ -10,6 +10,7 @@
 //! SwiGLU gate with `model::fused`.
 
 pub mod attention;
+pub mod decode;
 mod module;
 pub mod norm;
 pub mod rope;

@@ -53,6 +53,51 @@ impl<B: Backend> LayerCache<B> {
         }
     }
 
+    /// Filled slots.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no slot is filled.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Shape of the key storage `[batch, kv_heads, capacity, head_dim]`, if any.
+    pub fn storage_dims(&self) -> Option<[usize; 4]> {
+        self.k.as_ref().map(|k| k.dims())
+    }
+
+    /// The whole storage of keys and values `[batch, kv_heads, capacity, head_dim]`, grown
+    /// first where fewer than `extra` slots are free, taken out of the cache so that whoever
+    /// writes the new tokens into slots `len..len + extra` holds the only reference (and may
+    /// write in place). [`Self::put_storage`] gives it back. `None` for an empty cache.
+    pub fn take_storage(&mut self, extra: usize) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
+        let grow = |store: Tensor<B, 4>, len: usize| {
+            if store.dims()[2] >= len + extra {
+                return store;
+            }
+            let [b, h, _, d] = store.dims();
+            let free =
+                store
+                    .clone()
+                    .narrow(2, 0, 1)
+                    .zeros_like()
+                    .expand([b, h, GROWTH.max(extra), d]);
+            Tensor::cat(vec![store.narrow(2, 0, len), free], 2)
+        };
+        let (k, v) = (self.k.take()?, self.v.take()?);
+        Some((grow(k, self.len), grow(v, self.len)))
+    }
+
+    /// Storage taken with [`Self::take_storage`], now holding `added` more filled slots.
+    pub fn put_storage(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>, added: usize) {
+        self.len += added;
+        debug_assert!(k.dims()[2] >= self.len && v.dims()[2] >= self.len);
+        self.k = Some(k);
+        self.v = Some(v);
+    }
+
     /// The filled keys and values, views of the storage.
     fn filled(&self) -> (Option<Tensor<B, 4>>, Option<Tensor<B, 4>>) {
         let view = |z: &Option<Tensor<B, 4>>| z.as_ref().map(|z| z.clone().narrow(2, 0, self.len));
@@ -85,6 +130,25 @@ impl<B: Backend> KvCache<B> {
     /// Whether nothing is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Which cached slots hold real tokens, `[batch, len]`.
+    pub fn valid(&self) -> Option<&Tensor<B, 2, Bool>> {
+        self.valid.as_ref()
+    }
+
+    /// Records one real token more per row (a decode step's) without deriving positions or a
+    /// mask (a decode step that derives its own), and returns every slot's flags.
+    pub fn push_real_tokens(&mut self, device: &B::Device) -> Option<Tensor<B, 2, Bool>> {
+        let past = self.valid.take()?;
+        let rows = past.dims()[0];
+        let new = Tensor::<B, 2, Bool>::from_data(
+            burn::tensor::TensorData::new(vec![true; rows], [rows, 1]),
+            device,
+        );
+        let all = Tensor::cat(vec![past, new], 1);
+        self.valid = Some(all.clone());
+        Some(all)
     }
 
     /// Records new tokens' validity and returns their positions and attention mask.
@@ -292,6 +356,42 @@ mod tests {
         let want = Tensor::cat(vec![Tensor::cat(want_k.clone(), 2).narrow(2, 0, 100), k], 2);
         assert_eq!(max_diff(got_k, want), 0.0);
         assert_eq!(cache.len, 103);
+    }
+
+    /// Storage taken for a decode step that writes its own slots: room for the new token
+    /// (grown only when full, the filled slots kept), and back with one more slot filled; the
+    /// flags gain one real token per row.
+    #[test]
+    fn storage_taken_for_writing_has_room_and_comes_back_longer() {
+        let device = Default::default();
+        let (h, d) = (2, 4);
+        let mut cache = KvCache::<B>::new(1);
+        cache.extend(Tensor::<B, 2, Bool>::from_data(
+            TensorData::new(vec![false, true, true], [1, 3]),
+            &device,
+        ));
+        let k = Tensor::<B, 4>::random([1, h, 3, d], Distribution::Normal(0.0, 1.0), &device);
+        cache.layers[0].append(k.clone(), k.clone());
+        // Appended storage has free slots: taken as it is.
+        let (sk, sv) = cache.layers[0].take_storage(1).unwrap();
+        assert_eq!(sk.dims()[2], 3 + GROWTH);
+        cache.layers[0].put_storage(sk, sv, 0);
+        // A stacked cache has none: the first take grows it, keeping the filled slots.
+        let mut stacked = KvCache::stack(vec![cache.row(0, &device)], 1, &device);
+        assert_eq!(stacked.layers[0].storage_dims().unwrap()[2], 2);
+        let (sk, sv) = stacked.layers[0].take_storage(1).unwrap();
+        assert_eq!(sk.dims()[2], 2 + GROWTH);
+        assert_eq!(max_diff(sk.clone().narrow(2, 0, 2), k.narrow(2, 1, 2)), 0.0);
+        let flags = stacked.push_real_tokens(&device).unwrap();
+        stacked.layers[0].put_storage(sk, sv, 1);
+        assert_eq!(stacked.len(), 3);
+        assert_eq!(stacked.layers[0].len(), 3);
+        let flags: Vec<bool> = flags.into_data().to_vec().unwrap();
+        assert_eq!(flags, vec![true, true, true]);
+        // An empty cache has nothing to take or flag.
+        let mut empty = KvCache::<B>::new(1);
+        assert!(empty.layers[0].take_storage(1).is_none());
+        assert!(empty.push_real_tokens(&device).is_none());
     }
 
     /// A batch cache's row, truncated and stacked back with another, keeps its tokens.

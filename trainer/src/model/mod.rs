@@ -2,6 +2,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod decode;
 pub mod fused;
 pub mod lm;
 pub mod lora;

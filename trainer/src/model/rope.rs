@@ -74,6 +74,12 @@ impl<B: Backend> RopeTables<B> {
         }
     }
 
+    /// The cosine and sine tables `[positions, head_dim]`, for kernels that look positions up
+    /// themselves.
+    pub fn tables(&self) -> (&Tensor<B, 2>, &Tensor<B, 2>) {
+        (&self.cos, &self.sin)
+    }
+
     /// Positions the tables cover.
     pub fn len(&self) -> usize {
         self.len

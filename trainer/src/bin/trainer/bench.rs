@@ -158,12 +158,28 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, env: &DeviceEnv) 
                 best = best.min(dt);
             }
             if rep == 1 {
+                let once = SamplingParams {
+                    max_new_tokens: 1,
+                    ..params.clone()
+                };
+                sync(&device)?;
+                let t0 = Instant::now();
+                generate(&inner, &inner_arch, &prompts, &once, None, rep, &device);
+                sync(&device)?;
+                let prefill = t0.elapsed().as_secs_f64();
+                let stepped = n.saturating_sub(gb) as f64;
+                eprintln!(
+                    "generate batch {gb}: prefill {prefill:.3} s, decode {:.1} tokens/s",
+                    stepped / (best - prefill).max(1e-9)
+                );
                 gen_rows.push(GenerateRow {
                     batch: gb,
                     prompt: a.prompt,
                     new_tokens: a.new_tokens,
                     seconds: best,
                     tokens_per_s: n as f64 / best,
+                    prefill_seconds: prefill,
+                    decode_tokens_per_s: stepped / (best - prefill).max(1e-9),
                 });
             }
         }
@@ -187,6 +203,11 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, env: &DeviceEnv) 
     } else {
         Vec::new()
     };
+    #[cfg(feature = "cuda")]
+    {
+        let (steps, declined) = trainer::kernels::decode::counts();
+        eprintln!("decode steps as one operation: {steps}, declined: {declined}");
+    }
     let report = Report {
         products,
         engine: format!("burn {}{}", B::name(&device), env.note),
@@ -480,6 +501,11 @@ struct GenerateRow {
     new_tokens: usize,
     seconds: f64,
     tokens_per_s: f64,
+    /// The prompt's prefill alone (one new token).
+    prefill_seconds: f64,
+    /// Tokens after the first per second of what is left once the prefill is taken out: the
+    /// decode steps' rate with the prompt in the cache.
+    decode_tokens_per_s: f64,
 }
 
 /// One product of a decoding step, timed four ways.

@@ -145,21 +145,24 @@ fn configure_kernels() -> String {
     let norm = trainer::kernels::norm::install();
     let rope = trainer::kernels::rope::install();
     let swiglu = trainer::kernels::swiglu::install();
+    let decode = trainer::kernels::decode::install();
     tracing::info!(
-        "trainer CUDA kernels: attention {}, next-token statistics {}, RMSNorm {}, rotary embeddings {}, SwiGLU {}",
+        "trainer CUDA kernels: attention {}, next-token statistics {}, RMSNorm {}, rotary embeddings {}, SwiGLU {}, decode step {}",
         name(attention),
         name(vocab),
         name(norm),
         name(rope),
-        name(swiglu)
+        name(swiglu),
+        name(decode)
     );
     format!(
-        "attention {}, vocabulary {}, RMSNorm {}, rotary {}, SwiGLU {}",
+        "attention {}, vocabulary {}, RMSNorm {}, rotary {}, SwiGLU {}, decode step {}",
         name(attention),
         name(vocab),
         name(norm),
         name(rope),
-        name(swiglu)
+        name(swiglu),
+        name(decode)
     )
 }
 

@@ -1,0 +1,173 @@
+//! The decode step on CUDA (`kernels::decode`, one operation per step) against
+//! `CausalLm::forward_last` (burn operations), token by token from the same caches: padded
+//! prompts, caches taken apart into rows and stacked again (left padding, storage without free
+//! slots), rows retained mid-way, grouped and ungrouped heads, tied and untied heads, query/key/
+//! value biases and low-rank adapters, in f32 and bf16. The CPU has no decode step (its
+//! generation always runs `forward_last`, which the parity tests check).
+
+#[cfg(feature = "cuda")]
+#[allow(dead_code)] // shared with tests that use all of it
+mod common;
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::common::rel_diff;
+    use burn::module::Param;
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Bool, Distribution, Int, Tensor, TensorData};
+    use trainer::model::{Architecture, CausalLm, KvCache, LoraSpec, LoraTarget, ModelConfig};
+
+    fn config(heads: usize, kv_heads: usize, hidden: usize, tied: bool) -> ModelConfig {
+        ModelConfig::from_json(&format!(
+            r#"{{"model_type":"qwen2","vocab_size":1000,"hidden_size":{hidden},"intermediate_size":{},
+                "num_hidden_layers":3,"num_attention_heads":{heads},"num_key_value_heads":{kv_heads},
+                "tie_word_embeddings":{tied},"rope_theta":10000.0}}"#,
+            2 * hidden + 64
+        ))
+        .expect("a valid config")
+    }
+
+    /// Adapters with non-zero `B` on `targets` (fresh adapters start at zero, which would
+    /// test nothing).
+    fn adapt<B: Backend>(lm: CausalLm<B>, targets: Vec<LoraTarget>) -> CausalLm<B> {
+        let spec = LoraSpec {
+            rank: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets,
+        };
+        let mut lm = CausalLm {
+            backbone: lm.backbone.with_adapters(&spec, 7),
+            lm_head: lm.lm_head,
+        };
+        for layer in &mut lm.backbone.layers {
+            for dense in [
+                &mut layer.self_attn.qkv_proj,
+                &mut layer.self_attn.o_proj,
+                &mut layer.mlp.gate_up_proj,
+                &mut layer.mlp.down_proj,
+            ] {
+                if let Some(a) = dense.lora.as_mut() {
+                    for b in &mut a.b {
+                        let dims = b.dims();
+                        *b = Param::from_tensor(Tensor::random(
+                            dims,
+                            Distribution::Normal(0.0, 0.05),
+                            &b.device(),
+                        ));
+                    }
+                }
+            }
+        }
+        lm
+    }
+
+    /// Steps both ways from one cache; returns the largest relative difference of the logits.
+    fn compare<B: Backend>(lm: &CausalLm<B>, cfg: &ModelConfig, device: &B::Device) -> f32 {
+        let arch = Architecture::<B>::new(cfg.clone(), 1024, device);
+        let decoder = lm.decoder(&arch).expect("the decode step takes this model");
+        let lens = [300usize, 5, 41];
+        let w = lens[0];
+        let (mut ids, mut valid) = (Vec::new(), Vec::new());
+        for (r, &n) in lens.iter().enumerate() {
+            ids.extend((0..w).map(|i| ((i * 31 + r * 17 + 5) % 1000) as i32));
+            valid.extend((0..w).map(|i| i >= w - n));
+        }
+        let rows = lens.len();
+        let mut prefill = KvCache::new(cfg.num_hidden_layers);
+        lm.forward_last(
+            Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, w]), device),
+            Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [rows, w]), device),
+            &arch,
+            Some(&mut prefill),
+        );
+        // As a conversation's kept caches come back: rows apart, stacked with left padding and
+        // no free slots (the first step grows the storage).
+        let parts = (0..rows).map(|r| prefill.row(r, device)).collect();
+        let stacked = KvCache::stack(parts, cfg.num_hidden_layers, device);
+        // Shared storage: the decode step must copy before writing, leaving `theirs` intact.
+        let (mut ours, mut theirs) = (stacked.clone(), stacked);
+        let mut live: Vec<usize> = (0..rows).collect();
+        let mut worst = 0.0f32;
+        for step in 0..24 {
+            if step == 9 {
+                live = vec![0, 2];
+                ours.retain(&[0, 2], device);
+                theirs.retain(&[0, 2], device);
+            }
+            let n = live.len();
+            let next: Vec<i32> = live
+                .iter()
+                .map(|&r| ((step * 13 + r * 101 + 7) % 1000) as i32)
+                .collect();
+            let a = decoder
+                .step(
+                    Tensor::<B, 1, Int>::from_data(TensorData::new(next.clone(), [n]), device),
+                    &mut ours,
+                )
+                .expect("the step applies to this cache");
+            let b = lm.forward_last(
+                Tensor::<B, 2, Int>::from_data(TensorData::new(next, [n, 1]), device),
+                Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; n], [n, 1]), device),
+                &arch,
+                Some(&mut theirs),
+            );
+            assert_eq!(a.dims(), b.dims());
+            assert_eq!(ours.len(), theirs.len());
+            worst = worst.max(rel_diff(a, b));
+        }
+        worst
+    }
+
+    fn check<B: Backend>(device: &B::Device, tol: f32) {
+        let cases: Vec<(&str, ModelConfig, Option<Vec<LoraTarget>>)> = vec![
+            (
+                "7 query heads per key head, tied",
+                config(14, 2, 896, true),
+                None,
+            ),
+            ("ungrouped, untied", config(4, 4, 256, false), None),
+            ("head width 128", config(8, 2, 1024, false), None),
+            (
+                "adapters on every projection",
+                config(14, 2, 896, true),
+                Some(LoraTarget::ALL.to_vec()),
+            ),
+            (
+                "adapters on query and value only",
+                config(8, 2, 512, false),
+                Some(vec![LoraTarget::QProj, LoraTarget::VProj]),
+            ),
+        ];
+        for (name, cfg, targets) in cases {
+            let lm = CausalLm::<B>::random(&cfg, device);
+            let lm = match targets {
+                Some(t) => adapt(lm, t),
+                None => lm,
+            };
+            let d = compare(&lm, &cfg, device);
+            eprintln!("{name}: largest relative logit difference {d:.2e}");
+            assert!(d < tol, "{name}: {d} against {tol}");
+        }
+    }
+
+    fn install() {
+        trainer::blas::cublas::install().expect("cuBLAS");
+        assert!(
+            trainer::kernels::decode::install(),
+            "the decode kernels compile"
+        );
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test -p trainer --features cuda --test decode -- --ignored"]
+    fn the_decode_step_matches_forward_last_on_cuda() {
+        install();
+        let device = burn::backend::cuda::CudaDevice::new(0);
+        check::<burn::backend::Cuda<f32>>(&device, 2e-3);
+        check::<burn::backend::Cuda<half::bf16>>(&device, 4e-2);
+        let (steps, declined) = trainer::kernels::decode::counts();
+        assert!(steps > 0);
+        assert_eq!(declined, 0);
+    }
+}
