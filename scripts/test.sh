@@ -100,5 +100,10 @@ python_status=0
 phase "python tests" "$CUDA_AGENT_PYTHON" -m pytest -q -n auto --dist loadfile tests/python || python_status=$?
 phase "red-team corpus" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam || python_status=$?
 unset CPATH
-phase "cargo test" cargo test --workspace --locked "$@" || status=$?
+# cargo's test binaries three at a time, not one after another (most wait on servers and
+# judges): the ones that judge real candidates one at a time at normal priority, most others
+# beside them at the candidates' build priority, the profiler's sample counts alone. Each
+# binary's output is printed whole when it ends; scripts/cargo_test_parallel.py says which
+# binary is which and why.
+phase "cargo test" "$CUDA_AGENT_PYTHON" scripts/cargo_test_parallel.py --workspace --locked "$@" || status=$?
 [ "$status" = 0 ] && [ "$python_status" = 0 ]
