@@ -186,7 +186,6 @@ def main() -> int:
     jobs_list.sort(key=lambda j: (j["label"] not in ALONE, j["label"] not in JUDGE,
                                   -last.get(j["label"], TYPICAL_S.get(j["label"], 0)), order[j["label"]]))
     queue = jobs_list
-    deps = str(target / "debug" / "deps")
     running: dict[str, tuple] = {}
     results: list[tuple[str, int, float, str]] = []
     print(f"cargo_test_parallel: {len(queue)} test binaries, {jobs} at a time; logs in {logs}", flush=True)
@@ -195,6 +194,8 @@ def main() -> int:
         env = dict(os.environ)
         if j["package"]:
             env.update(CARGO_MANIFEST_DIR=j["dir"], CARGO_PKG_NAME=j["package"], CARGO_CRATE_NAME=j["crate"])
+            # As cargo does: the deps directory on the library path, for any dylib a test links.
+            deps = os.path.dirname(j["exe"])
             env["LD_LIBRARY_PATH"] = deps + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
         log_path = logs / (re.sub(r"[^A-Za-z0-9_.-]+", "_", j["label"]) + ".log")
         log = open(log_path, "w")
