@@ -789,6 +789,11 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     );
     let _ = writeln!(
         out,
+        "# TYPE cuda_agent_http_connections_refused_per_client_total counter\ncuda_agent_http_connections_refused_per_client_total {}",
+        h.refused_per_client.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
         "# TYPE cuda_agent_evaluations_in_flight gauge\ncuda_agent_evaluations_in_flight {}",
         s.evaluator.in_flight()
     );

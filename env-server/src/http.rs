@@ -1,14 +1,17 @@
 //! Serving the router over TCP to clients that may be hostile: a cap on open connections
-//! (excess ones get a 503 and are closed at once), a time limit on a request's headers that is
+//! and a smaller one per client address, so that one client cannot hold them all (excess
+//! ones get a 503 and are closed at once), a time limit on a request's headers that is
 //! also the idle keep-alive limit, a limit on how long a response may wait for a client that
 //! stops reading, and bounded headers. Request bodies are bounded in size and time by the
 //! router itself (`api::router`), so the same limits hold in-process.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -25,6 +28,10 @@ use tokio::sync::{watch, Semaphore};
 pub struct HttpLimits {
     /// Most connections open at once; more are answered 503 and closed.
     pub max_connections: usize,
+    /// Most connections one client address may hold open at once (IPv4-mapped IPv6
+    /// addresses count as their IPv4 address); more are answered 503 and closed. Under
+    /// `max_connections`, so that one client cannot take every slot from the others.
+    pub max_connections_per_client: usize,
     /// Most requests being handled at once (a request goes on after its client hangs up, so
     /// this can exceed the open connections); more are answered 503 `busy`. Enforced by the
     /// router (`api::router`).
@@ -48,6 +55,7 @@ impl Default for HttpLimits {
     fn default() -> Self {
         Self {
             max_connections: 4096,
+            max_connections_per_client: HttpLimits::default_per_client(4096),
             max_requests_in_flight: 4096,
             header_timeout: Duration::from_secs(20),
             body_timeout: Duration::from_secs(30),
@@ -59,6 +67,15 @@ impl Default for HttpLimits {
     }
 }
 
+impl HttpLimits {
+    /// The default per-client cap for a global cap of `max_connections`: a quarter of it
+    /// (at least 1). A trainer host runs hundreds of episodes over keep-alive connections,
+    /// which fit; three quarters of the slots stay for the other clients.
+    pub fn default_per_client(max_connections: usize) -> usize {
+        (max_connections / 4).max(1)
+    }
+}
+
 /// Counters of the HTTP layer, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct HttpCounters {
@@ -66,19 +83,91 @@ pub struct HttpCounters {
     pub accepted: AtomicU64,
     /// Connections refused because too many were open.
     pub refused: AtomicU64,
+    /// Connections refused because their client address held too many open.
+    pub refused_per_client: AtomicU64,
     /// Connections open now.
     pub open: AtomicU64,
 }
 
 /// The answer to a connection over the cap.
-static REFUSAL: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
-    let body = r#"{"error":{"code":"too_many_connections","message":"too many open connections; retry later"}}"#;
+static REFUSAL: std::sync::LazyLock<Vec<u8>> =
+    std::sync::LazyLock::new(|| refusal("too_many_connections", "too many open connections"));
+
+/// The answer to a connection over its client's cap.
+static REFUSAL_PER_CLIENT: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    refusal(
+        "too_many_connections_from_client",
+        "too many open connections from this address",
+    )
+});
+
+/// A whole fixed 503 answer with error `code`, sent before closing.
+fn refusal(code: &str, message: &str) -> Vec<u8> {
+    let body = format!(r#"{{"error":{{"code":"{code}","message":"{message}; retry later"}}}}"#);
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
     .into_bytes()
-});
+}
+
+/// The address a client's connections are counted under: an IPv4-mapped IPv6 address
+/// (`::ffff:a.b.c.d`, what a dual-stack listener sees of an IPv4 peer) is its IPv4 address,
+/// so one client is one count whichever listener it reaches.
+pub fn client_key(addr: IpAddr) -> IpAddr {
+    addr.to_canonical()
+}
+
+/// Open connections per client address. Only addresses with a connection open have an
+/// entry, so it is bounded by the global cap.
+#[derive(Debug)]
+struct PerClient {
+    cap: usize,
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl PerClient {
+    /// One connection more for `ip`, or None when it already holds `cap`.
+    fn try_acquire(self: &Arc<Self>, ip: IpAddr) -> Option<ClientSlot> {
+        // A panic cannot leave the map half-updated (each update is one statement), so a
+        // poisoned lock's map is still right.
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = open.entry(ip).or_insert(0);
+        if *n >= self.cap {
+            return None;
+        }
+        *n += 1;
+        Some(ClientSlot {
+            table: self.clone(),
+            ip,
+        })
+    }
+}
+
+/// One open connection of a client; dropping it (however the connection ends, the task
+/// finishing or being dropped at shutdown) gives it back.
+#[derive(Debug)]
+struct ClientSlot {
+    table: Arc<PerClient>,
+    ip: IpAddr,
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut open = self
+            .table
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                // Gone at zero: addresses seen once leave nothing behind.
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
 
 /// Serves `app` on `listener` until `shutdown` resolves, then lets open connections finish
 /// their requests for up to `limits.shutdown_grace`.
@@ -90,6 +179,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let per_client = Arc::new(PerClient {
+        cap: limits.max_connections_per_client.max(1),
+        open: Mutex::new(HashMap::new()),
+    });
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut builder = http1::Builder::new();
     builder
@@ -100,9 +193,9 @@ pub async fn serve(
         .keep_alive(true);
     tokio::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((s, _)) => s,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors or a connection reset before accept: never fatal,
                     // and no busy loop while descriptors are short.
@@ -113,7 +206,15 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        // The client's own cap first: a client over it is told so, and takes no global slot.
+        let Some(client_slot) = per_client.try_acquire(client_key(peer.ip())) else {
+            counters.refused_per_client.fetch_add(1, Ordering::Relaxed);
+            let _ = stream.try_write(&REFUSAL_PER_CLIENT);
+            drop(stream);
+            continue;
+        };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(client_slot);
             counters.refused.fetch_add(1, Ordering::Relaxed);
             // One non-blocking write of a fixed answer, then close: a refused client costs
             // the server nothing that lasts.
@@ -131,6 +232,7 @@ pub async fn serve(
         let grace = limits.shutdown_grace;
         tokio::spawn(async move {
             let _slot = slot;
+            let _client_slot = client_slot;
             counters.open.fetch_add(1, Ordering::Relaxed);
             tokio::pin!(conn);
             tokio::select! {
@@ -237,5 +339,52 @@ impl AsyncWrite for StallLimit {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    #[test]
+    fn an_ipv4_mapped_address_counts_as_its_ipv4_address() {
+        let v4 = IpAddr::V4(Ipv4Addr::new(10, 1, 2, 3));
+        let mapped = IpAddr::V6(Ipv4Addr::new(10, 1, 2, 3).to_ipv6_mapped());
+        assert_eq!(client_key(mapped), v4);
+        assert_eq!(client_key(v4), v4);
+        // Other IPv6 addresses stay themselves, the IPv4-compatible form (`::a.b.c.d`,
+        // deprecated and never a dual-stack peer) included.
+        let v6 = IpAddr::V6("2001:db8::1".parse::<Ipv6Addr>().expect("v6"));
+        assert_eq!(client_key(v6), v6);
+        let compat = IpAddr::V6(Ipv4Addr::new(10, 1, 2, 3).to_ipv6_compatible());
+        assert_eq!(client_key(compat), compat);
+        let loopback = IpAddr::V6(Ipv6Addr::LOCALHOST);
+        assert_eq!(client_key(loopback), loopback);
+    }
+
+    #[test]
+    fn a_client_slot_is_given_back_when_dropped() {
+        let table = Arc::new(PerClient {
+            cap: 2,
+            open: Mutex::new(HashMap::new()),
+        });
+        let a = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1));
+        let b = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+        let first = table.try_acquire(a).expect("first");
+        let second = table.try_acquire(a).expect("second");
+        assert!(table.try_acquire(a).is_none(), "over the cap");
+        let other = table
+            .try_acquire(b)
+            .expect("another client has its own count");
+        drop(first);
+        let third = table
+            .try_acquire(a)
+            .expect("a slot given back is usable again");
+        drop((second, third, other));
+        assert!(
+            table.open.lock().expect("lock").is_empty(),
+            "addresses with nothing open leave no entry"
+        );
     }
 }

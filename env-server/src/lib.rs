@@ -461,6 +461,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         "build": {"cuda_arch_list": toolchain.cuda_arch_list, "precompiled_headers": toolchain.pch_dir.as_ref().map(|_| variants.clone())},
         "http": {
             "max_connections": cfg.http.max_connections,
+            "max_connections_per_client": cfg.http.max_connections_per_client,
             "max_requests_in_flight": cfg.http.max_requests_in_flight,
             "header_timeout_s": cfg.http.header_timeout.as_secs_f64(),
             "body_timeout_s": cfg.http.body_timeout.as_secs_f64(),

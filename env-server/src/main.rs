@@ -127,6 +127,11 @@ struct Args {
     /// Most HTTP connections open at once; more are answered 503 and closed.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
+    /// Most HTTP connections one client address may hold open at once, so that one client
+    /// cannot take every slot; more are answered 503 and closed (default: a quarter of
+    /// --max-connections).
+    #[arg(long)]
+    max_connections_per_client: Option<usize>,
     /// Most requests being handled at once (one goes on after its client hangs up); more are
     /// answered 503.
     #[arg(long, default_value_t = 4096)]
@@ -285,6 +290,10 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
     let mut signals = Signals::new()?;
     let http = HttpLimits {
         max_connections: args.max_connections.max(1),
+        max_connections_per_client: args
+            .max_connections_per_client
+            .unwrap_or_else(|| HttpLimits::default_per_client(args.max_connections.max(1)))
+            .max(1),
         max_requests_in_flight: args.max_requests_in_flight.max(1),
         header_timeout: secs(args.header_timeout_s, "header-timeout-s")?,
         body_timeout: secs(args.body_timeout_s, "body-timeout-s")?,
