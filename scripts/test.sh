@@ -102,7 +102,7 @@ phase "red-team corpus" "$CUDA_AGENT_PYTHON" -m pytest -q tests/redteam || pytho
 unset CPATH
 # cargo's test binaries three at a time, not one after another (most wait on servers and
 # judges): the ones that judge real candidates one at a time at normal priority, most others
-# beside them at the candidates' build priority, the profiler's sample counts alone. Each
+# beside them at the candidates' build priority, two load-sensitive ones alone. Each
 # binary's output is printed whole when it ends; scripts/cargo_test_parallel.py says which
 # binary is which and why.
 phase "cargo test" "$CUDA_AGENT_PYTHON" scripts/cargo_test_parallel.py --workspace --locked "$@" || status=$?
