@@ -74,6 +74,16 @@ impl<B: Backend> RopeTables<B> {
         }
     }
 
+    /// The tables in `dtype` (a model whose element type is not its device's default, such
+    /// as a bf16 model on a device first used in f32, reads them in its own).
+    pub fn cast(self, dtype: burn::tensor::DType) -> Self {
+        Self {
+            cos: self.cos.cast(dtype),
+            sin: self.sin.cast(dtype),
+            len: self.len,
+        }
+    }
+
     /// The cosine and sine tables `[positions, head_dim]`, for kernels that look positions up
     /// themselves.
     pub fn tables(&self) -> (&Tensor<B, 2>, &Tensor<B, 2>) {
