@@ -232,6 +232,31 @@ pub fn install() -> Result<(), CublasError> {
     Ok(())
 }
 
+/// Device `device`'s handle from `handles`, created on first use.
+fn device_handle(
+    handles: &mut Vec<(usize, DeviceBlas)>,
+    device: usize,
+) -> Result<&DeviceBlas, String> {
+    if !handles.iter().any(|(d, _)| *d == device) {
+        let blas = device_blas(device).map_err(|e| e.to_string())?;
+        handles.push((device, blas));
+    }
+    handles
+        .iter()
+        .find(|(d, _)| *d == device)
+        .map(|(_, blas)| blas)
+        .ok_or_else(|| format!("cuBLAS: no handle for device {device}"))
+}
+
+/// cuBLAS's name for reading an operand transposed or not.
+fn operation(transposed: bool) -> sys::cublasOperation_t {
+    if transposed {
+        sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
 /// Whether [`install`] ran and found cuBLAS.
 pub fn installed() -> bool {
     !HANDLES.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
@@ -272,22 +297,7 @@ pub(crate) fn raw_gemm(
 ) -> Result<(), String> {
     let ty = data_type(dtype).ok_or_else(|| format!("cuBLAS product: no {dtype:?} products"))?;
     let mut handles = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
-    if !handles.iter().any(|(d, _)| *d == device) {
-        let blas = device_blas(device).map_err(|e| e.to_string())?;
-        handles.push((device, blas));
-    }
-    let blas = &handles
-        .iter()
-        .find(|(d, _)| *d == device)
-        .expect("inserted above")
-        .1;
-    let op = |t: bool| {
-        if t {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
+    let blas = device_handle(&mut handles, device)?;
     // SAFETY: the caller passes live device allocations large enough for the shapes and
     // leading dimensions given, and the stream cubecl queued its launch on; the handle belongs
     // to this device's primary context, made current here.
@@ -297,8 +307,8 @@ pub(crate) fn raw_gemm(
             .map_err(|e| format!("cublasSetStream: {e:?}"))?;
         blas::gemm_ex(
             blas.handle,
-            op(g.transpose_a),
-            op(false),
+            operation(g.transpose_a),
+            operation(false),
             g.m as i32,
             g.n as i32,
             g.k as i32,
@@ -486,23 +496,8 @@ fn call_gemm(call: &external::ExternalCall<'_>) -> Result<(), String> {
         return Err("cuBLAS product: expected three buffers".into());
     };
     let mut handles = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
-    if !handles.iter().any(|(d, _)| *d == device) {
-        let blas = device_blas(device).map_err(|e| e.to_string())?;
-        handles.push((device, blas));
-    }
-    let blas = &handles
-        .iter()
-        .find(|(d, _)| *d == device)
-        .expect("inserted above")
-        .1;
+    let blas = device_handle(&mut handles, device)?;
     let (alpha, beta) = (1.0f32, 0.0f32);
-    let op = |t: bool| {
-        if t {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
     // f32 accumulation for every input type, and no TF32 for f32 inputs (as PyTorch's default).
     let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
     let bytes = if ty == sys::cudaDataType::CUDA_R_32F {
@@ -522,8 +517,8 @@ fn call_gemm(call: &external::ExternalCall<'_>) -> Result<(), String> {
             let [ra, lb, oc] = gemm.outer_strides.map(|s| outer * s as u64 * bytes);
             blas::gemm_strided_batched_ex(
                 blas.handle,
-                op(gemm.a.transpose),
-                op(gemm.b.transpose),
+                operation(gemm.a.transpose),
+                operation(gemm.b.transpose),
                 gemm.m as i32,
                 gemm.n as i32,
                 gemm.k as i32,
