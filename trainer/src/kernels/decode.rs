@@ -12,7 +12,7 @@
 //! products, rounded once instead of twice).
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use burn::tensor::{DType, Int, Shape, Tensor, TensorPrimitive};
@@ -68,6 +68,7 @@ const MIN_SPLIT_KEYS: usize = 256;
 const MAX_SPLITS: usize = 64;
 
 static STEPS: AtomicU64 = AtomicU64::new(0);
+static BF16: AtomicBool = AtomicBool::new(false);
 static DECLINED: AtomicU64 = AtomicU64::new(0);
 
 /// Decode steps this process ran as one operation, and steps declined (run by burn
@@ -77,6 +78,11 @@ pub fn counts() -> (u64, u64) {
         STEPS.load(Ordering::Relaxed),
         DECLINED.load(Ordering::Relaxed),
     )
+}
+
+/// Whether [`install`] registered the step for bf16 models too.
+pub fn runs_bf16() -> bool {
+    BF16.load(Ordering::Relaxed)
 }
 
 /// Makes generation on burn's CUDA backend decode through these kernels, and returns true;
@@ -110,6 +116,7 @@ pub fn install_for(bf16: bool) -> bool {
         }
     }
     fused::register::<Cuda<f32>, FusedDecoder<Cuda<f32>>>(prepare::<f32>);
+    BF16.store(bf16, Ordering::Relaxed);
     if bf16 {
         fused::register::<Cuda<half::bf16>, FusedDecoder<Cuda<half::bf16>>>(prepare::<half::bf16>);
     }

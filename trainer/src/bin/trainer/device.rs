@@ -146,6 +146,11 @@ fn configure_kernels() -> String {
     let rope = trainer::kernels::rope::install();
     let swiglu = trainer::kernels::swiglu::install();
     let decode = trainer::kernels::decode::install();
+    let decode_note = match (decode, trainer::kernels::decode::runs_bf16()) {
+        (false, _) => "decomposed",
+        (true, true) => "kernels",
+        (true, false) => "kernels for f32 models (bf16: CUDA_AGENT_DECODE=kernels)",
+    };
     tracing::info!(
         "trainer CUDA kernels: attention {}, next-token statistics {}, RMSNorm {}, rotary embeddings {}, SwiGLU {}, decode step {}",
         name(attention),
@@ -153,7 +158,7 @@ fn configure_kernels() -> String {
         name(norm),
         name(rope),
         name(swiglu),
-        name(decode)
+        decode_note
     );
     format!(
         "attention {}, vocabulary {}, RMSNorm {}, rotary {}, SwiGLU {}, decode step {}",
@@ -162,7 +167,7 @@ fn configure_kernels() -> String {
         name(norm),
         name(rope),
         name(swiglu),
-        name(decode)
+        decode_note
     )
 }
 
