@@ -24,6 +24,7 @@ use crate::drain::Drain;
 use crate::evaluation::Evaluator;
 use crate::idempotency::{body_digest, BodyDigest, KeyReused, Keys};
 use crate::retention;
+use crate::reward;
 use crate::runtime::{Device, PythonInfo, WORKSPACE_FILES};
 use crate::trajectory::{self, is_episode_id, TrajectoryLog};
 
@@ -1291,24 +1292,20 @@ impl EpisodeManager {
                     submitted = solution.files;
                     self.final_evaluation(&ep.id, &ep.task, &submitted).await
                 }
-                Err(e) => EvaluationResult {
-                    reward: -1.0,
-                    correct: false,
-                    reason: Some(format!("bad_solution: {e}")),
-                    times_ms: Default::default(),
-                    speedup: Default::default(),
-                    details: EvaluationDetails {
+                Err(e) => reward::failed(
+                    format!("bad_solution: {e}"),
+                    EvaluationDetails {
                         task: ep.task.id.clone(),
                         ..EvaluationDetails::default()
                     },
-                },
+                ),
             };
             reward = result.reward;
             // Kernel tasks only: the tiny family's observations stay as its policies learnt them.
             if ep.task.is_kernel() {
                 observation.text.push('\n');
                 observation.text.push_str(&relative_paths(
-                    &crate::reward::describe(&result),
+                    &reward::describe(&result),
                     &self.cfg().data_dir,
                     &ep.dir,
                 ));
@@ -1440,17 +1437,13 @@ impl EpisodeManager {
                 .get("model_new.py")
                 .is_none_or(|t| t.trim().is_empty());
         if missing {
-            return EvaluationResult {
-                reward: -1.0,
-                correct: false,
-                reason: Some("missing_solution: model_new.py is empty".into()),
-                times_ms: Default::default(),
-                speedup: Default::default(),
-                details: EvaluationDetails {
+            return reward::failed(
+                "missing_solution: model_new.py is empty".into(),
+                EvaluationDetails {
                     task: task.id.clone(),
                     ..EvaluationDetails::default()
                 },
-            };
+            );
         }
         match self
             .evaluator
@@ -1458,18 +1451,14 @@ impl EpisodeManager {
             .await
         {
             Ok(r) => r,
-            Err(e) => EvaluationResult {
-                reward: -1.0,
-                correct: false,
-                reason: Some(format!("evaluation_error: {e}")),
-                times_ms: Default::default(),
-                speedup: Default::default(),
-                details: EvaluationDetails {
+            Err(e) => reward::failed(
+                format!("evaluation_error: {e}"),
+                EvaluationDetails {
                     task: task.id.clone(),
                     server_error: true,
                     ..EvaluationDetails::default()
                 },
-            },
+            ),
         }
     }
 

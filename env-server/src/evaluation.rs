@@ -445,14 +445,7 @@ impl Evaluator {
             build: Some(build.clone()),
             ..EvaluationDetails::default()
         };
-        let fail = |reason: String, details: EvaluationDetails| EvaluationResult {
-            reward: -1.0,
-            correct: false,
-            reason: Some(reason),
-            times_ms: Times::default(),
-            speedup: Speedups::default(),
-            details,
-        };
+        let fail = crate::reward::failed;
         if !build.built {
             let reason = build
                 .reason

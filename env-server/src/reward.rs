@@ -1,6 +1,22 @@
 //! The milestone reward of the CUDA Agent recipe.
 
-use env_api::EvaluationDetails;
+use env_api::{EvaluationDetails, EvaluationResult, Speedups, Times};
+
+/// The reward of an evaluation that failed or broke a rule.
+pub const FAILURE: f64 = -1.0;
+
+/// An evaluation that ended without a verdict of the judge's, or with a failing one: reward
+/// [`FAILURE`], not correct, no times, `reason` naming the rule (`bad_solution: ...`).
+pub fn failed(reason: String, details: EvaluationDetails) -> EvaluationResult {
+    EvaluationResult {
+        reward: FAILURE,
+        correct: false,
+        reason: Some(reason),
+        times_ms: Times::default(),
+        speedup: Speedups::default(),
+        details,
+    }
+}
 
 /// `b(t, t') = (t' - t) / t' > 0.05`: the candidate is more than 5% faster than a baseline.
 pub fn beats(candidate_ms: f64, baseline_ms: f64) -> bool {
@@ -144,6 +160,55 @@ pub fn judge_recall(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A failed evaluation pays the failure reward and keeps its reason and details.
+    #[test]
+    fn failures_pay_the_failure_reward() {
+        let details = EvaluationDetails {
+            task: "L1/2_Add".into(),
+            server_error: true,
+            ..EvaluationDetails::default()
+        };
+        let r = failed("evaluation_error: gone".into(), details.clone());
+        assert_eq!(r.reward, FAILURE);
+        assert!(!r.correct);
+        assert_eq!(r.reason.as_deref(), Some("evaluation_error: gone"));
+        assert_eq!(r.details, details);
+    }
+
+    /// Rewards are decided here alone: no other source file of the server writes a reward
+    /// literal into a result.
+    #[test]
+    fn no_other_file_writes_a_reward() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut stack = vec![src];
+        let mut offenders = Vec::new();
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).expect("the source directory") {
+                let path = entry.expect("an entry").path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs")
+                    && !path.ends_with("reward.rs")
+                {
+                    let text = std::fs::read_to_string(&path).expect("a source file");
+                    for (i, line) in text.lines().enumerate() {
+                        let t = line.trim_start();
+                        let literal = t.strip_prefix("reward: ").is_some_and(|rest| {
+                            rest.starts_with(|c: char| c.is_ascii_digit() || c == '-')
+                        });
+                        if literal {
+                            offenders.push(format!("{}:{}", path.display(), i + 1));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            offenders.is_empty(),
+            "reward literals outside reward.rs: {offenders:?}"
+        );
+    }
 
     #[test]
     fn milestones() {
