@@ -278,26 +278,43 @@ fn prepare<F: FloatElement>(
     }))
 }
 
+/// What an input of the step's operation is, for how it is read when the step executes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The token ids (an int tensor).
+    Tokens,
+    /// The slot flags (a bool tensor, read with its strides).
+    Valid,
+    /// A projection's weight, read in either order.
+    Projection,
+    /// A key or value storage, written in place.
+    Storage,
+    /// Anything else, read row-major.
+    Plain,
+}
+
 /// Inputs of the step's operation in order, with the plan's buffer numbers.
 struct Inputs {
     tensors: Vec<FusionTensor>,
+    roles: Vec<Role>,
 }
 
 impl Inputs {
-    fn push(&mut self, t: FusionTensor) -> u64 {
+    fn push(&mut self, t: FusionTensor, role: Role) -> u64 {
         self.tensors.push(t);
+        self.roles.push(role);
         self.tensors.len() as u64 - 1
     }
 
     fn adapter(&mut self, p: &Projection) -> Option<AdapterPlan> {
         let a = p.adapter.as_ref()?;
-        let a_index = self.push(a.a.clone());
+        let a_index = self.push(a.a.clone(), Role::Plain);
         let parts =
             a.b.iter()
                 .zip(&a.offsets)
                 .map(|(b, &offset)| {
                     let width = b.shape[1];
-                    (self.push(b.clone()), offset, width)
+                    (self.push(b.clone(), Role::Plain), offset, width)
                 })
                 .collect();
         Some(AdapterPlan {
@@ -364,32 +381,33 @@ impl<F: FloatElement> DecodeStep<Cuda<F>> for Decoder<F> {
 
         let mut inputs = Inputs {
             tensors: Vec::new(),
+            roles: Vec::new(),
         };
-        let tokens_at = inputs.push(tokens.into_primitive());
-        let valid_at = inputs.push(valid.into_primitive());
-        let cos = inputs.push(self.cos.clone());
-        let sin = inputs.push(self.sin.clone());
-        let embed = inputs.push(self.embed.clone());
-        let final_norm = inputs.push(self.final_norm.clone());
+        let tokens_at = inputs.push(tokens.into_primitive(), Role::Tokens);
+        let valid_at = inputs.push(valid.into_primitive(), Role::Valid);
+        let cos = inputs.push(self.cos.clone(), Role::Plain);
+        let sin = inputs.push(self.sin.clone(), Role::Plain);
+        let embed = inputs.push(self.embed.clone(), Role::Plain);
+        let final_norm = inputs.push(self.final_norm.clone(), Role::Plain);
         let head = match &self.head {
-            Some(h) => inputs.push(h.clone()),
+            Some(h) => inputs.push(h.clone(), Role::Projection),
             None => NONE,
         };
         let mut layers = Vec::with_capacity(self.layers.len());
         for (w, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let (k, v) = lc.take_storage(1)?;
-            let input_norm = inputs.push(w.input_norm.clone());
-            let qkv = inputs.push(w.qkv.weight.clone());
+            let input_norm = inputs.push(w.input_norm.clone(), Role::Plain);
+            let qkv = inputs.push(w.qkv.weight.clone(), Role::Projection);
             let qkv_bias = match &w.qkv_bias {
-                Some(b) => inputs.push(b.clone()),
+                Some(b) => inputs.push(b.clone(), Role::Plain),
                 None => NONE,
             };
-            let o = inputs.push(w.o.weight.clone());
-            let post_norm = inputs.push(w.post_norm.clone());
-            let gate_up = inputs.push(w.gate_up.weight.clone());
-            let down = inputs.push(w.down.weight.clone());
-            let k = inputs.push(prim(k));
-            let v = inputs.push(prim(v));
+            let o = inputs.push(w.o.weight.clone(), Role::Projection);
+            let post_norm = inputs.push(w.post_norm.clone(), Role::Plain);
+            let gate_up = inputs.push(w.gate_up.weight.clone(), Role::Projection);
+            let down = inputs.push(w.down.weight.clone(), Role::Projection);
+            let k = inputs.push(prim(k), Role::Storage);
+            let v = inputs.push(prim(v), Role::Storage);
             let adapters = [
                 inputs.adapter(&w.qkv),
                 inputs.adapter(&w.o),
@@ -412,8 +430,13 @@ impl<F: FloatElement> DecodeStep<Cuda<F>> for Decoder<F> {
                 transposed: 0,
             });
         }
-        // Scratch buffers come after the inputs, in this order (see `StepOp::execute`).
-        let n = inputs.tensors.len() as u64;
+        // Scratch buffers are numbered after the inputs, in the order of the fields below
+        // (`StepOp::execute` allocates them in the same order).
+        let mut next = inputs.tensors.len() as u64;
+        let mut scratch = || {
+            next += 1;
+            next - 1
+        };
         let adapter_width = layers
             .iter()
             .flat_map(|l| l.adapters.iter().flatten())
@@ -428,26 +451,22 @@ impl<F: FloatElement> DecodeStep<Cuda<F>> for Decoder<F> {
             final_norm,
             head,
             head_transposed: false,
-            x: n,
-            normed: n + 1,
-            qkv_out: n + 2,
-            q: n + 3,
-            attn: n + 4,
-            gate_up_out: n + 5,
-            act: n + 6,
-            inv_rms: n + 7,
-            positions: n + 8,
-            logits: n + 9,
+            x: scratch(),
+            normed: scratch(),
+            qkv_out: scratch(),
+            q: scratch(),
+            attn: scratch(),
+            gate_up_out: scratch(),
+            act: scratch(),
+            inv_rms: scratch(),
+            positions: scratch(),
+            logits: scratch(),
             adapter_rows: if adapter_width.is_some() {
-                n + 10
+                scratch()
             } else {
                 NONE
             },
-            partial: match (splits > 1, adapter_width.is_some()) {
-                (false, _) => NONE,
-                (true, true) => n + 11,
-                (true, false) => n + 10,
-            },
+            partial: if splits > 1 { scratch() } else { NONE },
         };
         let plan = StepPlan {
             device: 0,
@@ -489,6 +508,7 @@ impl<F: FloatElement> DecodeStep<Cuda<F>> for Decoder<F> {
         let op = StepOp::<F> {
             desc: desc.clone(),
             plan,
+            roles: inputs.roles,
             adapter_width: adapter_width.unwrap_or(0),
             groups,
             _f: PhantomData,
@@ -513,6 +533,8 @@ struct StepOp<F> {
     desc: CustomOpIr,
     /// Buffer numbers of the inputs and scratch; strides filled in at execution.
     plan: StepPlan,
+    /// What each input is.
+    roles: Vec<Role>,
     adapter_width: usize,
     groups: usize,
     _f: PhantomData<F>,
@@ -560,59 +582,46 @@ impl<F: FloatElement> Operation<Runtime> for StepOp<F> {
         let ins = &self.desc.inputs;
         let mut plan = self.plan.clone();
         let mut t: Vec<CudaTensor> = Vec::with_capacity(ins.len() + 12);
-        for (i, ir) in ins.iter().enumerate() {
-            t.push(match i as u64 {
-                at if at == plan.shared.tokens => row_major(handles.get_int_tensor::<Cube<F>>(ir)),
-                at if at == plan.shared.valid => handles.get_bool_tensor::<Cube<F>>(ir),
-                _ => handles.get_float_tensor::<Cube<F>>(ir),
+        // Per input: whether a projection weight is stored transposed (column-major).
+        let mut transposed = vec![false; ins.len()];
+        for ((ir, &role), flipped) in ins.iter().zip(&self.roles).zip(transposed.iter_mut()) {
+            t.push(match role {
+                Role::Tokens => row_major(handles.get_int_tensor::<Cube<F>>(ir)),
+                Role::Valid => handles.get_bool_tensor::<Cube<F>>(ir),
+                Role::Plain => row_major(handles.get_float_tensor::<Cube<F>>(ir)),
+                Role::Projection => {
+                    let w = handles.get_float_tensor::<Cube<F>>(ir);
+                    match matrix_order(&w) {
+                        Some(column_major) => {
+                            *flipped = column_major;
+                            w
+                        }
+                        None => into_contiguous(w),
+                    }
+                }
+                Role::Storage => {
+                    // Written in place: a storage someone else still reads is copied first.
+                    let mut x = handles.get_float_tensor::<Cube<F>>(ir);
+                    if !x.can_mut() {
+                        x = x.copy();
+                    }
+                    if x.meta.strides()[3] != 1 {
+                        x = into_contiguous(x);
+                    }
+                    x
+                }
             });
         }
-        // Projection weights are read in either order; everything else row-major.
-        let order = |t: &mut Vec<CudaTensor>, at: u64| -> bool {
-            let i = at as usize;
-            match matrix_order(&t[i]) {
-                Some(transposed) => transposed,
-                None => {
-                    t[i] = into_contiguous(t[i].clone());
-                    false
-                }
-            }
-        };
+        let bit = |at: u64| transposed[at as usize];
         for l in plan.layers.iter_mut() {
-            let mut bits = 0u64;
-            for (bit, at) in [l.qkv, l.o, l.gate_up, l.down].into_iter().enumerate() {
-                if order(&mut t, at) {
-                    bits |= 1 << bit;
-                }
-            }
-            l.transposed = bits;
+            l.transposed = [l.qkv, l.o, l.gate_up, l.down]
+                .into_iter()
+                .enumerate()
+                .filter(|&(_, at)| bit(at))
+                .fold(0, |bits, (i, _)| bits | 1 << i);
         }
         if plan.shared.head != NONE {
-            plan.shared.head_transposed = order(&mut t, plan.shared.head);
-        }
-        let projection_weights: Vec<u64> = plan
-            .layers
-            .iter()
-            .flat_map(|l| [l.qkv, l.o, l.gate_up, l.down])
-            .chain((plan.shared.head != NONE).then_some(plan.shared.head))
-            .collect();
-        let storages: Vec<u64> = plan.layers.iter().flat_map(|l| [l.k, l.v]).collect();
-        for (i, x) in t.iter_mut().enumerate() {
-            let at = i as u64;
-            if at == plan.shared.valid || projection_weights.contains(&at) {
-                continue;
-            }
-            if storages.contains(&at) {
-                // Written in place: a storage someone else still reads is copied first.
-                if !x.can_mut() {
-                    *x = x.copy();
-                }
-                if x.meta.strides()[3] != 1 {
-                    *x = into_contiguous(x.clone());
-                }
-                continue;
-            }
-            *x = row_major(x.clone());
+            plan.shared.head_transposed = bit(plan.shared.head);
         }
         for l in plan.layers.iter_mut() {
             let s = |x: &CudaTensor| {
@@ -664,7 +673,7 @@ impl<F: FloatElement> Operation<Runtime> for StepOp<F> {
         if let Some(o) = outputs.next() {
             handles.register_float_tensor::<Cube<F>>(&o.id, t[plan.shared.logits as usize].clone());
         }
-        for at in storages {
+        for at in plan.layers.iter().flat_map(|l| [l.k, l.v]) {
             if let Some(o) = outputs.next() {
                 handles.register_float_tensor::<Cube<F>>(&o.id, t[at as usize].clone());
             }
