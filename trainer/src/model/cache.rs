@@ -40,11 +40,7 @@ impl<B: Backend> LayerCache<B> {
                 store.slice_assign([0..b, 0..h, len..len + t, 0..d], new)
             }
             store => {
-                let free = new
-                    .clone()
-                    .narrow(2, 0, 1)
-                    .zeros_like()
-                    .expand([b, h, GROWTH, d]);
+                let free = free_slots(&new, GROWTH);
                 let mut parts: Vec<Tensor<B, 4>> =
                     store.map(|s| s.narrow(2, 0, len)).into_iter().collect();
                 parts.extend([new, free]);
@@ -77,13 +73,7 @@ impl<B: Backend> LayerCache<B> {
             if store.dims()[2] >= len + extra {
                 return store;
             }
-            let [b, h, _, d] = store.dims();
-            let free =
-                store
-                    .clone()
-                    .narrow(2, 0, 1)
-                    .zeros_like()
-                    .expand([b, h, GROWTH.max(extra), d]);
+            let free = free_slots(&store, GROWTH.max(extra));
             Tensor::cat(vec![store.narrow(2, 0, len), free], 2)
         };
         let (k, v) = (self.k.take()?, self.v.take()?);
@@ -103,6 +93,16 @@ impl<B: Backend> LayerCache<B> {
         let view = |z: &Option<Tensor<B, 4>>| z.as_ref().map(|z| z.clone().narrow(2, 0, self.len));
         (view(&self.k), view(&self.v))
     }
+}
+
+/// `n` empty slots `[batch, kv_heads, n, head_dim]` shaped like `like`'s, to append to a
+/// storage.
+fn free_slots<B: Backend>(like: &Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
+    let [b, h, _, d] = like.dims();
+    like.clone()
+        .narrow(2, 0, 1)
+        .zeros_like()
+        .expand([b, h, n, d])
 }
 
 /// The cache of every layer plus which cached slots hold real tokens.
