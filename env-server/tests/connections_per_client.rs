@@ -22,6 +22,24 @@ const BOUND: Duration = Duration::from_secs(30);
 const ATTACKER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
 const OTHER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
+/// A server with `limits` on a fresh data directory (kept alive by the caller), its state
+/// and address.
+async fn start(
+    limits: HttpLimits,
+) -> (
+    tempfile::TempDir,
+    std::sync::Arc<env_server::AppState>,
+    SocketAddr,
+) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state_from(ServerConfig {
+        http: limits.clone(),
+        ..test_config(dir.path())
+    });
+    let addr = serve(state.clone(), limits).await;
+    (dir, state, addr)
+}
+
 /// A connection to `addr` from the local address `from`.
 async fn connect_from(from: Ipv4Addr, addr: SocketAddr) -> TcpStream {
     let socket = TcpSocket::new_v4().expect("socket");
@@ -76,12 +94,7 @@ async fn one_client_cannot_hold_every_connection() {
         header_timeout: Duration::from_secs(120),
         ..short_limits()
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let state = state_from(ServerConfig {
-        http: limits.clone(),
-        ..test_config(dir.path())
-    });
-    let addr = serve(state.clone(), limits).await;
+    let (_dir, state, addr) = start(limits).await;
 
     // The attacker opens its share of connections and sends nothing.
     let mut holders = Vec::new();
@@ -138,12 +151,7 @@ async fn per_client_refusals_are_on_the_metrics_page() {
         header_timeout: Duration::from_secs(120),
         ..short_limits()
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let state = state_from(ServerConfig {
-        http: limits.clone(),
-        ..test_config(dir.path())
-    });
-    let addr = serve(state.clone(), limits).await;
+    let (_dir, state, addr) = start(limits).await;
     let holder = connect_from(ATTACKER, addr).await;
     wait_open(&state, 1).await;
     let mut s = connect_from(ATTACKER, addr).await;
