@@ -15,11 +15,21 @@ if [ "${1:-}" = --quick ]; then
   quick=1
   shift
 fi
+# The machine's busy and total CPU time so far (/proc/stat, clock ticks): a phase that keeps
+# the cores busy is cut by less work, one that does not by more parallelism.
+cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8, $2+$3+$4+$5+$6+$7+$8; exit}' /proc/stat 2>/dev/null || echo "0 0"; }
+busy_since() {
+  local b0 t0 b1 t1
+  read -r b0 t0 <<<"$1"
+  read -r b1 t1 < <(cpu_ticks)
+  [ "$((t1 - t0))" -gt 0 ] && echo "cores $((100 * (b1 - b0) / (t1 - t0)))% busy" || echo "cores ?"
+}
 phase() {
-  local name="$1" start=$SECONDS status=0
+  local name="$1" start=$SECONDS status=0 ticks
+  ticks="$(cpu_ticks)"
   shift
   "$@" || status=$?
-  echo "test.sh: $name: $((SECONDS - start)) s (exit status $status)" >&2
+  echo "test.sh: $name: $((SECONDS - start)) s, $(busy_since "$ticks") (exit status $status)" >&2
   return "$status"
 }
 # The Python side's lint gate (ruff.toml), as clippy is the Rust side's: seconds, so first,

@@ -5,6 +5,7 @@ use crate::model::vocab::log_softmax_last;
 use crate::model::{Architecture, CausalLm, KvCache};
 use crate::seeds::ReplayRng;
 use crate::tokenizer::TextTokenizer;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{backend::Backend, Bool, FloatDType, Int, Tensor, TensorData};
 
 /// How to sample.
@@ -265,25 +266,25 @@ impl<B: Backend> Sampling<'_, B> {
         // Sampling from the whole distribution (PPO's default) and greedy decoding choose on the
         // device and bring back a few numbers per row; top-k / top-p bring back whole rows.
         let on_device = params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0);
+        // Where a decode step's time goes, at debug level only: the device is synchronised
+        // around each part, which costs a little and tells choosing from computing.
+        let mut split = tracing::enabled!(tracing::Level::DEBUG).then(StepSplit::default);
         for step in 0..params.max_new_tokens {
+            let choose_start = split.as_ref().map(|_| {
+                // A failed sync shows in the next read; the split is only a diagnosis.
+                let _ = B::sync(device);
+                std::time::Instant::now()
+            });
             let rows = live.len();
-            // In f32 whatever the model's precision: a bf16 log-softmax over a large vocabulary
-            // is too coarse to sample from.
-            let last32 = last.cast(FloatDType::F32);
-            let scaled = if params.temperature > 0.0 {
-                last32 / params.temperature
-            } else {
-                last32
-            };
-            let lp = log_softmax_last(scaled);
             let picks: Vec<(usize, f32)> = if on_device {
-                if params.temperature <= 0.0 {
-                    greedy_on_device(lp)
+                let us: Vec<f64> = if params.temperature > 0.0 {
+                    (0..rows).map(|_| rng.unit_f64()).collect()
                 } else {
-                    let us: Vec<f64> = (0..rows).map(|_| rng.unit_f64()).collect();
-                    draw_on_device(lp, &us)
-                }
+                    Vec::new()
+                };
+                choose_on_device(last, params.temperature, &us)
             } else {
+                let lp = scaled_log_probs(last, params.temperature);
                 let host: Vec<f32> = lp.into_data().convert::<f32>().to_vec().unwrap_or_default();
                 (0..rows)
                     .map(|r| {
@@ -293,6 +294,10 @@ impl<B: Backend> Sampling<'_, B> {
                     })
                     .collect()
             };
+            if let (Some(split), Some(start)) = (split.as_mut(), choose_start) {
+                split.choose += start.elapsed();
+                split.steps += 1;
+            }
             let mut next = Vec::with_capacity(rows);
             let mut keep = Vec::with_capacity(rows);
             for (r, (&seq, &(tok, logprob))) in live.iter().zip(&picks).enumerate() {
@@ -339,6 +344,7 @@ impl<B: Backend> Sampling<'_, B> {
             }
             live = keep.iter().map(|&r| live[r]).collect();
             let rows = live.len();
+            let step_start = split.as_ref().map(|_| std::time::Instant::now());
             let fused = decoder.as_ref().and_then(|d| {
                 let ids =
                     Tensor::<B, 1, Int>::from_data(TensorData::new(next.clone(), [rows]), device);
@@ -356,8 +362,131 @@ impl<B: Backend> Sampling<'_, B> {
                     lm.forward_last(tokens, valid, arch, Some(&mut cache))
                 }
             };
+            if let (Some(split), Some(start)) = (split.as_mut(), step_start) {
+                split.queue += start.elapsed();
+                let _ = B::sync(device);
+                split.compute += start.elapsed();
+            }
+        }
+        if let Some(split) = split {
+            split.report(n);
         }
         (out, ended)
+    }
+}
+
+/// Log-probabilities `[rows, vocab]` of logits at a temperature (none when it is 0, greedy),
+/// in f32 whatever the model's precision: a bf16 log-softmax over a large vocabulary is too
+/// coarse to sample from.
+fn scaled_log_probs<B: Backend>(logits: Tensor<B, 2>, temperature: f64) -> Tensor<B, 2> {
+    let logits = logits.cast(FloatDType::F32);
+    log_softmax_last(if temperature > 0.0 {
+        logits / temperature
+    } else {
+        logits
+    })
+}
+
+/// The next token of each row of logits `[rows, vocab]` and its log-probability, chosen on the
+/// device: greedy when `temperature` is 0, else drawn from the whole distribution at
+/// `temperature` with `us[row]` uniform in [0, 1). The backend's [`FusedChoice`] where it has
+/// one (one read of the device), else [`choose_composed`].
+pub fn choose_on_device<B: Backend>(
+    logits: Tensor<B, 2>,
+    temperature: f64,
+    us: &[f64],
+) -> Vec<(usize, f32)> {
+    match choose_fused(&logits, temperature, us) {
+        Some(picks) => picks,
+        None => choose_composed(logits, temperature, us),
+    }
+}
+
+/// [`choose_on_device`] composed of burn operations, on every backend.
+pub fn choose_composed<B: Backend>(
+    logits: Tensor<B, 2>,
+    temperature: f64,
+    us: &[f64],
+) -> Vec<(usize, f32)> {
+    let lp = scaled_log_probs(logits, temperature);
+    if temperature > 0.0 {
+        draw_on_device(lp, us)
+    } else {
+        greedy_on_device(lp)
+    }
+}
+
+/// A backend's choice of the next tokens as one operation (registered with
+/// [`crate::model::fused`]; the CUDA kernel of `kernels::sample`): logits `[rows, vocab]`,
+/// the temperature (0: greedy) and each row's uniform draw as the bits of an `f64` (`[rows,
+/// 2]` ints, low word first) to `[rows, 2]` ints, each row's token and its log-probability's
+/// `f32` bits: the choice [`greedy_on_device`] and [`draw_on_device`] make from
+/// [`scaled_log_probs`]. `None` to decline.
+pub type FusedChoice<B> = fn(FloatTensor<B>, f64, IntTensor<B>) -> Option<IntTensor<B>>;
+
+/// The next token of each row and its log-probability through the backend's [`FusedChoice`],
+/// where it has one and takes these logits: one read of the device.
+fn choose_fused<B: Backend>(
+    logits: &Tensor<B, 2>,
+    temperature: f64,
+    us: &[f64],
+) -> Option<Vec<(usize, f32)>> {
+    let choose = crate::model::fused::get::<B, FusedChoice<B>>()?;
+    let rows = logits.dims()[0];
+    let bits: Vec<i32> = if temperature > 0.0 {
+        us.iter()
+            .take(rows)
+            .flat_map(|u| {
+                let b = u.to_bits();
+                [b as u32 as i32, (b >> 32) as u32 as i32]
+            })
+            .collect()
+    } else {
+        vec![0; 2 * rows]
+    };
+    if bits.len() != 2 * rows {
+        return None;
+    }
+    let device = logits.device();
+    let draws = Tensor::<B, 2, Int>::from_data(TensorData::new(bits, [rows, 2]), &device);
+    let out = choose(
+        logits.clone().into_primitive().tensor(),
+        temperature,
+        draws.into_primitive(),
+    )?;
+    let out: Vec<i32> = Tensor::<B, 2, Int>::from_primitive(out)
+        .into_data()
+        .convert::<i32>()
+        .to_vec()
+        .ok()?;
+    Some(
+        out.chunks_exact(2)
+            .map(|p| (p[0] as u32 as usize, f32::from_bits(p[1] as u32)))
+            .collect(),
+    )
+}
+
+/// A generation's decode time in parts (debug level): choosing each step's tokens from its
+/// logits, queueing the next step, and the step until the device has finished it.
+#[derive(Default)]
+struct StepSplit {
+    steps: u32,
+    choose: std::time::Duration,
+    queue: std::time::Duration,
+    compute: std::time::Duration,
+}
+
+impl StepSplit {
+    fn report(&self, rows: usize) {
+        let per = |d: std::time::Duration| d.as_secs_f64() * 1e3 / f64::from(self.steps.max(1));
+        tracing::debug!(
+            rows,
+            steps = self.steps,
+            choose_ms = per(self.choose),
+            queue_ms = per(self.queue),
+            step_ms = per(self.compute),
+            "decode time per step"
+        );
     }
 }
 

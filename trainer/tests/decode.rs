@@ -2,7 +2,8 @@
 //! `CausalLm::forward_last` (burn operations), token by token from the same caches: padded
 //! prompts, caches taken apart into rows and stacked again (left padding, storage without free
 //! slots), rows retained mid-way, grouped and ungrouped heads, tied and untied heads, query/key/
-//! value biases and low-rank adapters, in f32 and bf16. The CPU has no decode step (its
+//! value biases and low-rank adapters, in f32 and bf16; and the token choice kernel
+//! (`kernels::sample`) against the composition it replaces. The CPU has no decode step (its
 //! generation always runs `forward_last`, which the parity tests check).
 
 #[cfg(feature = "cuda")]
@@ -169,7 +170,7 @@ mod cuda {
     fn install() {
         trainer::blas::cublas::install().expect("cuBLAS");
         assert!(
-            trainer::kernels::decode::install_for(true),
+            trainer::kernels::decode::install(),
             "the decode kernels compile"
         );
     }
@@ -184,5 +185,94 @@ mod cuda {
         let (steps, declined) = trainer::kernels::decode::counts();
         assert!(steps > 0);
         assert_eq!(declined, 0);
+    }
+
+    /// The token choice kernel (`kernels::sample`) against the composition of burn operations,
+    /// from the same logits and draws: the same tokens, the same log-probabilities to rounding.
+    fn check_choice<B: Backend>(dtype: DType, device: &B::Device) {
+        for vocab in [151_936, 1000, 129] {
+            let rows = 37;
+            let logits =
+                Tensor::<B, 2>::random([rows, vocab], Distribution::Normal(0.0, 3.0), device)
+                    .cast(dtype);
+            // Draws across [0, 1), the ends included.
+            let us: Vec<f64> = (0..rows)
+                .map(|r| match r {
+                    0 => 0.0,
+                    1 => 1.0 - f64::EPSILON,
+                    _ => (r as f64 * 0.618_033_988_75).fract(),
+                })
+                .collect();
+            let rows_f64: Vec<f64> = logits
+                .clone()
+                .cast(DType::F32)
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("f32 logits")
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            for temperature in [0.0, 0.7, 1.0, 1.6] {
+                let fused = trainer::generate::choose_on_device(logits.clone(), temperature, &us);
+                let composed = trainer::generate::choose_composed(logits.clone(), temperature, &us);
+                assert_eq!(fused.len(), rows);
+                for (r, (f, c)) in fused.iter().zip(&composed).enumerate() {
+                    if f.0 != c.0 {
+                        // Both sums round: the two may differ only where the draw lies on the
+                        // boundary between the tokens, to rounding.
+                        let (lo, hi) = (f.0.min(c.0), f.0.max(c.0));
+                        let cdf = host_cdf(&rows_f64[r * vocab..(r + 1) * vocab], temperature);
+                        assert!(
+                            temperature > 0.0
+                                && (cdf[lo + 1] - us[r]).abs() < 1e-5
+                                && (cdf[hi] - us[r]).abs() < 1e-5,
+                            "{dtype:?} vocab {vocab} temperature {temperature} row {r}: token {} against {} (draw {}, boundaries {} and {})",
+                            f.0,
+                            c.0,
+                            us[r],
+                            cdf[lo + 1],
+                            cdf[hi]
+                        );
+                        continue;
+                    }
+                    assert!(
+                        (f.1 - c.1).abs() <= 1e-4 * c.1.abs().max(1.0),
+                        "{dtype:?} vocab {vocab} temperature {temperature} row {r}: log-probability {} against {}",
+                        f.1,
+                        c.1
+                    );
+                }
+            }
+        }
+    }
+
+    /// Cumulative probabilities of a row of logits at a temperature: `cdf[i]` is the mass of
+    /// the tokens before `i` (`cdf[vocab]` is 1).
+    fn host_cdf(logits: &[f64], temperature: f64) -> Vec<f64> {
+        let x: Vec<f64> = logits.iter().map(|l| l / temperature).collect();
+        let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = x.iter().map(|v| (v - m).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut cdf = Vec::with_capacity(w.len() + 1);
+        let mut acc = 0.0;
+        cdf.push(0.0);
+        for v in w {
+            acc += v / total;
+            cdf.push(acc);
+        }
+        cdf
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test -p trainer --features cuda --test decode -- --ignored"]
+    fn the_token_choice_kernel_matches_the_composition_on_cuda() {
+        assert!(
+            trainer::kernels::sample::install(),
+            "the token choice kernel compiles"
+        );
+        let device = burn::backend::cuda::CudaDevice::new(0);
+        check_choice::<burn::backend::Cuda<f32>>(DType::F32, &device);
+        check_choice::<burn::backend::Cuda<half::bf16>>(DType::BF16, &device);
     }
 }

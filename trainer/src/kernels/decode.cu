@@ -114,6 +114,7 @@ __device__ void attention(const T* q, const T* ks, const T* vs, const unsigned c
             const T* kr = kb + j * k_s;
             if (vec) {
                 float kv[Vec16<T>::N];
+#pragma unroll 4
                 for (long long k = 0; k < d; k += n16) {
                     Vec16<T>::load(kr, k, kv);
 #pragma unroll
@@ -172,7 +173,21 @@ __device__ void attention(const T* q, const T* ks, const T* vs, const unsigned c
             l[g] = l[g] * corr[g] + sum;
             acc[g] *= corr[g];
         }
-        for (long long jj = part; jj < n; jj += parts) {
+        // Eight values loaded before any is used: one wait on memory per eight keys, not per
+        // key (the sums keep their order).
+        long long jj = part;
+        for (; jj + 7 * parts < n; jj += 8 * parts) {
+            float vv[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) vv[u] = load(vb + (c0 + jj + u * parts) * v_s, dd);
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+#pragma unroll
+                for (int g = 0; g < MAXG; g++)
+                    if (g < G) acc[g] += sc[g * blockDim.x + jj + u * parts] * vv[u];
+            }
+        }
+        for (; jj < n; jj += parts) {
             const float vv = load(vb + (c0 + jj) * v_s, dd);
 #pragma unroll
             for (int g = 0; g < MAXG; g++)

@@ -12,7 +12,7 @@
 //! products, rounded once instead of twice).
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use burn::tensor::{DType, Int, Shape, Tensor, TensorPrimitive};
@@ -63,13 +63,14 @@ const MAX_GROUPS: usize = 8;
 /// Widest head (`MAXD`).
 const MAX_HEAD_DIM: usize = 256;
 /// Keys an attention split covers at least.
-const MIN_SPLIT_KEYS: usize = 256;
+const MIN_SPLIT_KEYS: usize = 128;
 /// Most splits of one (row, key head).
 const MAX_SPLITS: usize = 64;
 
 static STEPS: AtomicU64 = AtomicU64::new(0);
-static BF16: AtomicBool = AtomicBool::new(false);
 static DECLINED: AtomicU64 = AtomicU64::new(0);
+/// Host time spent queueing the steps' launches on cubecl's device thread, in nanoseconds.
+static QUEUE_NS: AtomicU64 = AtomicU64::new(0);
 
 /// Decode steps this process ran as one operation, and steps declined (run by burn
 /// operations instead).
@@ -80,28 +81,16 @@ pub fn counts() -> (u64, u64) {
     )
 }
 
-/// Whether [`install`] registered the step for bf16 models too.
-pub fn runs_bf16() -> bool {
-    BF16.load(Ordering::Relaxed)
+/// Seconds the device thread spent queueing the steps' launches (kernels and cuBLAS calls):
+/// the host's share of a step, which the GPU's share hides only where it is longer.
+pub fn queue_seconds() -> f64 {
+    QUEUE_NS.load(Ordering::Relaxed) as f64 * 1e-9
 }
 
-/// Makes generation on burn's CUDA backend decode through these kernels, and returns true;
-/// false (nothing registered) without cuBLAS, when `CUDA_AGENT_DECODE=decomposed` asks for
-/// burn operations, or when a source does not compile. f32 models always; bf16 models only with
-/// `CUDA_AGENT_DECODE=kernels`, until the bf16 case of `tests/decode.rs` has passed on a GPU
-/// (its f32 case has; the bf16 speed is measured, its logits are not yet checked).
+/// Makes generation on burn's CUDA backend (f32 and bf16 models) decode through these
+/// kernels, and returns true; false (nothing registered) without cuBLAS, when
+/// `CUDA_AGENT_DECODE=decomposed` asks for burn operations, or when a source does not compile.
 pub fn install() -> bool {
-    let bf16 = std::env::var("CUDA_AGENT_DECODE").as_deref() == Ok("kernels");
-    if !bf16 {
-        tracing::info!(
-            "bf16 models decode with burn operations (CUDA_AGENT_DECODE=kernels runs the decode step for them too)"
-        );
-    }
-    install_for(bf16)
-}
-
-/// [`install`] with the bf16 choice made by the caller (the GPU test checks both).
-pub fn install_for(bf16: bool) -> bool {
     if !cublas::installed() {
         tracing::info!("the decode step's products need cuBLAS: burn operations decode");
         return false;
@@ -116,10 +105,7 @@ pub fn install_for(bf16: bool) -> bool {
         }
     }
     fused::register::<Cuda<f32>, FusedDecoder<Cuda<f32>>>(prepare::<f32>);
-    BF16.store(bf16, Ordering::Relaxed);
-    if bf16 {
-        fused::register::<Cuda<half::bf16>, FusedDecoder<Cuda<half::bf16>>>(prepare::<half::bf16>);
-    }
+    fused::register::<Cuda<half::bf16>, FusedDecoder<Cuda<half::bf16>>>(prepare::<half::bf16>);
     true
 }
 
@@ -695,8 +681,113 @@ fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
         plan: &plan,
         pointers: call.pointers,
         stream: call.stream,
+        clock: tracing::enabled!(tracing::Level::DEBUG).then(Clock::default),
     };
-    step.queue()
+    let start = std::time::Instant::now();
+    let queued = step.queue();
+    QUEUE_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    if let Some(clock) = &step.clock {
+        clock.finish(step.stream);
+    }
+    queued
+}
+
+/// The parts of a step whose GPU time [`part_seconds`] reports.
+const PARTS: [&str; 10] = [
+    "embedding, positions",
+    "RMSNorm",
+    "q/k/v product",
+    "bias, rotation, cache write",
+    "attention",
+    "output product",
+    "gate/up product",
+    "SwiGLU",
+    "down product",
+    "output head",
+];
+const EMBEDDING: usize = 0;
+const NORM: usize = 1;
+const QKV_PRODUCT: usize = 2;
+const ROTATION: usize = 3;
+const ATTEND: usize = 4;
+const O_PRODUCT: usize = 5;
+const GATE_UP: usize = 6;
+const GATE: usize = 7;
+const DOWN: usize = 8;
+const HEAD: usize = 9;
+
+/// GPU milliseconds by part over every step timed, and the steps timed.
+static PART_MS: std::sync::Mutex<([f64; PARTS.len()], u64)> =
+    std::sync::Mutex::new(([0.0; PARTS.len()], 0));
+
+/// Each part's GPU time per step, in seconds, over the steps timed: at debug level only (each
+/// timed step waits for the device, so the split costs speed). Empty when none was timed.
+pub fn part_seconds() -> Vec<(&'static str, f64)> {
+    let (ms, steps) = *PART_MS.lock().unwrap_or_else(|p| p.into_inner());
+    if steps == 0 {
+        return Vec::new();
+    }
+    PARTS
+        .iter()
+        .zip(ms)
+        .map(|(name, ms)| (*name, ms * 1e-3 / steps as f64))
+        .collect()
+}
+
+/// Events recorded on the stream where each part of a step begins (diagnosis: see
+/// [`part_seconds`]). A failed event call drops the step's timing, never the step.
+#[derive(Default)]
+struct Clock {
+    marks: std::cell::RefCell<Vec<(usize, cudarc::driver::sys::CUevent)>>,
+    failed: std::cell::Cell<bool>,
+}
+
+impl Clock {
+    fn mark(&self, part: usize, stream: cudarc::driver::sys::CUstream) {
+        use cudarc::driver::{result::event, sys::CUevent_flags};
+        let Ok(e) = event::create(CUevent_flags::CU_EVENT_DEFAULT) else {
+            self.failed.set(true);
+            return;
+        };
+        // SAFETY: a live event on the stream cubecl handed this operation.
+        if unsafe { event::record(e, stream) }.is_err() {
+            self.failed.set(true);
+        }
+        self.marks.borrow_mut().push((part, e));
+    }
+
+    /// Waits for the step's end and adds each part's time to [`PART_MS`].
+    fn finish(&self, stream: cudarc::driver::sys::CUstream) {
+        use cudarc::driver::result::event;
+        self.mark(PARTS.len(), stream);
+        let marks = self.marks.take();
+        let mut ms = [0.0; PARTS.len()];
+        // SAFETY: the events were created and recorded above; each is destroyed once.
+        unsafe {
+            let ended = marks
+                .last()
+                .is_some_and(|&(_, e)| event::synchronize(e).is_ok());
+            for pair in marks.windows(2) {
+                let ((part, a), (_, b)) = (pair[0], pair[1]);
+                match event::elapsed(a, b) {
+                    Ok(t) if part < PARTS.len() => ms[part] += f64::from(t),
+                    Ok(_) => {}
+                    Err(_) => self.failed.set(true),
+                }
+            }
+            for (_, e) in marks {
+                let _ = event::destroy(e);
+            }
+            if !ended || self.failed.get() {
+                return;
+            }
+        }
+        let mut total = PART_MS.lock().unwrap_or_else(|p| p.into_inner());
+        for (sum, t) in total.0.iter_mut().zip(ms) {
+            *sum += t;
+        }
+        total.1 += 1;
+    }
 }
 
 /// One step's launches.
@@ -704,9 +795,17 @@ struct Queued<'a> {
     plan: &'a StepPlan,
     pointers: &'a [u64],
     stream: cudarc::driver::sys::CUstream,
+    /// Where the parts' GPU time is measured (debug level).
+    clock: Option<Clock>,
 }
 
 impl Queued<'_> {
+    fn mark(&self, part: usize) {
+        if let Some(clock) = &self.clock {
+            clock.mark(part, self.stream);
+        }
+    }
+
     fn ptr(&self, at: u64) -> Result<u64, String> {
         if at == NONE {
             return Ok(0);
@@ -811,6 +910,7 @@ impl Queued<'_> {
     }
 
     fn norm(&self, input: u64, scale: u64, out: u64) -> Result<(), String> {
+        self.mark(NORM);
         let p = self.plan;
         let args = [
             self.ptr(input)?,
@@ -842,6 +942,7 @@ impl Queued<'_> {
         let groups = h / kvh.max(1);
         let half = d / 2;
         let slot = (p.slots - 1) as u64;
+        self.mark(EMBEDDING);
         self.launch(
             &SOURCE,
             EMBED + v,
@@ -874,6 +975,7 @@ impl Queued<'_> {
             let [kb, kh, ks] = l.k_strides.map(|x| x as u64);
             let [vb, vh, vs] = l.v_strides.map(|x| x as u64);
             self.norm(s.x, l.input_norm, s.normed)?;
+            self.mark(QKV_PRODUCT);
             self.project(
                 s.normed,
                 l.qkv,
@@ -885,6 +987,7 @@ impl Queued<'_> {
                 false,
             )?;
             let pairs = rows * (h + 2 * kvh) * half;
+            self.mark(ROTATION);
             self.launch(
                 &SOURCE,
                 QKV + v,
@@ -912,6 +1015,7 @@ impl Queued<'_> {
                     vs,
                 ],
             )?;
+            self.mark(ATTEND);
             self.launch(
                 &SOURCE,
                 ATTENTION + v,
@@ -956,8 +1060,10 @@ impl Queued<'_> {
                     ],
                 )?;
             }
+            self.mark(O_PRODUCT);
             self.project(s.attn, l.o, tr(1), &l.adapters[1], s.x, hidden, h * d, true)?;
             self.norm(s.x, l.post_norm, s.normed)?;
+            self.mark(GATE_UP);
             self.project(
                 s.normed,
                 l.gate_up,
@@ -968,6 +1074,7 @@ impl Queued<'_> {
                 hidden,
                 false,
             )?;
+            self.mark(GATE);
             self.launch(
                 &super::swiglu::SOURCE,
                 v,
@@ -982,6 +1089,7 @@ impl Queued<'_> {
                     p.inter as u64,
                 ],
             )?;
+            self.mark(DOWN);
             self.project(
                 s.act,
                 l.down,
@@ -994,6 +1102,7 @@ impl Queued<'_> {
             )?;
         }
         self.norm(s.x, s.final_norm, s.normed)?;
+        self.mark(HEAD);
         if s.head == NONE {
             // Tied: the embedding `[vocab, hidden]` read transposed.
             self.gemm(RawGemm {

@@ -7,13 +7,15 @@
 //! waiting. [`attention`] registers them with the vendored burn-autodiff, which then runs
 //! every differentiable attention through them; [`vocab`], [`norm`], [`rope`] and [`swiglu`]
 //! register the next-token statistics of a training pass, RMSNorm, rotary embeddings and the
-//! SwiGLU gate with `model::fused`.
+//! SwiGLU gate with `model::fused`; [`decode`] runs a whole decode step and [`sample`] chooses
+//! the next tokens from its logits.
 
 pub mod attention;
 pub mod decode;
 mod module;
 pub mod norm;
 pub mod rope;
+pub mod sample;
 mod stream;
 pub mod swiglu;
 pub mod vocab;

@@ -65,13 +65,14 @@ pub(crate) fn enabled(source: &Source, env: &str, what: &str) -> bool {
 }
 
 /// Every source launched through [`queue`], by number (the number travels with the launch).
-fn sources() -> [&'static Source; 5] {
+fn sources() -> [&'static Source; 6] {
     [
         &super::attention::SOURCE,
         &super::vocab::SOURCE,
         &super::norm::SOURCE,
         &super::rope::SOURCE,
         &super::swiglu::SOURCE,
+        &super::sample::SOURCE,
     ]
 }
 

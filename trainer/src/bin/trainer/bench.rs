@@ -206,7 +206,21 @@ fn bench<B: AutodiffBackend>(a: &BenchArgs, device: B::Device, env: &DeviceEnv) 
     #[cfg(feature = "cuda")]
     {
         let (steps, declined) = trainer::kernels::decode::counts();
-        eprintln!("decode steps as one operation: {steps}, declined: {declined}");
+        let queue_ms = trainer::kernels::decode::queue_seconds() * 1e3 / steps.max(1) as f64;
+        eprintln!(
+            "decode steps as one operation: {steps}, declined: {declined}; host time queueing one: {queue_ms:.3} ms"
+        );
+        let parts = trainer::kernels::decode::part_seconds();
+        if !parts.is_empty() {
+            let list: Vec<String> = parts
+                .iter()
+                .map(|(name, s)| format!("{name} {:.3}", s * 1e3))
+                .collect();
+            eprintln!(
+                "decode step GPU time by part, ms a step: {}",
+                list.join(", ")
+            );
+        }
     }
     let report = Report {
         products,

@@ -133,9 +133,10 @@ fn configure_matmul() -> &'static str {
     }
 }
 
-/// Runs attention, the next-token statistics, RMSNorm, rotary embeddings and the SwiGLU gate
-/// through the trainer's CUDA kernels (`kernels::{attention, vocab, norm, rope, swiglu}`)
-/// unless `CUDA_AGENT_{ATTENTION,VOCAB,NORM,ROPE,SWIGLU}` is `decomposed`; returns the
+/// Runs attention, the next-token statistics, RMSNorm, rotary embeddings, the SwiGLU gate, the
+/// decode step and the choice of each generated token through the trainer's CUDA kernels
+/// (`kernels::{attention, vocab, norm, rope, swiglu, decode, sample}`) unless
+/// `CUDA_AGENT_{ATTENTION,VOCAB,NORM,ROPE,SWIGLU,DECODE,SAMPLE}` is `decomposed`; returns the
 /// choices for the bench's note.
 #[cfg(feature = "cuda")]
 fn configure_kernels() -> String {
@@ -146,28 +147,26 @@ fn configure_kernels() -> String {
     let rope = trainer::kernels::rope::install();
     let swiglu = trainer::kernels::swiglu::install();
     let decode = trainer::kernels::decode::install();
-    let decode_note = match (decode, trainer::kernels::decode::runs_bf16()) {
-        (false, _) => "decomposed",
-        (true, true) => "kernels",
-        (true, false) => "kernels for f32 models (bf16: CUDA_AGENT_DECODE=kernels)",
-    };
+    let sample = trainer::kernels::sample::install();
     tracing::info!(
-        "trainer CUDA kernels: attention {}, next-token statistics {}, RMSNorm {}, rotary embeddings {}, SwiGLU {}, decode step {}",
+        "trainer CUDA kernels: attention {}, next-token statistics {}, RMSNorm {}, rotary embeddings {}, SwiGLU {}, decode step {}, token choice {}",
         name(attention),
         name(vocab),
         name(norm),
         name(rope),
         name(swiglu),
-        decode_note
+        name(decode),
+        name(sample)
     );
     format!(
-        "attention {}, vocabulary {}, RMSNorm {}, rotary {}, SwiGLU {}, decode step {}",
+        "attention {}, vocabulary {}, RMSNorm {}, rotary {}, SwiGLU {}, decode step {}, token choice {}",
         name(attention),
         name(vocab),
         name(norm),
         name(rope),
         name(swiglu),
-        decode_note
+        name(decode),
+        name(sample)
     )
 }
 
