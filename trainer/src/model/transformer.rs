@@ -274,8 +274,62 @@ fn grouped_query_attention<B: Backend>(
     mask: &Tensor<B, 4, Bool>,
     kvh: usize,
 ) -> Tensor<B, 4> {
-    let regroup = q.dims()[2] <= REGROUP_MAX_QUERIES;
-    grouped_query_attention_as(q, k, v, mask, kvh, regroup)
+    grouped_query_attention_in_blocks(q, k, v, mask, kvh, MAX_SCORE_ELEMENTS)
+}
+
+/// Elements of one attention's score tensor (`[batch, heads, queries, keys]`) above which
+/// [`grouped_query_attention`] takes the queries a block at a time. The scores are made
+/// whole: 8 rows of 10,112 tokens on Qwen2.5-0.5B's 14 heads are 1.1e10 elements (23 GB per
+/// layer in bf16), past what a CUDA kernel's 32-bit indices reach (a 50-turn rollout bench
+/// panicked there on an H100). 2^30 elements are 2 GB in bf16.
+const MAX_SCORE_ELEMENTS: usize = 1 << 30;
+
+/// [`grouped_query_attention`] with queries in blocks whose scores hold at most `max_scores`
+/// elements each (softmax is per query, so the blocks' outputs side by side are the whole
+/// output; on autodiff backends each block is its own differentiable attention).
+fn grouped_query_attention_in_blocks<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &Tensor<B, 4, Bool>,
+    kvh: usize,
+    max_scores: usize,
+) -> Tensor<B, 4> {
+    let [b, h, t, d] = q.dims();
+    let s = k.dims()[2];
+    let per_query = (b * h * s).max(1);
+    if t <= 1 || per_query.saturating_mul(t) <= max_scores {
+        return grouped_query_attention_as(q, k, v, mask, kvh, t <= REGROUP_MAX_QUERIES);
+    }
+    let block = (max_scores / per_query).max(1);
+    // Expanded once for all blocks where the blocks would expand them each (reshaping an
+    // expanded tensor copies it).
+    let groups = h / kvh;
+    let (k, v, kvh) = if groups > 1 && block > REGROUP_MAX_QUERIES {
+        let expand = |z: Tensor<B, 4>| {
+            z.unsqueeze_dim::<5>(2)
+                .expand([b, kvh, groups, s, d])
+                .reshape([b, h, s, d])
+        };
+        (expand(k), expand(v), h)
+    } else {
+        (k, v, kvh)
+    };
+    let mut outs = Vec::with_capacity(t.div_ceil(block));
+    let mut start = 0;
+    while start < t {
+        let n = block.min(t - start);
+        outs.push(grouped_query_attention_as(
+            q.clone().narrow(2, start, n),
+            k.clone(),
+            v.clone(),
+            &mask.clone().narrow(2, start, n),
+            kvh,
+            n <= REGROUP_MAX_QUERIES,
+        ));
+        start += n;
+    }
+    Tensor::cat(outs, 2)
 }
 
 /// [`grouped_query_attention`] with the way of sharing the keys chosen by the caller.
@@ -554,6 +608,67 @@ mod tests {
             assert_eq!(got.dims(), [b, h, t, d]);
             let diff = (got - want).abs().max().into_scalar();
             assert!(diff < 1e-5, "t {t}: regrouped differs by {diff}");
+        }
+    }
+
+    /// Queries taken a block at a time give the whole attention and its gradients: grouped
+    /// and ungrouped heads, blocks that regroup and blocks that expand, a last block shorter
+    /// than the others, left padding and causality.
+    #[test]
+    fn attention_in_query_blocks_matches_the_whole() {
+        type A = burn::backend::Autodiff<B>;
+        let device = Default::default();
+        let (b, d, t) = (2, 8, 41);
+        for (h, kvh) in [(6, 2), (4, 4)] {
+            for block in [3usize, 17, 40] {
+                let flags: Vec<bool> = (0..b)
+                    .flat_map(|r| (0..t).map(move |j| j >= 3 * r))
+                    .collect();
+                let valid =
+                    Tensor::<A, 2, Bool>::from_data(TensorData::new(flags, [b, t]), &device);
+                let mask = positions_and_mask(valid, None).mask;
+                let make = |heads| {
+                    Tensor::<A, 4>::random(
+                        [b, heads, t, d],
+                        Distribution::Normal(0.0, 1.0),
+                        &device,
+                    )
+                    .require_grad()
+                };
+                let (q, k, v) = (make(h), make(kvh), make(kvh));
+                let whole = grouped_query_attention_in_blocks(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    &mask,
+                    kvh,
+                    usize::MAX,
+                );
+                let blocks = grouped_query_attention_in_blocks(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    &mask,
+                    kvh,
+                    block * b * h * t,
+                );
+                let diff = (blocks.clone() - whole.clone()).abs().max().into_scalar();
+                assert!(diff < 1e-5, "h {h} block {block}: outputs differ by {diff}");
+                // A weighted sum, so that every output element has its own gradient.
+                let weights =
+                    Tensor::<A, 4>::random([b, h, t, d], Distribution::Normal(0.0, 1.0), &device);
+                let g_whole = (whole * weights.clone()).sum().backward();
+                let g_blocks = (blocks * weights).sum().backward();
+                for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+                    let a = x.grad(&g_whole).expect("a gradient");
+                    let c = x.grad(&g_blocks).expect("a gradient");
+                    let diff = (a - c).abs().max().into_scalar();
+                    assert!(
+                        diff < 1e-4,
+                        "h {h} block {block}: d{name} differs by {diff}"
+                    );
+                }
+            }
         }
     }
 }
