@@ -15,15 +15,8 @@ if [ "${1:-}" = --quick ]; then
   quick=1
   shift
 fi
-# The machine's busy and total CPU time so far (/proc/stat, clock ticks): a phase that keeps
-# the cores busy is cut by less work, one that does not by more parallelism.
-cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8, $2+$3+$4+$5+$6+$7+$8; exit}' /proc/stat 2>/dev/null || echo "0 0"; }
-busy_since() {
-  local b0 t0 b1 t1
-  read -r b0 t0 <<<"$1"
-  read -r b1 t1 < <(cpu_ticks)
-  [ "$((t1 - t0))" -gt 0 ] && echo "cores $((100 * (b1 - b0) / (t1 - t0)))% busy" || echo "cores ?"
-}
+# shellcheck source=scripts/cpu-busy.sh
+. scripts/cpu-busy.sh
 phase() {
   local name="$1" start=$SECONDS status=0 ticks
   ticks="$(cpu_ticks)"

@@ -295,7 +295,7 @@ fn grouped_query_attention_in_blocks<B: Backend>(
     kvh: usize,
     max_scores: usize,
 ) -> Tensor<B, 4> {
-    let [b, h, t, d] = q.dims();
+    let [b, h, t, _] = q.dims();
     let s = k.dims()[2];
     let per_query = (b * h * s).max(1);
     if t <= 1 || per_query.saturating_mul(t) <= max_scores {
@@ -304,14 +304,8 @@ fn grouped_query_attention_in_blocks<B: Backend>(
     let block = (max_scores / per_query).max(1);
     // Expanded once for all blocks where the blocks would expand them each (reshaping an
     // expanded tensor copies it).
-    let groups = h / kvh;
-    let (k, v, kvh) = if groups > 1 && block > REGROUP_MAX_QUERIES {
-        let expand = |z: Tensor<B, 4>| {
-            z.unsqueeze_dim::<5>(2)
-                .expand([b, kvh, groups, s, d])
-                .reshape([b, h, s, d])
-        };
-        (expand(k), expand(v), h)
+    let (k, v, kvh) = if h > kvh && block > REGROUP_MAX_QUERIES {
+        (expand_to_heads(k, h), expand_to_heads(v, h), h)
     } else {
         (k, v, kvh)
     };
@@ -359,20 +353,25 @@ fn grouped_query_attention_as<B: Backend>(
         let out = attention(q, k, v, Some(mask), None, AttentionModuleOptions::default());
         return out.reshape([b, h, t, d]);
     }
-    let expand = |z: Tensor<B, 4>| {
-        z.unsqueeze_dim::<5>(2)
-            .expand([b, kvh, groups, s, d])
-            .reshape([b, h, s, d])
-    };
     let mask = mask.clone().expand([b, h, t, s]);
     attention(
         q,
-        expand(k),
-        expand(v),
+        expand_to_heads(k, h),
+        expand_to_heads(v, h),
         Some(mask),
         None,
         AttentionModuleOptions::default(),
     )
+}
+
+/// Keys or values `[b, kvh, s, d]` repeated for each of `h` query heads, `[b, h, s, d]`
+/// (query head `j` reads key head `j / (h / kvh)`); a copy, since the reshape of an expanded
+/// tensor copies it.
+fn expand_to_heads<B: Backend>(z: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
+    let [b, kvh, s, d] = z.dims();
+    z.unsqueeze_dim::<5>(2)
+        .expand([b, kvh, h / kvh, s, d])
+        .reshape([b, h, s, d])
 }
 
 /// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
