@@ -705,6 +705,9 @@ async fn ready(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> 
 async fn info(State(s): State<Arc<AppState>>) -> Json<Value> {
     let mut v = s.info.clone();
     v["open_episodes"] = json!(s.episodes.open_count());
+    if let Some((_, reserved)) = s.episodes.volume_memory() {
+        v["capacity"]["admission"]["volume_memory_reserved_bytes"] = json!(reserved);
+    }
     v["evaluations_in_flight"] = json!(s.evaluator.in_flight());
     v["device_slots"] = json!(s
         .evaluator
@@ -764,6 +767,21 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         out,
         "# TYPE cuda_agent_episodes_evicted_total counter\ncuda_agent_episodes_evicted_total {}",
         c.evicted.load(Ordering::Relaxed)
+    );
+    if let Some((budget, reserved)) = s.episodes.volume_memory() {
+        let _ = writeln!(
+            out,
+            "# TYPE cuda_agent_volume_memory_budget_bytes gauge\ncuda_agent_volume_memory_budget_bytes {budget}"
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE cuda_agent_volume_memory_reserved_bytes gauge\ncuda_agent_volume_memory_reserved_bytes {reserved}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# TYPE cuda_agent_commands_refused_host_busy_total counter\ncuda_agent_commands_refused_host_busy_total {}",
+        c.commands_refused_host_busy.load(Ordering::Relaxed)
     );
     let h = &s.http;
     let _ = writeln!(

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as SyncMutex, RwLock};
 use std::time::{Duration, Instant};
 
-use agent_tools::sandbox::{CpuPriority, UidLease, Volume, VolumeLimits};
+use agent_tools::sandbox::{CpuPriority, QuotaEnforcement, UidLease, Volume, VolumeLimits};
 use agent_tools::{
     create_private_dir, CallError, Jail, Sandbox, ToolCall, ToolLimits, Toolbox, Workspace,
 };
@@ -20,6 +20,7 @@ use kernelbench::{Task, TaskSet};
 use serde_json::Value;
 use tokio::sync::Mutex;
 
+use crate::admission::{HostBusy, VolumeBudget, VolumeReservation};
 use crate::drain::Drain;
 use crate::evaluation::Evaluator;
 use crate::idempotency::{body_digest, BodyDigest, KeyReused, Keys};
@@ -46,9 +47,10 @@ pub enum EpisodeError {
     /// Too many episodes are open.
     #[error("the server is at capacity ({0} open episodes); retry later")]
     AtCapacity(usize),
-    /// The host is short of a resource (memory) for another episode.
-    #[error("{0}")]
-    HostBusy(String),
+    /// The host is short of memory for another episode (available memory under the reserve,
+    /// or no room for its volume in the volume-memory budget).
+    #[error(transparent)]
+    HostBusy(#[from] HostBusy),
     /// A resource episodes share (the uid pool) is used up.
     #[error("{0}; retry later")]
     Exhausted(String),
@@ -120,8 +122,9 @@ struct Episode {
     /// Bytes of the trajectory log so far.
     log_bytes: u64,
     last_active: Instant,
-    /// The storage the workspace lives on, bounded by the disk quota.
-    volume: Option<Arc<Volume>>,
+    /// The storage the workspace lives on, bounded by the disk quota, with the host memory
+    /// reserved for it.
+    volume: Option<HeldVolume>,
     /// The uid the episode's processes run as; released (its processes killed) at cleanup.
     uid: Option<UidLease>,
 }
@@ -131,8 +134,18 @@ struct Started {
     toolbox: Toolbox,
     log: TrajectoryLog,
     response: ResetResponse,
-    volume: Arc<Volume>,
+    volume: HeldVolume,
     uid: Option<UidLease>,
+}
+
+/// An episode's volume and the host memory reserved for it (a tmpfs's quota; nothing for a
+/// measured volume, which is on disk). The reservation is declared after the volume, so it is
+/// given back only once the volume is dropped: whichever way the volume goes (a cleanup, a
+/// reset failing half-way, a dropped episode), its reservation goes with it. The toolbox's
+/// jail holds the volume too; every owner drops the toolbox first.
+struct HeldVolume {
+    volume: Arc<Volume>,
+    _reserved: Option<VolumeReservation>,
 }
 
 struct Slot {
@@ -211,6 +224,9 @@ pub struct EpisodeManager {
     next_episode: AtomicU64,
     /// Slots for commands running at once, over all episodes.
     commands: tokio::sync::Semaphore,
+    /// The memory tmpfs volumes of open episodes may reserve together (None: nothing is
+    /// reserved: host admission is off, or volumes are measured directories on disk).
+    volumes: Option<Arc<VolumeBudget>>,
     /// Whether new episodes and steps are admitted (not while draining), and the work the
     /// drain waits for.
     drain: Arc<Drain>,
@@ -251,6 +267,20 @@ pub struct Counters {
     pub rewards: SyncMutex<BTreeMap<String, u64>>,
     /// Finished episodes moved out of memory.
     pub evicted: AtomicU64,
+    /// Commands not started because the host's available memory was under the reserve.
+    pub commands_refused_host_busy: AtomicU64,
+}
+
+/// What the agent sees of a command that did not start because the host is short of memory:
+/// a tool error it may retry.
+fn command_refused(busy: &HostBusy) -> agent_tools::ToolOutput {
+    agent_tools::ToolOutput {
+        text: format!(
+            "Error: the command was not run: {busy}. Nothing in the workspace changed; run it again in a while."
+        ),
+        is_error: true,
+        data: Default::default(),
+    }
 }
 
 fn task_info(t: &Task) -> TaskInfo {
@@ -597,6 +627,7 @@ impl Setup {
         limits: &EpisodeLimits,
         req: &ResetRequest,
         n: u64,
+        reserved: Option<VolumeReservation>,
     ) -> Result<Started, EpisodeError> {
         let uid = self
             .sandbox
@@ -604,46 +635,46 @@ impl Setup {
             .map_err(|e| EpisodeError::Exhausted(format!("no uid for a new episode: {e}")))?;
         let owner = uid.as_ref().map(UidLease::owner);
         let dir = self.cfg.data_dir.join("episodes").join(id);
-        let made =
-            self.make_workspace(&dir, task, owner, n)
-                .and_then(|(toolbox, listing, volume)| {
-                    let device = self.device.as_str().to_string();
-                    let observation = Observation {
-                        text: prompt(task, limits, &device),
-                        tool: None,
-                        is_error: false,
-                        data: ToolData::Reset(ResetData { files: listing }).into(),
-                    };
-                    let resp = ResetResponse {
-                        episode_id: id.to_string(),
-                        observation,
-                        info: ResetInfo {
-                            task: task_info(task),
-                            tools: agent_tools::tool_schemas(),
-                            limits: limits.clone(),
-                            device,
-                            replayed: false,
-                        },
-                    };
-                    let log = TrajectoryLog::open(&self.trajectories_dir(), id)
-                        .map_err(|e| e.to_string())?;
-                    log.append(&TrajectoryRecord::Reset {
-                        time: trajectory::now(),
-                        body: ResetRecord {
-                            request: req.clone(),
-                            response: resp.clone(),
-                            task_source: Some(task.source.clone()),
-                        },
-                    })
-                    .map_err(|e| e.to_string())?;
-                    Ok(Started {
-                        toolbox,
-                        log,
-                        response: resp,
-                        volume,
-                        uid: None,
-                    })
-                });
+        let made = self
+            .make_workspace(&dir, task, owner, n, reserved)
+            .and_then(|(toolbox, listing, volume)| {
+                let device = self.device.as_str().to_string();
+                let observation = Observation {
+                    text: prompt(task, limits, &device),
+                    tool: None,
+                    is_error: false,
+                    data: ToolData::Reset(ResetData { files: listing }).into(),
+                };
+                let resp = ResetResponse {
+                    episode_id: id.to_string(),
+                    observation,
+                    info: ResetInfo {
+                        task: task_info(task),
+                        tools: agent_tools::tool_schemas(),
+                        limits: limits.clone(),
+                        device,
+                        replayed: false,
+                    },
+                };
+                let log =
+                    TrajectoryLog::open(&self.trajectories_dir(), id).map_err(|e| e.to_string())?;
+                log.append(&TrajectoryRecord::Reset {
+                    time: trajectory::now(),
+                    body: ResetRecord {
+                        request: req.clone(),
+                        response: resp.clone(),
+                        task_source: Some(task.source.clone()),
+                    },
+                })
+                .map_err(|e| e.to_string())?;
+                Ok(Started {
+                    toolbox,
+                    log,
+                    response: resp,
+                    volume,
+                    uid: None,
+                })
+            });
         match made {
             Ok(started) => Ok(Started { uid, ..started }),
             Err(e) => {
@@ -659,7 +690,8 @@ impl Setup {
         task: &Task,
         owner: Option<(u32, u32)>,
         n: u64,
-    ) -> Result<(Toolbox, Vec<String>, Arc<Volume>), String> {
+        reserved: Option<VolumeReservation>,
+    ) -> Result<(Toolbox, Vec<String>, HeldVolume), String> {
         let root = dir.join("workspace");
         let tmp = dir.join("tmp");
         // Everything the episode may write (workspace and temp dir) lives on one volume
@@ -668,6 +700,12 @@ impl Setup {
             Volume::create(dir, VolumeLimits::bytes(self.cfg.disk_quota_bytes))
                 .map_err(|e| e.to_string())?,
         );
+        // A volume that could not be mounted is a measured directory on disk: it holds no
+        // memory, and gives its reservation back at once.
+        let volume = HeldVolume {
+            _reserved: reserved.filter(|_| volume.enforcement() == QuotaEnforcement::Tmpfs),
+            volume,
+        };
         create_private_dir(&root, owner).map_err(|e| e.to_string())?;
         create_private_dir(&tmp, owner).map_err(|e| e.to_string())?;
         let mut ws = Workspace::open(&root, owner).map_err(|e| e.to_string())?;
@@ -696,7 +734,7 @@ impl Setup {
         // A segfault in the agent's own Python scripts prints a traceback, not just a signal.
         env.push(("PYTHONFAULTHANDLER".into(), "1".into()));
         let mut jail = Jail::standard(ws.root(), &tmp, &self.path_dirs, &env, owner);
-        jail.volume = Some(volume.clone());
+        jail.volume = Some(volume.volume.clone());
         // The agent's commands yield the CPU to evaluations (whose judge may hold a device).
         jail.cpu = CpuPriority::Background;
         // The agent may run its own CUDA checks; on a CPU server /proc stays read-only.
@@ -729,6 +767,7 @@ impl EpisodeManager {
         drain: Arc<Drain>,
     ) -> Self {
         let cfg_commands = cfg.max_commands.max(1);
+        let volumes = cfg.admission.volume_memory_bytes.map(VolumeBudget::new);
         let setup = Setup {
             path_dirs: python.path_dirs(),
             device: evaluator.device(),
@@ -744,6 +783,7 @@ impl EpisodeManager {
             summaries: SyncMutex::new(HashMap::new()),
             next_episode: AtomicU64::new(0),
             commands: tokio::sync::Semaphore::new(cfg_commands),
+            volumes,
             drain,
             reset_keys: SyncMutex::new(Keys::new(env_api::caps::RESET_KEYS)),
             counters: Counters::default(),
@@ -757,6 +797,12 @@ impl EpisodeManager {
 
     fn cfg(&self) -> &EpisodeConfig {
         &self.setup.cfg
+    }
+
+    /// The volume-memory budget and what open episodes' volumes reserve of it now, in bytes
+    /// (None: nothing is reserved).
+    pub fn volume_memory(&self) -> Option<(u64, u64)> {
+        self.volumes.as_ref().map(|b| (b.budget(), b.reserved()))
     }
 
     fn trajectories_dir(&self) -> PathBuf {
@@ -966,7 +1012,8 @@ impl EpisodeManager {
         self.room()
     }
 
-    /// Room for one more episode: under the cap, and the host's memory over its reserve.
+    /// Room for one more episode: under the cap, the host's memory over its reserve, and its
+    /// volume's quota within what is left of the volume-memory budget (checked, not reserved).
     fn room(&self) -> Result<(), EpisodeError> {
         let open = self.open_count();
         if open >= self.cfg().max_episodes {
@@ -974,7 +1021,10 @@ impl EpisodeManager {
         }
         // Volumes are tmpfs: an episode takes host memory as it writes.
         if let Some(why) = self.cfg().admission.refuse_episode() {
-            return Err(EpisodeError::HostBusy(why));
+            return Err(why.into());
+        }
+        if let Some(budget) = &self.volumes {
+            budget.fits(self.cfg().disk_quota_bytes)?;
         }
         Ok(())
     }
@@ -1104,6 +1154,14 @@ impl EpisodeManager {
             max_output_chars: self.cfg().tool_limits.max_output_chars,
             disk_quota_bytes: self.cfg().disk_quota_bytes,
         };
+        // The volume's quota, reserved before it is mounted: resets at once never reserve past
+        // the budget. The reservation lives as long as the volume, however the reset ends.
+        let reserved = match &self.volumes {
+            Some(budget) => Some(budget.reserve(self.cfg().disk_quota_bytes).inspect_err(
+                |e| tracing::info!(error = %e, "reset refused: no room for another volume"),
+            )?),
+            None => None,
+        };
         let id = uuid::Uuid::new_v4().simple().to_string();
         let dir = self.cfg().data_dir.join("episodes").join(&id);
         let n = self.next_episode.fetch_add(1, Ordering::Relaxed);
@@ -1113,7 +1171,7 @@ impl EpisodeManager {
         );
         let started = blocking(self.cfg().io_timeout, "creating the workspace", move || {
             let (id, task, limits, req) = owned;
-            setup.start_episode(&id, &task, &limits, &req, n)
+            setup.start_episode(&id, &task, &limits, &req, n, reserved)
         })
         .await??;
         let mut ep = Episode::new(
@@ -1187,10 +1245,22 @@ impl EpisodeManager {
             ToolCall::Bash(_) => Some(self.commands.acquire().await.map_err(internal)?),
             _ => None,
         };
+        // A command does not start while the host is short of memory: the agent is told and may
+        // retry, and the episode goes on (a tool error, no tool time).
+        let refused = command_slot
+            .as_ref()
+            .and_then(|_| self.cfg().admission.refuse_command());
         let started = Instant::now();
-        let out = match ep.toolbox.as_mut() {
-            Some(tb) => tb.run(&call, budget).await,
-            None => return Err(EpisodeError::Ended(id.to_string())),
+        let out = match (ep.toolbox.as_mut(), refused) {
+            (None, _) => return Err(EpisodeError::Ended(id.to_string())),
+            (Some(_), Some(busy)) => {
+                self.counters
+                    .commands_refused_host_busy
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::info!(episode = %id, reason = %busy, "command not started: the host is short of memory");
+                command_refused(&busy)
+            }
+            (Some(tb), None) => tb.run(&call, budget).await,
         };
         drop(command_slot);
         if !matches!(call, ToolCall::Submit(_)) {
@@ -1220,7 +1290,7 @@ impl EpisodeManager {
             let quota = ep.limits.disk_quota_bytes;
             // A measurement that does not finish in time (a tree of millions of files on a
             // measured volume) counts as over the quota.
-            let breach = match ep.volume.clone() {
+            let breach = match ep.volume.as_ref().map(|v| v.volume.clone()) {
                 Some(v) => blocking(
                     self.cfg().io_timeout,
                     "measuring the workspace",

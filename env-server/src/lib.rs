@@ -123,6 +123,9 @@ pub struct ServerConfig {
     /// With `host_admission`, memory a new episode must find available on the host; None: a
     /// tenth of the host's memory, at least 1 GiB.
     pub min_available_memory_bytes: Option<u64>,
+    /// With `host_admission`, memory the tmpfs volumes of open episodes may reserve together,
+    /// each its disk quota; None: the host's memory less the reserve.
+    pub volume_memory_bytes: Option<u64>,
     /// How often retention runs (it also runs at start).
     pub retention_interval: Duration,
 }
@@ -182,6 +185,7 @@ impl Default for ServerConfig {
             max_commands: 256,
             host_admission: true,
             min_available_memory_bytes: None,
+            volume_memory_bytes: None,
             retention_interval: Duration::from_secs(300),
         }
     }
@@ -316,8 +320,23 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             Err(e) => tracing::warn!(error = %e, "building without precompiled headers"),
         }
     }
+    // What the host can give, before the sandbox: each command's memory cap is at most that,
+    // and all commands together are held to it by a parent cgroup where the host allows.
+    let admission = admission::Admission::derive(
+        admission::HostFacts::probe(),
+        &admission::AdmissionConfig {
+            from_host: cfg.host_admission,
+            min_available_memory_bytes: cfg.min_available_memory_bytes,
+            volume_memory_bytes: cfg.volume_memory_bytes,
+            max_commands: cfg.max_commands,
+            processes_per_command: cfg.limits.total_processes,
+            command_memory_bytes: cfg.limits.total_memory_bytes,
+        },
+    );
     let mut sandbox_cfg = SandboxConfig::with_toolchains(toolchain_dirs);
     sandbox_cfg.limits = cfg.limits.clone();
+    sandbox_cfg.limits.total_memory_bytes = admission.command_memory_bytes;
+    sandbox_cfg.commands_memory_bytes = admission.memory_budget_bytes;
     sandbox_cfg.allow_unconfined = cfg.allow_unconfined;
     sandbox_cfg.cgroup_nesting = cfg.cgroup_nesting;
     let sandbox = Sandbox::new(sandbox_cfg)?;
@@ -325,6 +344,9 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     // before anything new starts.
     sandbox.sweep_leftovers();
     let status = sandbox.status();
+    // Measured volumes live on disk: they reserve no memory.
+    let admission = admission.with_volumes(status.disk_quota);
+    tracing::info!(?admission, "admission bounds");
     // Whether the kernel lets the server observe workers from outside (the CPU's
     // pytorch_compute check): found out now, and said, rather than at the first evaluation.
     let observer = if cfg.observe {
@@ -390,13 +412,6 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         python.clone(),
         harness_dir.clone(),
     ));
-    let admission = admission::Admission::derive(
-        admission::HostFacts::probe(),
-        cfg.host_admission,
-        cfg.min_available_memory_bytes,
-        cfg.max_commands,
-        cfg.limits.total_processes,
-    );
     let tool_limits = ToolLimits::default();
     let drain = Arc::new(drain::Drain::default());
     let episodes = episode::EpisodeManager::new(

@@ -124,6 +124,11 @@ struct Args {
     /// at least 1 GiB); below it a reset is answered 503 with Retry-After.
     #[arg(long)]
     min_available_memory_bytes: Option<u64>,
+    /// Memory the tmpfs volumes of open episodes may reserve together, each its disk quota
+    /// (default: the host's memory less the reserve); a reset whose quota does not fit is
+    /// answered 503 with Retry-After. Measured volumes (on disk) reserve nothing.
+    #[arg(long)]
+    volume_memory_bytes: Option<u64>,
     /// Most HTTP connections open at once; more are answered 503 and closed.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
@@ -340,6 +345,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         max_commands: args.max_commands,
         host_admission: !args.no_host_admission,
         min_available_memory_bytes: args.min_available_memory_bytes,
+        volume_memory_bytes: args.volume_memory_bytes,
         retention_interval: Duration::from_secs(args.retention_interval_s.max(1)),
         ..ServerConfig::default()
     };

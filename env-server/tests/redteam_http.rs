@@ -716,6 +716,9 @@ async fn fuzzed_requests_never_fail_the_server() {
     let state = state_from(ServerConfig {
         max_body_bytes: 256 * 1024,
         max_episodes: 10_000,
+        // Hundreds of fuzzed resets: the answers are tested here, not the volume budget
+        // (`volumes_are_admitted_against_the_memory_they_may_take`).
+        volume_memory_bytes: Some(u64::MAX),
         ..test_config(dir.path())
     });
     let mut r = Rng(0x5eed_c0de_1234_5678);
@@ -1387,4 +1390,144 @@ fn the_header_precompile_ends_with_the_server() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// A reset sent over the real connection loop; the whole answer, head and body, lowercased.
+async fn reset_over_http(addr: SocketAddr, body: Value) -> String {
+    let raw = blocking(move || {
+        let mut s = connect(addr);
+        let body = body.to_string();
+        write!(
+            s,
+            "POST /v1/episodes HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        read_to_close(&mut s)
+    })
+    .await
+    .expect("reset");
+    String::from_utf8_lossy(&raw).to_ascii_lowercase()
+}
+
+/// What the open episodes' volumes reserve now, from /v1/info (None: nothing is reserved
+/// here, as where volumes are measured directories on disk).
+async fn volume_reserved(state: &std::sync::Arc<env_server::AppState>) -> Option<u64> {
+    let (_, info) = call(state, "GET", "/v1/info", None).await;
+    info["capacity"]["admission"]["volume_memory_reserved_bytes"].as_u64()
+}
+
+/// Episode volumes are tmpfs: two episodes writing 1 GB each raised the host's Shmem by
+/// 1.9 GB, and 4096 episodes of 1 GiB were admitted on a 23 GiB host. Each tmpfs volume now
+/// reserves its quota against a budget: with room for three, the fourth reset is a 503
+/// `host_busy` with Retry-After naming the budget, and a DELETE or an episode's end gives its
+/// quota back (the next reset is admitted). Budget and reservations in /v1/info and /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_are_admitted_against_the_memory_they_may_take() {
+    const QUOTA: u64 = 8 << 20;
+    let (_dir, state, addr) = server(short_limits(), |c| ServerConfig {
+        disk_quota_bytes: QUOTA,
+        volume_memory_bytes: Some(3 * QUOTA),
+        ..c
+    })
+    .await;
+    let (_, info) = call(&state, "GET", "/v1/info", None).await;
+    if info["sandbox"]["disk_quota"] != json!("tmpfs") {
+        eprintln!("skipped: volumes are measured here (not root?), and reserve no memory");
+        assert_eq!(volume_reserved(&state).await, None);
+        return;
+    }
+    assert_eq!(
+        info["capacity"]["admission"]["volume_memory_bytes"],
+        json!(3 * QUOTA),
+        "{info}"
+    );
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(tiny_episode(&state).await);
+    }
+    let text = reset_over_http(addr, json!({"task": "tiny/0_red"})).await;
+    assert!(text.starts_with("http/1.1 503"), "{text}");
+    assert!(text.contains("\r\nretry-after:"), "{text}");
+    assert!(
+        text.contains("host_busy") && text.contains("24 mib of their 24 mib budget"),
+        "{text}"
+    );
+    assert_eq!(volume_reserved(&state).await, Some(3 * QUOTA));
+    assert_eq!(state.episodes.live_ids().len(), 3);
+    let (st, _) = call(&state, "GET", "/v1/ready", None).await;
+    assert_eq!(
+        st,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "readiness says no room"
+    );
+    let (_, metrics) = call(&state, "GET", "/metrics", None).await;
+    let metrics = metrics.as_str().unwrap_or_default().to_string();
+    assert!(
+        metrics.contains(&format!(
+            "cuda_agent_volume_memory_reserved_bytes {}",
+            3 * QUOTA
+        )) && metrics.contains(&format!(
+            "cuda_agent_volume_memory_budget_bytes {}",
+            3 * QUOTA
+        )),
+        "{metrics}"
+    );
+
+    // A DELETE gives its volume's quota back.
+    let (st, v) = call(&state, "DELETE", &format!("/v1/episodes/{}", ids[0]), None).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(volume_reserved(&state).await, Some(2 * QUOTA));
+    ids[0] = tiny_episode(&state).await;
+    let text = reset_over_http(addr, json!({"task": "tiny/0_red"})).await;
+    assert!(text.starts_with("http/1.1 503"), "{text}");
+
+    // So does an episode's end (here a Submit).
+    let (st, v) = call(
+        &state,
+        "POST",
+        &format!("/v1/episodes/{}/step", ids[1]),
+        Some(json!({"action": {"tool": "Submit", "arguments": {}}})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["done"], json!(true), "{v}");
+    assert_eq!(volume_reserved(&state).await, Some(2 * QUOTA));
+    tiny_episode(&state).await;
+    assert_eq!(volume_reserved(&state).await, Some(3 * QUOTA));
+}
+
+/// A reset that fails half-way (its volume mounted, its workspace not finished: here a
+/// harness file is missing) gives its volume's reservation back: with room for one volume,
+/// the next reset is admitted. Before, nothing was reserved; a leak here would refuse every
+/// reset after a few failures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_failing_half_way_gives_its_reservation_back() {
+    const QUOTA: u64 = 8 << 20;
+    let (dir, state, _addr) = server(short_limits(), |c| ServerConfig {
+        disk_quota_bytes: QUOTA,
+        volume_memory_bytes: Some(QUOTA),
+        ..c
+    })
+    .await;
+    if volume_reserved(&state).await.is_none() {
+        eprintln!("skipped: volumes are measured here (not root?), and reserve no memory");
+        return;
+    }
+    let harness_file = dir.path().join("harness").join("verify.py");
+    std::fs::remove_file(&harness_file).expect("a harness file to lose");
+    for _ in 0..3 {
+        let (st, v) = call(
+            &state,
+            "POST",
+            "/v1/episodes",
+            Some(json!({"task": "L1/1_ReLU"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+        assert_eq!(volume_reserved(&state).await, Some(0), "{v}");
+    }
+    assert!(state.episodes.live_ids().is_empty());
+    tiny_episode(&state).await;
+    assert_eq!(volume_reserved(&state).await, Some(QUOTA));
 }

@@ -210,6 +210,9 @@ pub(crate) struct Hierarchies {
     pids: Option<(PathBuf, CgroupVersion)>,
     cpu: Option<(PathBuf, CgroupVersion)>,
     freezer: Option<PathBuf>,
+    /// Where commands' cgroups were made before [`Hierarchies::cap_commands_memory`] moved
+    /// them under a parent: swept too (an earlier server's parent, with its commands, is there).
+    swept: Vec<PathBuf>,
 }
 
 /// The mounts of a `/proc/self/mountinfo` text as (root within the filesystem, mountpoint,
@@ -333,7 +336,77 @@ impl Hierarchies {
             cpu: pick("cpu"),
             freezer: v1_dir("freezer"),
             v2: v2_kill,
+            swept: Vec::new(),
         }
+    }
+
+    /// Makes every later command's cgroups under one parent,
+    /// `cuda-agent.<server pid>.<server start time>.commands`, whose memory limit is `bytes`:
+    /// all commands together can then hold no more, whatever each one's own limit (past it the
+    /// kernel kills a process of one of them, a memory breach of that command). Pages a command
+    /// wrote to a tmpfs stay charged to the parent after the command's cgroup is removed, so the
+    /// limit covers what the commands left in their volumes too. On cgroup v2 the parent passes
+    /// on the controllers its base did, and every v2 cgroup of a command moves under it (a
+    /// process is in one cgroup per hierarchy). Needs a memory hierarchy; returns the parent.
+    pub fn cap_commands_memory(&mut self, bytes: u64) -> std::io::Result<PathBuf> {
+        let Some((base, version)) = self.memory.clone() else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "no memory controller the server may use",
+            ));
+        };
+        let me = std::process::id();
+        let dir = base.join(format!(
+            "{PREFIX}{me}.{}.commands",
+            start_time(me as i32).unwrap_or(0)
+        ));
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let configured = (|| -> std::io::Result<()> {
+            match version {
+                CgroupVersion::V1 => {
+                    std::fs::write(dir.join("memory.limit_in_bytes"), bytes.to_string())?;
+                    let memsw = dir.join("memory.memsw.limit_in_bytes");
+                    if memsw.exists() {
+                        let _ = std::fs::write(memsw, bytes.to_string());
+                    }
+                }
+                CgroupVersion::V2 => {
+                    std::fs::write(dir.join("memory.max"), bytes.to_string())?;
+                    let _ = std::fs::write(dir.join("memory.swap.max"), "0");
+                    let passed = words(&base.join("cgroup.subtree_control"));
+                    for c in WANTED_V2.iter().filter(|c| passed.iter().any(|p| p == *c)) {
+                        std::fs::write(dir.join("cgroup.subtree_control"), format!("+{c}"))?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = configured {
+            let _ = std::fs::remove_dir(&dir);
+            return Err(e);
+        }
+        if !self.swept.contains(&base) {
+            self.swept.push(base.clone());
+        }
+        let under = |d: &mut PathBuf| {
+            if *d == base {
+                *d = dir.clone();
+            }
+        };
+        if let Some(d) = self.v2.as_mut() {
+            under(d);
+        }
+        for (d, _) in [&mut self.memory, &mut self.pids, &mut self.cpu]
+            .into_iter()
+            .flatten()
+        {
+            under(d);
+        }
+        Ok(dir)
     }
 
     /// What these hierarchies provide.
@@ -465,7 +538,15 @@ impl Hierarchies {
     /// left behind. Returns (cgroups removed, processes killed).
     pub fn sweep(&self) -> (usize, usize) {
         let (mut removed, mut killed) = (0, 0);
-        for base in self.bases(true) {
+        let mut bases = self.bases(true);
+        bases.extend(
+            self.swept
+                .iter()
+                .filter(|d| !bases.contains(d))
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        for base in bases {
             let Ok(entries) = std::fs::read_dir(&base) else {
                 continue;
             };
@@ -485,22 +566,43 @@ impl Hierarchies {
                 if owner.is_some_and(|(pid, start)| start_time(pid) == Some(start)) {
                     continue; // its server is alive
                 }
-                let dir = e.path();
-                let cg = CommandCgroup {
-                    dirs: vec![dir.clone()],
-                    kill: dir.join("cgroup.kill").exists().then(|| dir.clone()),
-                    memory: None,
-                    pids: None,
-                    freezer: dir.join("freezer.state").exists().then(|| dir.clone()),
-                };
-                killed += cg.kill_all();
-                if cg.remove() {
-                    removed += 1;
-                }
+                let (r, k) = remove_tree(&e.path());
+                removed += r;
+                killed += k;
             }
         }
         (removed, killed)
     }
+}
+
+/// Kills the processes of and removes a cgroup left behind and every cgroup under it (a gone
+/// server's commands' parent holds their cgroups). Returns (cgroups removed, processes killed).
+fn remove_tree(dir: &Path) -> (usize, usize) {
+    let (mut removed, mut killed) = (0, 0);
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                let (r, k) = remove_tree(&e.path());
+                removed += r;
+                killed += k;
+            }
+        }
+    }
+    let cg = CommandCgroup {
+        dirs: vec![dir.to_path_buf()],
+        kill: dir.join("cgroup.kill").exists().then(|| dir.to_path_buf()),
+        memory: None,
+        pids: None,
+        freezer: dir
+            .join("freezer.state")
+            .exists()
+            .then(|| dir.to_path_buf()),
+    };
+    killed += cg.kill_all();
+    if cg.remove() {
+        removed += 1;
+    }
+    (removed, killed)
 }
 
 /// The cgroups of one command (one directory per hierarchy).
@@ -737,6 +839,54 @@ mod tests {
             "{membership}"
         );
         assert!(passed.split_whitespace().any(|c| c == ctl), "{passed}");
+    }
+
+    /// The parent over all commands, on this host's memory hierarchy: a command allowed 1 GiB
+    /// of its own is killed when all commands together pass the parent's 64 MiB (its peak stays
+    /// near 64 MiB), and the kill is that command's memory breach. Needs root and a memory
+    /// hierarchy the server may write, else skipped.
+    #[test]
+    fn commands_together_are_held_to_the_parents_memory_limit() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut h = Hierarchies::detect();
+        if h.memory.is_none() {
+            eprintln!("skipped: no memory hierarchy this process may write");
+            return;
+        }
+        let parent = h.cap_commands_memory(64 << 20).expect("a parent cgroup");
+        let cg = h
+            .create(1 << 30, 64, false)
+            .expect("cgroups")
+            .expect("some");
+        let (mdir, version) = cg.memory.clone().expect("a memory cgroup");
+        assert_eq!(mdir.parent(), Some(parent.as_path()));
+        // The shell joins the command's cgroups, then reads a line that never ends.
+        let join: Vec<String> = cg
+            .dirs
+            .iter()
+            .map(|d| format!("echo $$ > {}", d.join("cgroup.procs").display()))
+            .collect();
+        let status = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("{} && exec tail /dev/zero", join.join(" && ")))
+            .status()
+            .expect("sh");
+        let peak_file = match version {
+            CgroupVersion::V1 => "memory.max_usage_in_bytes",
+            CgroupVersion::V2 => "memory.peak",
+        };
+        let peak: Option<u64> = std::fs::read_to_string(mdir.join(peak_file))
+            .ok()
+            .and_then(|s| s.trim().parse().ok());
+        let breach = cg.breach();
+        cg.kill_all();
+        cg.remove();
+        let _ = std::fs::remove_dir(&parent);
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+        assert_eq!(breach, Some(Breach::Memory));
+        if let Some(peak) = peak {
+            assert!(peak <= 80 << 20, "the command reached {peak} bytes");
+        }
     }
 
     #[test]

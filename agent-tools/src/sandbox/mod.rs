@@ -129,6 +129,10 @@ pub struct SandboxConfig {
     /// Whether the server may move its processes into a leaf so that cgroup v2 controllers
     /// reach its commands' cgroups ([`CgroupNesting`]).
     pub cgroup_nesting: CgroupNesting,
+    /// Memory every command together may hold: a parent cgroup with this limit over all
+    /// commands' cgroups, where the host has a memory controller (None: no parent; each command
+    /// has its own limit alone).
+    pub commands_memory_bytes: Option<u64>,
     /// Where uid leases are locked; shared by every server on the host.
     pub uid_lock_dir: PathBuf,
     /// The uids leased to jails.
@@ -186,6 +190,7 @@ impl SandboxConfig {
             seccomp_allow: Vec::new(),
             cgroups: true,
             cgroup_nesting: CgroupNesting::default(),
+            commands_memory_bytes: None,
             uid_lock_dir: PathBuf::from(DEFAULT_LOCK_DIR),
             uid_range: DEFAULT_RANGE,
         }
@@ -224,6 +229,9 @@ pub struct SandboxStatus {
     /// What moving the server into a leaf of its cgroup v2 did at start (`None` without
     /// cgroups).
     pub cgroup_nesting: Option<NestReport>,
+    /// Memory all commands together may hold, as applied by a parent cgroup over theirs
+    /// (None: not asked for, or the host has no memory controller the server may use).
+    pub commands_memory_bytes: Option<u64>,
     /// How background commands ([`CpuPriority::Background`]) yield the CPU: `cpu_weight`
     /// (cgroup v2), `cpu_shares` (cgroup v1), or `nice` alone (their nice value and their
     /// session's autogroup).
@@ -421,6 +429,7 @@ struct Inner {
     filters: Vec<seccompiler::BpfProgram>,
     cgroups: cgroup::Hierarchies,
     nesting: Option<NestReport>,
+    commands_memory: Option<u64>,
     uids: Option<UidPool>,
 }
 
@@ -451,11 +460,24 @@ impl Sandbox {
         } else {
             Vec::new()
         };
-        let (cgroups, nesting) = if config.cgroups {
+        let (mut cgroups, nesting) = if config.cgroups {
             let nesting = cgroup::nest(config.cgroup_nesting);
             (cgroup::Hierarchies::detect(), Some(nesting))
         } else {
             (cgroup::Hierarchies::default(), None)
+        };
+        let commands_memory = match config.commands_memory_bytes.filter(|_| config.cgroups) {
+            Some(bytes) => match cgroups.cap_commands_memory(bytes) {
+                Ok(dir) => {
+                    tracing::info!(bytes, parent = %dir.display(), "every command's cgroup is made under a parent holding all of them to a memory limit");
+                    Some(bytes)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "no parent cgroup over all commands: each command has its own memory limit alone");
+                    None
+                }
+            },
+            None => None,
         };
         features.cgroups = cgroups.support();
         let uids = if features.can_switch_uid {
@@ -474,6 +496,7 @@ impl Sandbox {
                 filters,
                 cgroups,
                 nesting,
+                commands_memory,
                 uids,
             }),
         })
@@ -562,6 +585,7 @@ impl Sandbox {
             },
             cgroups: f.cgroups,
             cgroup_nesting: self.inner.nesting.clone(),
+            commands_memory_bytes: self.inner.commands_memory,
             ipc: if f.ipc_namespace {
                 IpcIsolation::Namespace
             } else if f.seccomp {
