@@ -174,8 +174,11 @@ fn warnings(update: &PpoUpdate, entropy_warn: f64, kl_warn: f64) -> Vec<String> 
     out
 }
 
-/// One PPO update on a batch; returns its metrics.
-fn update<B: AutodiffBackend>(
+/// One PPO update on a rolled-out batch, as each step of the stage runs it after its rollout:
+/// old log-probabilities and values (and the reference's, given one), GAE, then `ppo.epochs`
+/// passes of clipped actor and critic updates. `step` of `total` sets the learning rates.
+/// Returns the update's metrics.
+pub fn update<B: AutodiffBackend>(
     learner: &mut Learner<B>,
     samples: Vec<Sample>,
     step: usize,

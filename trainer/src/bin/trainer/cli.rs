@@ -36,6 +36,10 @@ pub enum Command {
     Plot(PlotArgs),
     /// Measure training and generation throughput of a model shape (random weights).
     BenchModel(BenchArgs),
+    /// Measure one whole multi-turn PPO step of a model shape (random weights): the rollout
+    /// with kept caches (synthetic observations in place of the server), old log-probabilities
+    /// and values, GAE and the clipped updates of actor and critic, with peak device memory.
+    BenchPpo(BenchPpoArgs),
     /// Measure peak host memory of loading a checkpoint: memory-mapped against read whole.
     BenchLoad(BenchLoadArgs),
     /// Serve a policy behind an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models).
@@ -211,6 +215,54 @@ pub struct BenchArgs {
     /// Training passes layer by layer, recomputing each layer in the backward pass.
     #[arg(long)]
     pub checkpointing: bool,
+}
+
+/// `bench-ppo`'s flags.
+#[derive(Args, Clone)]
+pub struct BenchPpoArgs {
+    /// A config.json giving the shape (default: Qwen2.5-0.5B's).
+    #[arg(long)]
+    pub shape: Option<PathBuf>,
+    /// A training configuration (TOML) for everything the flags below do not set.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Compute device.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Float precision.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub precision: Precision,
+    /// Episodes rolled out and trained on per step.
+    #[arg(long, default_value_t = 8)]
+    pub episodes: usize,
+    /// Tokens of each episode at its end: the prompt, then every turn's sampled tokens and
+    /// observation (the observations are sized to reach it).
+    #[arg(long, default_value_t = 8192)]
+    pub context: usize,
+    /// Prompt tokens each episode starts with.
+    #[arg(long, default_value_t = 1024)]
+    pub prompt: usize,
+    /// Assistant turns per episode.
+    #[arg(long, default_value_t = 8)]
+    pub turns: usize,
+    /// Tokens the policy samples per turn.
+    #[arg(long, default_value_t = 256)]
+    pub new_tokens: usize,
+    /// Adapter rank on every projection (alpha twice the rank); 0 trains every weight.
+    #[arg(long, default_value_t = 16)]
+    pub lora_rank: usize,
+    /// Training passes layer by layer, recomputing each layer in the backward pass.
+    #[arg(long)]
+    pub checkpointing: bool,
+    /// Sequences per forward/backward pass (and per scoring pass).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: usize,
+    /// PPO steps, each timed on its own (the first also compiles kernels).
+    #[arg(long, default_value_t = 2)]
+    pub steps: usize,
+    /// Score a KL reference too (the base with adapters off, or a copy of the policy).
+    #[arg(long)]
+    pub reference: bool,
 }
 
 /// The stage configuration: the TOML file (or the defaults), then the flags that override it.

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_load;
+mod bench_ppo;
 mod cli;
 mod device;
 mod serve;
@@ -32,6 +33,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::BenchModel(b) => device::run_on(b.device, b.precision, bench::Bench(b)),
+        Command::BenchPpo(b) => device::run_on(b.device, b.precision, bench_ppo::BenchPpo(b)),
         Command::BenchLoad(b) => bench_load::run(b),
         Command::Serve(s) => device::run_on(s.device, s.precision, serve::Serve(s)),
         Command::Warmup(s) | Command::Ppo(s) => device::run_on(

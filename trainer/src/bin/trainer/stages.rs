@@ -154,6 +154,7 @@ fn run<B: AutodiffBackend>(
         }
         Command::Plot(_)
         | Command::BenchModel(_)
+        | Command::BenchPpo(_)
         | Command::BenchLoad(_)
         | Command::Serve(_)
         | Command::MemoryPlan(_) => {
