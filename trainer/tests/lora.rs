@@ -657,3 +657,67 @@ fn layer_by_layer_backward_gives_the_whole_graphs_gradients() {
         );
     }
 }
+
+/// `trainer bench-ppo` runs the stage's whole step with adapters: each turn after the first
+/// prefills only what it added (the last sampled token and the observation), the episodes
+/// have the lengths asked for, the update scores what was sampled with the same
+/// log-probabilities, and both losses are finite.
+#[test]
+fn the_ppo_step_bench_runs_the_stage_with_kept_caches() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = dir.path().join("shape.json");
+    std::fs::write(
+        &shape,
+        r#"{"model_type":"qwen2","vocab_size":512,"hidden_size":16,"intermediate_size":32,
+            "num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,
+            "max_position_embeddings":256,"tie_word_embeddings":true}"#,
+    )
+    .unwrap();
+    let (episodes, prompt, turns, new_tokens, context) = (2, 24, 3, 6, 96);
+    let out = Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args(["bench-ppo", "--device", "cpu", "--shape"])
+        .arg(&shape)
+        .args([
+            "--lora-rank",
+            "4",
+            "--checkpointing",
+            "--reference",
+            "--steps",
+            "1",
+        ])
+        .args(["--episodes", &episodes.to_string()])
+        .args([
+            "--prompt",
+            &prompt.to_string(),
+            "--turns",
+            &turns.to_string(),
+        ])
+        .args(["--new-tokens", &new_tokens.to_string()])
+        .args(["--context", &context.to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let observation = (context - prompt) / turns - new_tokens;
+    assert_eq!(report["observation"], observation);
+    let step = &report["steps"][0];
+    let prefilled: Vec<u64> = serde_json::from_value(step["prefilled_per_turn"].clone()).unwrap();
+    assert_eq!(prefilled[0], (episodes * prompt) as u64, "{report}");
+    for p in &prefilled[1..] {
+        assert_eq!(*p, (episodes * (observation + 1)) as u64, "{report}");
+    }
+    assert_eq!(step["sampled_tokens"], episodes * turns * new_tokens);
+    assert_eq!(
+        step["episode_tokens"],
+        episodes * (prompt + turns * new_tokens + (turns - 1) * observation)
+    );
+    let gap = step["sampling_logprob_mismatch"].as_f64().unwrap();
+    assert!(
+        gap < 1e-4,
+        "sampled and scored log-probabilities differ by {gap}"
+    );
+    for key in ["policy_loss", "value_loss"] {
+        assert!(step[key].as_f64().unwrap().is_finite(), "{key}: {report}");
+    }
+}
