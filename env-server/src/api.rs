@@ -33,8 +33,8 @@ pub struct AppState {
     pub drain: Arc<crate::drain::Drain>,
     /// Bearer token required on every call but health, if set.
     pub api_key: Option<String>,
-    /// What `/v1/info` reports.
-    pub info: Value,
+    /// What `/v1/info` reports (its counts filled per answer).
+    pub info: crate::info::ServerInfo,
     /// Largest request body.
     pub max_body_bytes: usize,
     /// Time a client has to send a request's body.
@@ -702,25 +702,13 @@ async fn ready(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> 
 }
 
 #[utoipa::path(get, path = "/v1/info", responses((status = 200, description = "version, devices, capacity, sandbox")))]
-async fn info(State(s): State<Arc<AppState>>) -> Json<Value> {
-    let mut v = s.info.clone();
-    v["open_episodes"] = json!(s.episodes.open_count());
-    if let Some((_, reserved)) = s.episodes.volume_memory() {
-        v["capacity"]["admission"]["volume_memory_reserved_bytes"] = json!(reserved);
-    }
-    v["evaluations_in_flight"] = json!(s.evaluator.in_flight());
-    v["device_slots"] = json!(s
-        .evaluator
-        .slots()
-        .iter()
-        .map(|d| json!({
-            "index": d.index,
-            "leases": d.leases.load(Ordering::Relaxed),
-            "busy_s": d.busy_ms.load(Ordering::Relaxed) as f64 / 1e3,
-            "starved_s": d.starved_ms.load(Ordering::Relaxed) as f64 / 1e3,
-        }))
-        .collect::<Vec<_>>());
-    Json(v)
+async fn info(State(s): State<Arc<AppState>>) -> Json<crate::info::ServerInfo> {
+    Json(s.info.at(
+        s.episodes.open_count(),
+        s.episodes.volume_memory().map(|(_, reserved)| reserved),
+        s.evaluator.in_flight(),
+        s.evaluator.slots(),
+    ))
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {

@@ -24,6 +24,7 @@ pub mod episode;
 pub mod evaluation;
 pub mod http;
 pub mod idempotency;
+pub mod info;
 pub mod mcp;
 pub mod observe;
 pub mod retention;
@@ -38,7 +39,6 @@ use std::time::Duration;
 use agent_tools::sandbox::CgroupNesting;
 use agent_tools::{ResourceLimits, Sandbox, SandboxConfig, ToolLimits};
 use kernelbench::TaskSet;
-use serde_json::json;
 
 pub use api::{router, AppState};
 pub use evaluation::DEFAULT_PRESTART_DEPTH;
@@ -460,58 +460,61 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         device = device.as_str(),
         "server state ready"
     );
-    let info = json!({
-        "name": "cuda-agent env-server",
-        "version": env!("CARGO_PKG_VERSION"),
-        "api": "v1",
-        "device": device.as_str(),
-        "gpus": python.gpu_names,
-        "torch": python.torch,
-        "torch_cuda": python.torch_cuda,
-        "task_size": task_size,
-        "tasks": tasks.len(),
-        "capacity": {"max_commands": admission.max_commands, "admission": admission, "max_episodes": cfg.max_episodes, "max_builds": cfg.max_builds, "max_eval_queue": cfg.max_eval_queue, "device_slots": gpus.max(1),
-            // Evaluations per device started ahead of their lease (null: prestart off).
-            "prestart_depth": evaluator.prestart_depth()},
-        "build": {"cuda_arch_list": toolchain.cuda_arch_list, "precompiled_headers": toolchain.pch_dir.as_ref().map(|_| variants.clone())},
-        "http": {
-            "max_connections": cfg.http.max_connections,
-            "max_connections_per_client": cfg.http.max_connections_per_client,
-            "max_requests_in_flight": cfg.http.max_requests_in_flight,
-            "header_timeout_s": cfg.http.header_timeout.as_secs_f64(),
-            "body_timeout_s": cfg.http.body_timeout.as_secs_f64(),
-            "write_timeout_s": cfg.http.write_timeout.as_secs_f64(),
-            "max_body_bytes": cfg.max_body_bytes,
+    let time_budget = cfg.time_budget.unwrap_or(default_time_budget(device));
+    let info = info::ServerInfo {
+        api: "v1",
+        auth: cfg.api_key.is_some(),
+        build: info::BuildInfo {
+            cuda_arch_list: toolchain.cuda_arch_list.clone(),
+            precompiled_headers: toolchain.pch_dir.as_ref().map(|_| variants.clone()),
         },
-        "retention": {
-            "finished_grace_s": cfg.finished_grace.as_secs_f64(),
-            "keep_trajectories": cfg.trajectory_retention.keep,
-            "trajectory_max_age_s": cfg.trajectory_retention.max_age.map(|d| d.as_secs_f64()),
-            "trajectory_max_bytes": cfg.trajectory_retention.max_bytes,
-            "build_cache_max_bytes": cfg.build_cache_max_bytes,
-            "build_cache_entry_max_bytes": cfg.build_cache_entry_max_bytes,
-            "max_log_bytes": cfg.max_log_bytes,
-        },
-        "sandbox": status,
-        "observer": match &observer {
-            Err(e) => json!({"on": false, "judged": false, "reason": e}),
-            Ok(()) if !cfg.observe => json!({"on": false, "judged": false, "reason": "turned off (--no-observe)"}),
-            Ok(()) if device != runtime::Device::Cpu => json!({"on": true, "judged": false, "reason": "on a GPU the observation is reported, not judged"}),
-            Ok(()) => json!({"on": true, "judged": true}),
-        },
-        "auth": cfg.api_key.is_some(),
-        // What a reset without options gets, and what each device's default is (a budget
-        // given to the server replaces the default of its device).
-        "episode_defaults": {
-            "max_turns": cfg.max_turns,
-            "time_budget_s": cfg.time_budget.unwrap_or(default_time_budget(device)).as_secs_f64(),
-            "time_budget_from": if cfg.time_budget.is_some() { "--time-budget-s" } else { "the device's default" },
-            "device_default_time_budget_s": {
-                "cpu": default_time_budget(runtime::Device::Cpu).as_secs_f64(),
-                "cuda": default_time_budget(runtime::Device::Cuda).as_secs_f64(),
+        capacity: info::Capacity {
+            admission: info::AdmissionInfo {
+                bounds: admission,
+                volume_memory_reserved_bytes: None,
             },
+            device_slots: gpus.max(1),
+            max_builds: cfg.max_builds,
+            max_commands: admission.max_commands,
+            max_episodes: cfg.max_episodes,
+            max_eval_queue: cfg.max_eval_queue,
+            prestart_depth: evaluator.prestart_depth(),
         },
-    });
+        device,
+        device_slots: Vec::new(),
+        episode_defaults: info::EpisodeDefaults {
+            device_default_time_budget_s: info::PerDevice {
+                cpu: default_time_budget(runtime::Device::Cpu).as_secs_f64(),
+                cuda: default_time_budget(runtime::Device::Cuda).as_secs_f64(),
+            },
+            max_turns: cfg.max_turns,
+            time_budget_from: if cfg.time_budget.is_some() {
+                "--time-budget-s"
+            } else {
+                "the device's default"
+            },
+            time_budget_s: time_budget.as_secs_f64(),
+        },
+        evaluations_in_flight: 0,
+        gpus: python.gpu_names.clone(),
+        http: info::HttpInfo::new(&cfg.http, cfg.max_body_bytes),
+        name: "cuda-agent env-server",
+        observer: info::ObserverInfo::new(&observer, cfg.observe, device),
+        open_episodes: 0,
+        retention: info::RetentionInfo::new(
+            &cfg.trajectory_retention,
+            cfg.finished_grace,
+            cfg.max_log_bytes,
+            cfg.build_cache_max_bytes,
+            cfg.build_cache_entry_max_bytes,
+        ),
+        sandbox: status,
+        task_size,
+        tasks: tasks.len(),
+        torch: python.torch.clone(),
+        torch_cuda: python.torch_cuda.clone(),
+        version: env!("CARGO_PKG_VERSION"),
+    };
     Ok(Arc::new(AppState {
         episodes,
         evaluator,

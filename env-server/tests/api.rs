@@ -64,6 +64,15 @@ async fn raw(
     (status, v)
 }
 
+/// A GET's status and its body as text, unparsed.
+async fn text_of(state: &Arc<AppState>, uri: &str) -> (StatusCode, String) {
+    let req = Request::builder().uri(uri).body(Body::empty()).unwrap();
+    let resp = router(state.clone()).oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
 #[tokio::test]
 async fn discovery_routes() {
     let dir = tempfile::tempdir().unwrap();
@@ -73,6 +82,10 @@ async fn discovery_routes() {
     let (st, v) = call(&s, "GET", "/v1/info", None).await;
     assert_eq!(st, StatusCode::OK);
     assert_eq!(v["device"], "cpu");
+    // The answer's bytes are what clients always got: every object's keys sorted, as a
+    // `serde_json::Value` writes them.
+    let (_, text) = text_of(&s, "/v1/info").await;
+    assert_eq!(text, v.to_string(), "/v1/info's keys are out of order");
     assert_eq!(v["sandbox"]["confined"], true, "{v}");
     assert!(v["torch"].as_str().unwrap().starts_with("2."), "{v}");
     let (_, v) = call(&s, "GET", "/v1/tasks", None).await;
