@@ -191,7 +191,7 @@ pub fn prune_build_cache_sparing(
             Ok(()) => {
                 total -= bytes;
                 removed.add(bytes);
-                // The server's record that these sources built (evaluation.rs) goes too.
+                // The server's record that these sources built (evaluation/build_cache.rs) goes too.
                 if let (Some(parent), Some(name)) = (dir.parent(), path.file_name()) {
                     let _ = std::fs::remove_file(parent.join("build-ok").join(name));
                 }
