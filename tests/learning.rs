@@ -96,6 +96,20 @@ async fn demonstrations(c: &env_client::EnvClient) -> (usize, usize) {
     (good, flawed)
 }
 
+/// `[lora]` for `LEARNING_LORA_RANK=N` (N > 0: adapters of rank N on every projection, alpha
+/// 2N, the rest frozen), so that the same recipe can be run both ways and compared; the
+/// default trains every weight.
+fn lora_section() -> String {
+    let rank: usize = std::env::var("LEARNING_LORA_RANK")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    match rank {
+        0 => String::new(),
+        r => format!("[lora]\nrank = {r}\nalpha = {}\n", 2 * r),
+    }
+}
+
 fn config(dir: &Path, url: &str, model: &Path, seed: u64) -> PathBuf {
     let text = format!(
         r#"
@@ -143,6 +157,7 @@ minibatch = 8
 epochs = 20
 minibatch = 32
 
+{lora}
 [run]
 out_dir = "{out}"
 checkpoint_every = 50
@@ -152,6 +167,7 @@ seed = {seed}
         model = model.display(),
         max_turns = MAX_TURNS,
         out = dir.join("runs").display(),
+        lora = lora_section(),
     );
     let p = dir.join(format!("train-{seed}.toml"));
     std::fs::write(&p, text).unwrap();

@@ -1,6 +1,7 @@
 //! `trainer plot`: a stage's metrics.jsonl drawn as a grid of curves (reward, losses,
 //! entropy, KL, clip fraction, explained variance, episode lengths, throughput), whichever
-//! the file holds.
+//! the file holds; given several runs, each panel draws one curve per run, so that runs
+//! (seeds, ablations, adapters against full training) compare on one figure.
 
 use std::path::Path;
 
@@ -65,31 +66,51 @@ const PANELS: [(&str, &str, Pick); 14] = [
 
 /// Draws `metrics` (JSON Lines) to `out` (PNG); fails when no known metric is present.
 pub fn plot_metrics(metrics: &Path, out: &Path) -> Result<(), TrainError> {
-    let records = read_metrics(metrics)?;
+    plot_runs(&[(String::new(), metrics)], out)
+}
+
+/// Draws several runs' metrics to `out` (PNG), one curve per run in each panel, named by its
+/// label (a lone unlabelled run's curves are named by their metric). Fails when no run holds
+/// a known metric.
+pub fn plot_runs(runs: &[(String, &Path)], out: &Path) -> Result<(), TrainError> {
+    let records = runs
+        .iter()
+        .map(|(label, path)| Ok((label.as_str(), read_metrics(path)?)))
+        .collect::<Result<Vec<_>, TrainError>>()?;
     let panels: Vec<_> = PANELS
         .iter()
         .filter_map(|(title, name, pick)| {
-            let points: Vec<(f64, f64)> = records
+            let series: Vec<Series> = records
                 .iter()
-                .filter_map(|r| Some((r.step() as f64, pick(r).filter(|v| v.is_finite())?)))
+                .filter_map(|(label, recs)| {
+                    let points: Vec<(f64, f64)> = recs
+                        .iter()
+                        .filter_map(|r| Some((r.step() as f64, pick(r).filter(|v| v.is_finite())?)))
+                        .collect();
+                    (!points.is_empty()).then(|| Series {
+                        name: match label.is_empty() {
+                            true => (*name).into(),
+                            false => (*label).into(),
+                        },
+                        points,
+                    })
+                })
                 .collect();
-            (!points.is_empty()).then(|| {
+            (!series.is_empty()).then(|| {
                 LineChart {
                     title: (*title).into(),
                     x_label: "step".into(),
-                    series: vec![Series {
-                        name: (*name).into(),
-                        points,
-                    }],
+                    series,
                 }
                 .render(360, 220)
             })
         })
         .collect();
     if panels.is_empty() {
+        let names: Vec<String> = runs.iter().map(|(_, p)| p.display().to_string()).collect();
         return Err(TrainError::Data(format!(
             "{} holds no metric to plot",
-            metrics.display()
+            names.join(", ")
         )));
     }
     Ok(grid(&panels, 3).save_png(out)?)

@@ -8,7 +8,7 @@ use trainer::metrics::{
     read_metrics, BatchSummary, MetricsLog, MetricsRecord, PpoRecord, PpoUpdate, RftRecord,
     Throughput, TimeSplit,
 };
-use trainer::plot::plot_metrics;
+use trainer::plot::{plot_metrics, plot_runs};
 
 fn ppo_record(step: usize, entropy: f64) -> MetricsRecord {
     MetricsRecord::Ppo(PpoRecord {
@@ -103,4 +103,46 @@ fn records_round_trip_as_types_in_the_flat_shape() {
     // Resuming from step 1 drops what steps 2 and 3 wrote.
     let log = MetricsLog::open(&path, Some(1)).unwrap();
     assert_eq!(read_metrics(log.path()).unwrap(), written[..1]);
+}
+
+/// Several runs on one figure: each panel holds a curve per run that has the metric, so the
+/// figure of two runs is not the figure of one; a set of runs with no known metric is an
+/// error naming the files.
+#[test]
+fn runs_are_drawn_together_one_curve_per_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, records: &[MetricsRecord]| {
+        let path = dir.path().join(name).join("metrics.jsonl");
+        let mut log = MetricsLog::open(&path, None).unwrap();
+        for r in records {
+            log.write(r).unwrap();
+        }
+        path
+    };
+    let full = write("full", &[ppo_record(1, 1.2), ppo_record(2, 1.1)]);
+    let lora = write("lora", &[ppo_record(1, 0.9), ppo_record(2, 0.7)]);
+    let one = dir.path().join("one.png");
+    let both = dir.path().join("both.png");
+    plot_runs(&[("full".into(), full.as_path())], &one).unwrap();
+    plot_runs(
+        &[
+            ("full".into(), full.as_path()),
+            ("lora".into(), lora.as_path()),
+        ],
+        &both,
+    )
+    .unwrap();
+    let (a, b) = (std::fs::read(&one).unwrap(), std::fs::read(&both).unwrap());
+    assert!(a.len() > 1000 && b.len() > 1000);
+    assert_ne!(a, b, "the second run's curves are drawn");
+
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let err = plot_runs(
+        &[("none".into(), empty.as_path())],
+        &dir.path().join("x.png"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("empty.jsonl"), "{err}");
 }

@@ -157,9 +157,13 @@ pub struct EvalArgs {
 /// `plot`'s flags.
 #[derive(Args, Clone)]
 pub struct PlotArgs {
-    /// A metrics.jsonl.
-    pub metrics: PathBuf,
-    /// PNG to write (default: beside the metrics file).
+    /// One or more metrics.jsonl files: with several, each panel draws one curve per run.
+    #[arg(required = true, num_args = 1..)]
+    pub metrics: Vec<PathBuf>,
+    /// A name per metrics file, in order, for the legend (default: the file's path).
+    #[arg(long)]
+    pub label: Vec<String>,
+    /// PNG to write (default: beside the first metrics file).
     #[arg(long)]
     pub out: Option<PathBuf>,
 }

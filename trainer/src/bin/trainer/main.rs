@@ -27,8 +27,27 @@ fn main() -> Result<()> {
             let out = a
                 .out
                 .clone()
-                .unwrap_or_else(|| a.metrics.with_extension("png"));
-            trainer::plot::plot_metrics(&a.metrics, &out)?;
+                .unwrap_or_else(|| a.metrics[0].with_extension("png"));
+            anyhow::ensure!(
+                a.label.is_empty() || a.label.len() == a.metrics.len(),
+                "{} labels for {} metrics files: give one per file or none",
+                a.label.len(),
+                a.metrics.len()
+            );
+            let runs: Vec<(String, &std::path::Path)> = a
+                .metrics
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let label = match (a.label.get(i), a.metrics.len()) {
+                        (Some(l), _) => l.clone(),
+                        (None, 1) => String::new(),
+                        (None, _) => p.display().to_string(),
+                    };
+                    (label, p.as_path())
+                })
+                .collect();
+            trainer::plot::plot_runs(&runs, &out)?;
             println!("{}", out.display());
             Ok(())
         }
