@@ -21,7 +21,7 @@ use crate::episode::{EpisodeError, EpisodeManager};
 use crate::evaluation::{EvalError, Evaluator};
 use crate::http::HttpCounters;
 use crate::idempotency::{body_digest, BodyDigest, KeyReused, Keys};
-use crate::Retention;
+use crate::retention::Retention;
 
 /// Everything the handlers share.
 pub struct AppState {

@@ -15,10 +15,12 @@ use agent_tools::sandbox::SandboxStatus;
 use serde::{Serialize, Serializer};
 
 use crate::admission::Admission;
+use crate::build::Toolchain;
+use crate::config::{default_time_budget, ServerConfig};
 use crate::evaluation::DeviceSlot;
 use crate::http::HttpLimits;
 use crate::retention::TrajectoryRetention;
-use crate::runtime::Device;
+use crate::runtime::{Device, PythonInfo};
 
 /// The whole `/v1/info` answer. Fields in alphabetical order (see the module's docs).
 #[derive(Debug, Clone, Serialize)]
@@ -259,7 +261,100 @@ impl RetentionInfo {
     }
 }
 
+/// What start found that `/v1/info` reports beside the configuration.
+#[derive(Debug)]
+pub struct Probed<'a> {
+    /// The evaluation device.
+    pub device: Device,
+    /// Python and torch.
+    pub python: &'a PythonInfo,
+    /// The build toolchain.
+    pub toolchain: &'a Toolchain,
+    /// The precompiled headers' flag sets asked for.
+    pub variants: Vec<String>,
+    /// The admission bounds.
+    pub admission: Admission,
+    /// What the sandbox enforces.
+    pub sandbox: SandboxStatus,
+    /// Whether the workers can be observed from outside (Err: why not).
+    pub observer: &'a Result<(), String>,
+    /// Tasks served.
+    pub tasks: usize,
+    /// The tasks' input sizes in force.
+    pub task_size: String,
+    /// Evaluations per device started ahead of their lease (None: prestart off).
+    pub prestart_depth: Option<usize>,
+}
+
 impl ServerInfo {
+    /// The answer for a server started with `cfg` on what start `found`; the counts are
+    /// filled per answer ([`ServerInfo::at`]).
+    pub fn new(cfg: &ServerConfig, found: Probed<'_>) -> Self {
+        let device = found.device;
+        let gpus = if device == Device::Cuda {
+            found.python.gpus
+        } else {
+            0
+        };
+        let time_budget = cfg.time_budget.unwrap_or(default_time_budget(device));
+        ServerInfo {
+            api: "v1",
+            auth: cfg.api_key.is_some(),
+            build: BuildInfo {
+                cuda_arch_list: found.toolchain.cuda_arch_list.clone(),
+                precompiled_headers: found.toolchain.pch_dir.as_ref().map(|_| found.variants),
+            },
+            capacity: Capacity {
+                admission: AdmissionInfo {
+                    bounds: found.admission,
+                    volume_memory_reserved_bytes: None,
+                },
+                device_slots: gpus.max(1),
+                max_builds: cfg.max_builds,
+                max_commands: found.admission.max_commands,
+                max_episodes: cfg.max_episodes,
+                max_eval_queue: cfg.max_eval_queue,
+                prestart_depth: found.prestart_depth,
+            },
+            device,
+            device_slots: Vec::new(),
+            // What a reset without options gets, and what each device's default is (a budget
+            // given to the server replaces the default of its device).
+            episode_defaults: EpisodeDefaults {
+                device_default_time_budget_s: PerDevice {
+                    cpu: default_time_budget(Device::Cpu).as_secs_f64(),
+                    cuda: default_time_budget(Device::Cuda).as_secs_f64(),
+                },
+                max_turns: cfg.max_turns,
+                time_budget_from: if cfg.time_budget.is_some() {
+                    "--time-budget-s"
+                } else {
+                    "the device's default"
+                },
+                time_budget_s: time_budget.as_secs_f64(),
+            },
+            evaluations_in_flight: 0,
+            gpus: found.python.gpu_names.clone(),
+            http: HttpInfo::new(&cfg.http, cfg.max_body_bytes),
+            name: "cuda-agent env-server",
+            observer: ObserverInfo::new(found.observer, cfg.observe, device),
+            open_episodes: 0,
+            retention: RetentionInfo::new(
+                &cfg.trajectory_retention,
+                cfg.finished_grace,
+                cfg.max_log_bytes,
+                cfg.build_cache_max_bytes,
+                cfg.build_cache_entry_max_bytes,
+            ),
+            sandbox: found.sandbox,
+            task_size: found.task_size,
+            tasks: found.tasks,
+            torch: found.python.torch.clone(),
+            torch_cuda: found.python.torch_cuda.clone(),
+            version: env!("CARGO_PKG_VERSION"),
+        }
+    }
+
     /// This answer with the moment's counts filled in.
     pub fn at(
         &self,

@@ -232,3 +232,37 @@ pub fn sweep_leftovers(data_dir: &Path) -> Removed {
     }
     removed
 }
+
+/// The retention policy and where it applies.
+#[derive(Debug, Clone)]
+pub struct Retention {
+    /// The data directory.
+    pub data_dir: PathBuf,
+    /// Trajectory logs kept.
+    pub trajectories: TrajectoryRetention,
+    /// The build cache's bound.
+    pub build_cache: BuildCacheRetention,
+    /// How often it runs.
+    pub interval: Duration,
+}
+
+impl Retention {
+    /// One pass over trajectory logs (sparing `live` episodes) and the build cache. Blocking.
+    pub fn run(&self, live: &std::collections::HashSet<String>) {
+        let logs = prune_trajectories(
+            &self.data_dir.join("trajectories"),
+            &self.trajectories,
+            live,
+        );
+        let builds = prune_build_cache(&self.data_dir.join("build-cache"), &self.build_cache);
+        if logs.entries + builds.entries > 0 {
+            tracing::info!(
+                logs = logs.entries,
+                log_bytes = logs.bytes,
+                builds = builds.entries,
+                build_bytes = builds.bytes,
+                "retention removed"
+            );
+        }
+    }
+}
