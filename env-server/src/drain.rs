@@ -9,11 +9,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::Notify;
-
-use crate::AppState;
 
 /// The reason logged for episodes still open when a drain ends.
 pub const DRAIN_REASON: &str = "server_drain";
@@ -102,49 +99,6 @@ impl Drain {
             }
             woken.await;
         }
-    }
-}
-
-/// Drains `state`: readiness false and new work refused at once, admitted work given up to
-/// `grace`, then what is left ended with [`DRAIN_REASON`]. Returns when the server may stop
-/// serving.
-pub async fn drain(state: &AppState, grace: Duration) {
-    if !state.drain.begin() {
-        return;
-    }
-    tracing::info!(
-        running = state.drain.running(),
-        evaluations = state.evaluator.in_flight(),
-        open_episodes = state.episodes.open_count(),
-        grace_s = grace.as_secs_f64(),
-        "draining: readiness is false and new episodes, steps and evaluations are refused (503 draining); admitted work gets the grace period"
-    );
-    let finished = tokio::time::timeout(grace, state.drain.idle())
-        .await
-        .is_ok();
-    if finished {
-        tracing::info!("drain: every admitted request finished");
-    } else {
-        tracing::warn!(
-            running = state.drain.running(),
-            evaluations = state.evaluator.in_flight(),
-            "drain: the grace period is over; evaluations still running are cancelled and answered 503 drained (their clients may retry elsewhere)"
-        );
-    }
-    state.drain.expire();
-    let ended = state.episodes.truncate_open(DRAIN_REASON).await;
-    if ended.truncated + ended.busy > 0 {
-        tracing::info!(
-            truncated = ended.truncated,
-            reason = DRAIN_REASON,
-            "drain: open episodes truncated; each one's log (every answered step and the truncation) is durable on disk, and a restarted server answers its state and trajectory"
-        );
-    }
-    if ended.busy > 0 {
-        tracing::warn!(
-            busy = ended.busy,
-            "drain: episodes still inside a step are left as they are; their logs hold every answered step, and the next start marks them truncated (server_restart)"
-        );
     }
 }
 

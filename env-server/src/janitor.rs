@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::api::AppState;
+use crate::state::AppState;
 
 /// Every 30 s, for as long as the state lives: truncates idle episodes, moves finished ones
 /// out of memory; every retention interval, prunes logs and the build cache (on a blocking

@@ -5,7 +5,9 @@
 //! - [`config`]: what the server is started with ([`ServerConfig`]).
 //! - [`start`]: starting it ([`build_state`]): the machine probed, the sandbox, recovery.
 //! - [`admission`]: what the host offers and the bounds derived from it.
-//! - [`api`]: routes, errors, auth, metrics, OpenAPI ([`api::router`] builds the app).
+//! - [`api`]: routes, auth, metrics, OpenAPI ([`api::router`] builds the app).
+//! - [`state`]: what the handlers share ([`AppState`]), and the drain of the whole server.
+//! - [`error`]: the API's error answer and how each module's errors map to it.
 //! - [`info`]: what `/v1/info` answers.
 //! - [`http`]: serving the app over TCP with connection, header, idle and write limits.
 //! - [`mcp`]: the MCP front (`/mcp`): one MCP session per episode, the same tools and log.
@@ -26,6 +28,7 @@ pub mod build;
 pub mod config;
 pub mod drain;
 pub mod episode;
+pub mod error;
 pub mod evaluation;
 pub mod http;
 pub mod idempotency;
@@ -37,11 +40,13 @@ pub mod retention;
 pub mod reward;
 pub mod runtime;
 pub mod start;
+pub mod state;
 pub mod trajectory;
 
-pub use api::{router, AppState};
+pub use api::router;
 pub use config::{default_time_budget, ServerConfig};
 pub use evaluation::DEFAULT_PRESTART_DEPTH;
 pub use janitor::{release_free_memory, spawn_janitor};
 pub use retention::Retention;
 pub use start::{build_state, prepare_pch, StartError};
+pub use state::AppState;

@@ -387,7 +387,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
                 env_server::build::stop_compilers();
                 std::process::exit(1);
             });
-            env_server::drain::drain(&state, drain_grace).await;
+            state.drain_before_stop(drain_grace).await;
         }
     };
     env_server::http::serve(listener, router(state), http, counters, drained).await?;

@@ -27,7 +27,6 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -47,17 +46,8 @@ use rmcp::{RoleServer, ServerHandler};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::api::AppState;
 use crate::episode::EpisodeError;
-
-/// Limits of the MCP front.
-#[derive(Debug, Clone)]
-pub struct McpLimits {
-    /// Most MCP sessions at once (each holds at most one episode).
-    pub max_sessions: usize,
-    /// A session without a request for this long ends (and closes its running episode).
-    pub session_idle: Duration,
-}
+use crate::state::AppState;
 
 /// The name of the tool that starts (or restarts) the session's episode.
 pub const RESET_TOOL: &str = "reset";

@@ -11,7 +11,6 @@ use agent_tools::{Sandbox, SandboxConfig, ToolLimits};
 use kernelbench::TaskSet;
 
 use crate::admission::{Admission, AdmissionConfig, HostFacts};
-use crate::api::AppState;
 use crate::config::{default_time_budget, ServerConfig};
 use crate::drain::Drain;
 use crate::episode::{EpisodeConfig, EpisodeManager};
@@ -19,7 +18,8 @@ use crate::evaluation::{Evaluator, EvaluatorConfig};
 use crate::info::{Probed, ServerInfo};
 use crate::retention::{BuildCacheRetention, Retention};
 use crate::runtime::{Device, PythonInfo};
-use crate::{build, episode, http, idempotency, mcp, observe, retention, runtime};
+use crate::state::{AppState, McpLimits};
+use crate::{build, episode, http, idempotency, observe, retention, runtime};
 
 /// Errors at start.
 #[derive(Debug, thiserror::Error)]
@@ -189,7 +189,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         in_flight: Arc::new(tokio::sync::Semaphore::new(cfg.http.max_requests_in_flight)),
         max_in_flight: cfg.http.max_requests_in_flight,
         retention,
-        mcp: mcp::McpLimits {
+        mcp: McpLimits {
             max_sessions: cfg.max_episodes,
             session_idle: cfg.idle_timeout,
         },
