@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use agent_tools::sandbox::CgroupNesting;
 use agent_tools::ResourceLimits;
+use serde::{Deserialize, Serialize};
 
 use crate::evaluation::DEFAULT_PRESTART_DEPTH;
 use crate::{build, http, retention, runtime};
@@ -15,8 +16,8 @@ use crate::{build, http, retention, runtime};
 pub struct ServerConfig {
     /// State directory: trajectories, workspaces, caches, the harness.
     pub data_dir: PathBuf,
-    /// `auto`, `cpu` or `cuda`.
-    pub device: String,
+    /// The device asked for.
+    pub device: runtime::DeviceChoice,
     /// Task directory (a KernelBench checkout or a directory of task files); bundled if None.
     pub tasks_dir: Option<PathBuf>,
     /// Bearer token.
@@ -53,8 +54,8 @@ pub struct ServerConfig {
     pub disk_quota_bytes: u64,
     /// Resource limits of tool processes.
     pub limits: ResourceLimits,
-    /// `small` selects the tasks' small (CPU-sized) inputs; None picks by device.
-    pub task_size: Option<String>,
+    /// The tasks' input sizes; None picks by device ([`TaskSize::for_device`]).
+    pub task_size: Option<TaskSize>,
     /// Skip torch.compile baselines.
     pub skip_compile: bool,
     /// Observe the workers' forwards from outside on the CPU (perf events; needs root).
@@ -114,7 +115,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             data_dir: PathBuf::from("data"),
-            device: "auto".into(),
+            device: runtime::DeviceChoice::Auto,
             tasks_dir: None,
             api_key: None,
             python: PathBuf::from("python3"),
@@ -154,6 +155,35 @@ impl Default for ServerConfig {
             min_available_memory_bytes: None,
             volume_memory_bytes: None,
             retention_interval: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The tasks' input sizes (`--task-size`), as the harness takes them
+/// (`CUDA_AGENT_TASK_SIZE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskSize {
+    /// The small, CPU-sized inputs.
+    Small,
+    /// The tasks' own inputs.
+    Full,
+}
+
+impl TaskSize {
+    /// Its name as the harness takes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskSize::Small => "small",
+            TaskSize::Full => "full",
+        }
+    }
+
+    /// The size timing is meaningful at on `device`: small on the CPU, full on CUDA.
+    pub fn for_device(device: runtime::Device) -> Self {
+        match device {
+            runtime::Device::Cpu => TaskSize::Small,
+            runtime::Device::Cuda => TaskSize::Full,
         }
     }
 }

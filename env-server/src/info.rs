@@ -16,7 +16,7 @@ use serde::{Serialize, Serializer};
 
 use crate::admission::Admission;
 use crate::build::Toolchain;
-use crate::config::{default_time_budget, ServerConfig};
+use crate::config::{default_time_budget, ServerConfig, TaskSize};
 use crate::evaluation::DeviceSlot;
 use crate::http::HttpLimits;
 use crate::retention::TrajectoryRetention;
@@ -57,7 +57,7 @@ pub struct ServerInfo {
     #[serde(serialize_with = "sorted")]
     pub sandbox: SandboxStatus,
     /// The tasks' input sizes in force: `small` or `full`.
-    pub task_size: String,
+    pub task_size: TaskSize,
     /// Tasks served.
     pub tasks: usize,
     /// torch's version.
@@ -281,7 +281,7 @@ pub struct Probed<'a> {
     /// Tasks served.
     pub tasks: usize,
     /// The tasks' input sizes in force.
-    pub task_size: String,
+    pub task_size: TaskSize,
     /// Evaluations per device started ahead of their lease (None: prestart off).
     pub prestart_depth: Option<usize>,
 }

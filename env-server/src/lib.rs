@@ -44,9 +44,10 @@ pub mod state;
 pub mod trajectory;
 
 pub use api::router;
-pub use config::{default_time_budget, ServerConfig};
+pub use config::{default_time_budget, ServerConfig, TaskSize};
 pub use evaluation::DEFAULT_PRESTART_DEPTH;
 pub use janitor::{release_free_memory, spawn_janitor};
 pub use retention::Retention;
+pub use runtime::DeviceChoice;
 pub use start::{build_state, prepare_pch, StartError};
 pub use state::AppState;

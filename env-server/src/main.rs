@@ -14,7 +14,37 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use env_server::http::HttpLimits;
 use env_server::retention::TrajectoryRetention;
-use env_server::{build_state, prepare_pch, router, spawn_janitor, ServerConfig};
+use env_server::{
+    build_state, prepare_pch, router, spawn_janitor, DeviceChoice, ServerConfig, TaskSize,
+};
+
+/// `--cgroup-nesting`, as the command line spells [`CgroupNesting`] (see that flag's help).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Nesting {
+    /// Leave the cgroup as it is.
+    Off,
+    /// Nest only when the server is the only process in its cgroup.
+    Alone,
+    /// Nest whatever else runs in the cgroup too.
+    All,
+}
+
+impl From<Nesting> for CgroupNesting {
+    fn from(n: Nesting) -> Self {
+        match n {
+            Nesting::Off => CgroupNesting::Off,
+            Nesting::Alone => CgroupNesting::Alone,
+            Nesting::All => CgroupNesting::All,
+        }
+    }
+}
+
+/// A setting turned `on` or `off` (`--prestart`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Switch {
+    On,
+    Off,
+}
 
 /// The variable the API key may come from.
 const API_KEY_VAR: &str = "CUDA_AGENT_API_KEY";
@@ -30,8 +60,8 @@ struct Args {
     #[arg(long, default_value = "./data")]
     data_dir: PathBuf,
     /// Evaluation device.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda"])]
-    device: String,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
     /// Tasks: a KernelBench checkout or a directory of task files (default: the bundled suite).
     #[arg(long)]
     tasks: Option<PathBuf>,
@@ -83,8 +113,8 @@ struct Args {
     #[arg(long)]
     pch_only: bool,
     /// Task input sizes: `small` (CPU-sized) or `full` (default: small on CPU, full on CUDA).
-    #[arg(long, value_parser = ["small", "full"])]
-    task_size: Option<String>,
+    #[arg(long, value_enum)]
+    task_size: Option<TaskSize>,
     /// Skip torch.compile baselines (the compile milestone is then never reached).
     #[arg(long)]
     skip_compile: bool,
@@ -97,13 +127,13 @@ struct Args {
     /// own cgroup holds no process: `alone` moves the server into a leaf of its cgroup when it
     /// is the only process there (a service of its own), `all` moves whatever else runs there
     /// too (a container's init), `off` leaves the cgroup as it is.
-    #[arg(long, default_value = "alone", value_parser = ["off", "alone", "all"])]
-    cgroup_nesting: String,
+    #[arg(long, value_enum, default_value_t = Nesting::Alone)]
+    cgroup_nesting: Nesting,
     /// Start the next evaluation's judge and workers (imports and channels only: no candidate
     /// code, no device work) while the device still times the last one: `on` or `off`
     /// (default: on with CUDA, off on CPU, where timing has the whole machine).
-    #[arg(long, value_parser = ["on", "off"])]
-    prestart: Option<String>,
+    #[arg(long, value_enum)]
+    prestart: Option<Switch>,
     /// With prestart, evaluations per device whose judge and workers are alive at once: the
     /// one holding the device, the rest starting or waiting at their gates. Each costs host
     /// memory (three processes with PyTorch imported) and none touches the device.
@@ -312,11 +342,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         api_key,
         python: args.python,
         allow_unconfined: args.allow_unconfined,
-        cgroup_nesting: match args.cgroup_nesting.as_str() {
-            "off" => CgroupNesting::Off,
-            "all" => CgroupNesting::All,
-            _ => CgroupNesting::Alone,
-        },
+        cgroup_nesting: args.cgroup_nesting.into(),
         max_episodes: args.max_episodes,
         max_turns: args.max_turns,
         time_budget: args
@@ -328,7 +354,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         task_size: args.task_size,
         skip_compile: args.skip_compile,
         observe: !args.no_observe,
-        prestart: args.prestart.as_deref().map(|v| v == "on"),
+        prestart: args.prestart.map(|v| v == Switch::On),
         prestart_depth: args.prestart_depth as usize,
         allow_ops: args.allow_ops,
         max_body_bytes: args.max_body_bytes,

@@ -200,16 +200,29 @@ impl Device {
         }
     }
 
-    /// Resolves `auto|cpu|cuda` against what torch sees.
-    pub fn choose(asked: &str, python: &PythonInfo) -> Result<Self, RuntimeError> {
+    /// Resolves the device `asked` for against what torch sees.
+    pub fn choose(asked: DeviceChoice, python: &PythonInfo) -> Result<Self, RuntimeError> {
         match asked {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" if python.gpus > 0 => Ok(Device::Cuda),
-            "cuda" => Err(RuntimeError::NoCuda),
-            _ if python.gpus > 0 => Ok(Device::Cuda),
-            _ => Ok(Device::Cpu),
+            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cuda if python.gpus > 0 => Ok(Device::Cuda),
+            DeviceChoice::Cuda => Err(RuntimeError::NoCuda),
+            DeviceChoice::Auto if python.gpus > 0 => Ok(Device::Cuda),
+            DeviceChoice::Auto => Ok(Device::Cpu),
         }
     }
+}
+
+/// The device a server is asked to evaluate on (`--device`), resolved by [`Device::choose`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// CUDA where torch sees a GPU, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU, even where there is a GPU.
+    Cpu,
+    /// CUDA; the server does not start without a GPU.
+    Cuda,
 }
 
 /// Checks, through the installed harness, that a second process can map this one's GPU

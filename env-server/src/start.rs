@@ -11,7 +11,7 @@ use agent_tools::{Sandbox, SandboxConfig, ToolLimits};
 use kernelbench::TaskSet;
 
 use crate::admission::{Admission, AdmissionConfig, HostFacts};
-use crate::config::{default_time_budget, ServerConfig};
+use crate::config::{default_time_budget, ServerConfig, TaskSize};
 use crate::drain::Drain;
 use crate::episode::{EpisodeConfig, EpisodeManager};
 use crate::evaluation::{Evaluator, EvaluatorConfig};
@@ -68,7 +68,7 @@ pub enum StartError {
 /// starts servers that share the directory.
 pub fn prepare_pch(cfg: &ServerConfig) -> Result<PathBuf, StartError> {
     let python = runtime::PythonInfo::probe(&cfg.python)?;
-    let device = runtime::Device::choose(&cfg.device, &python)?;
+    let device = runtime::Device::choose(cfg.device, &python)?;
     let toolchain = build::Toolchain::for_device(device, &python);
     let tool_path = std::env::join_paths(python.path_dirs()).unwrap_or_default();
     let root = cfg.pch_root(&cfg.data_dir);
@@ -95,7 +95,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         &data_dir,
         &SandboxConfig::with_toolchains(python.toolchain_dirs()).read_only,
     )?;
-    let device = Device::choose(&cfg.device, &python)?;
+    let device = Device::choose(cfg.device, &python)?;
     let variants = cfg.pch_variants_on(device);
     let (toolchain, toolchain_dirs) = toolchain(&cfg, &data_dir, &python, device, &variants);
     let (sandbox, status, admission) = confine(&cfg, toolchain_dirs)?;
@@ -118,14 +118,11 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         }
         .with_tiny_family(),
     );
-    let task_size = cfg.task_size.clone().unwrap_or_else(|| {
-        if device == Device::Cpu {
-            "small".into()
-        } else {
-            "full".into()
-        }
-    });
-    let mut extra_env = vec![("CUDA_AGENT_TASK_SIZE".to_string(), task_size.clone())];
+    let task_size = cfg.task_size.unwrap_or(TaskSize::for_device(device));
+    let mut extra_env = vec![(
+        "CUDA_AGENT_TASK_SIZE".to_string(),
+        task_size.as_str().to_string(),
+    )];
     extra_env.extend(toolchain.env());
     let gpus = if device == Device::Cuda {
         python.gpus

@@ -39,7 +39,7 @@ pub fn test_config(dir: &std::path::Path) -> ServerConfig {
     let (pch_variants, pch_dir) = suite_pch();
     ServerConfig {
         data_dir: dir.to_path_buf(),
-        device: "cpu".into(),
+        device: env_server::DeviceChoice::Cpu,
         python: python(),
         skip_compile: true,
         max_body_bytes: 64 * 1024,
