@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The learning test's recipe (tests/learning.rs: demonstrations, RFT, value pre-training,
-# multi-turn PPO on the `tiny` split, CPU) run with every weight trained and with adapters,
-# for several seeds: prints the mean rewards per run as a table and draws the RFT and PPO
-# curves of all runs on one figure each (trainer plot).
+# multi-turn PPO on the `tiny` split, CPU) run with every weight trained and with adapters
+# (RANKS: 0 trains every weight; N > 0 trains rank-N adapters in the stages after RFT, on
+# RFT's weights, as the test's LEARNING_LORA_RANK says why), for several seeds: prints the
+# mean rewards per run as a table and draws the RFT and PPO curves of all runs on one figure
+# each (trainer plot).
 #
 #   scripts/bench_learning.sh [OUT_DIR]     (RANKS="0 16" SEEDS="0 1" by default)
 #
