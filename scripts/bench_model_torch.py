@@ -10,7 +10,8 @@ import json
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+
+from torch_shape import qwen_model
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape")
@@ -24,16 +25,7 @@ p.add_argument("--new-tokens", type=int, default=128)
 p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa or eager)")
 a = p.parse_args()
 
-if a.shape:
-    cfg = Qwen2Config.from_json_file(a.shape)
-else:
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-cfg._attn_implementation = a.attn
-dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(cfg).to("cuda", dtype)
+cfg, model = qwen_model(a.shape, a.dtype, "cuda", a.attn)
 V = cfg.vocab_size
 
 

@@ -21,7 +21,9 @@ import time
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
+from transformers import DynamicCache
+
+from torch_shape import qwen_model
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape")
@@ -39,16 +41,7 @@ p.add_argument("--device", default="cuda", help="cuda, or cpu to check the scrip
 a = p.parse_args()
 DEV = a.device
 
-if a.shape:
-    cfg = Qwen2Config.from_json_file(a.shape)
-else:
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-cfg._attn_implementation = "sdpa"
-dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(cfg).to(DEV, dtype)
+cfg, model = qwen_model(a.shape, a.dtype, DEV)
 for q in model.parameters():
     q.requires_grad_(False)
 V = cfg.vocab_size
