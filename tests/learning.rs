@@ -402,3 +402,98 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
         "mean reward after the four stages is {after} (random {before}, after RFT {after_rft})"
     );
 }
+
+/// The training-dynamics benchmark (not a CI test: `cargo test -p e2e-tests --test learning
+/// -- --ignored training_dynamics`, or scripts/bench_dynamics.sh). Long PPO runs of the
+/// recipe and of its two ablations on the tiny split, per seed:
+///
+/// - `recipe`: RFT, value pre-training on RFT's policy, then PPO;
+/// - `no_rft`: value pre-training and PPO from the random policy;
+/// - `no_value`: RFT, then PPO with a critic that starts as a copy of the policy, untrained.
+///
+/// `DYNAMICS_OUT` (required) receives each run's `ppo/metrics.jsonl` as
+/// `<variant>-seed<k>.jsonl` and a `summary.jsonl` line per run (mean reward before and after
+/// PPO); `DYNAMICS_STEPS` (150), `DYNAMICS_SEEDS` ("0 1 2") and `DYNAMICS_VARIANTS` choose the
+/// runs. The recipe's claims are read off the curves, so nothing here asserts them.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a benchmark of many minutes: scripts/bench_dynamics.sh"]
+async fn training_dynamics() {
+    let out = PathBuf::from(std::env::var("DYNAMICS_OUT").expect("DYNAMICS_OUT: where to write"));
+    std::fs::create_dir_all(&out).unwrap();
+    let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
+    let steps = var("DYNAMICS_STEPS", "150");
+    let seeds = var("DYNAMICS_SEEDS", "0 1 2");
+    let variants = var("DYNAMICS_VARIANTS", "recipe no_rft no_value");
+    let bin = trainer_release();
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    demonstrations(&server.client()).await;
+    let model = tiny_model(dir.path());
+    let traj = server.data_dir.join("trajectories");
+    let traj = traj.to_str().unwrap().to_string();
+    let mut summary = String::new();
+    for seed in seeds.split_whitespace() {
+        for variant in variants.split_whitespace() {
+            let name = format!("{variant}-seed{seed}");
+            let run_dir = dir.path().join(&name);
+            std::fs::create_dir_all(&run_dir).unwrap();
+            let cfg = config(&run_dir, &server.url, &model, seed.parse().unwrap(), 0);
+            let cfg = cfg.to_str().unwrap().to_string();
+            let runs = run_dir.join("runs");
+            let final_of = |stage: &str| runs.join(stage).join("final").display().to_string();
+            let bin = bin.clone();
+            let go = move |args: Vec<String>| {
+                let bin = bin.clone();
+                tokio::task::spawn_blocking(move || {
+                    run_trainer(&bin, &args.iter().map(String::as_str).collect::<Vec<_>>())
+                })
+            };
+            let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+            let c = cfg.as_str();
+            let before = reward_of(
+                &go(s(&["evaluate", "--config", c, "--episodes", "32"]))
+                    .await
+                    .unwrap(),
+            );
+            if variant != "no_rft" {
+                go(s(&["rft", "--config", c, "--trajectories", &traj]))
+                    .await
+                    .unwrap();
+            }
+            let mut ppo_args = s(&["ppo", "--config", c, "--steps", &steps]);
+            if variant != "no_value" {
+                let mut value = s(&["value-pretrain", "--config", c, "--trajectories", &traj]);
+                if variant != "no_rft" {
+                    value.extend(s(&["--init", &final_of("rft")]));
+                }
+                go(value).await.unwrap();
+                ppo_args.extend(s(&["--init", &final_of("value")]));
+            } else {
+                ppo_args.extend(s(&["--init", &final_of("rft")]));
+            }
+            go(ppo_args).await.unwrap();
+            let after = reward_of(
+                &go(s(&[
+                    "evaluate",
+                    "--config",
+                    c,
+                    "--episodes",
+                    "32",
+                    "--init",
+                    &final_of("ppo"),
+                ]))
+                .await
+                .unwrap(),
+            );
+            std::fs::copy(
+                runs.join("ppo/metrics.jsonl"),
+                out.join(format!("{name}.jsonl")),
+            )
+            .unwrap();
+            let line = json!({"run": name, "variant": variant, "seed": seed, "before": before, "after_ppo": after});
+            eprintln!("{line}");
+            summary.push_str(&format!("{line}\n"));
+            std::fs::write(out.join("summary.jsonl"), &summary).unwrap();
+        }
+    }
+}
