@@ -429,8 +429,11 @@ async fn training_dynamics() {
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
     demonstrations(&server.client()).await;
     let model = tiny_model(dir.path());
-    let traj = server.data_dir.join("trajectories");
-    let traj = traj.to_str().unwrap().to_string();
+    // The demonstrations alone: every later run's episodes are logged beside them, and RFT
+    // and value pre-training must see the same data in every run.
+    let demos = dir.path().join("demonstrations");
+    copy_dir(&server.data_dir.join("trajectories"), &demos);
+    let traj = demos.to_str().unwrap().to_string();
     let mut summary = String::new();
     for seed in seeds.split_whitespace() {
         for variant in variants.split_whitespace() {
@@ -494,6 +497,20 @@ async fn training_dynamics() {
             eprintln!("{line}");
             summary.push_str(&format!("{line}\n"));
             std::fs::write(out.join("summary.jsonl"), &summary).unwrap();
+        }
+    }
+}
+
+/// Copies the files of `from` (and its subdirectories) into `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
         }
     }
 }
