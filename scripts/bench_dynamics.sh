@@ -15,12 +15,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${1:-target/bench-dynamics}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
-export CUDA_AGENT_TRAINER_BIN="${CUDA_AGENT_TRAINER_BIN:-$PWD/target/release/trainer}"
-[ -x "$CUDA_AGENT_TRAINER_BIN" ] || { echo "no release trainer at $CUDA_AGENT_TRAINER_BIN: cargo build --release -p trainer" >&2; exit 1; }
-CUDA_AGENT_PYTHON="${CUDA_AGENT_PYTHON:-$(scripts/python-env.sh)/bin/python}"
-export CUDA_AGENT_PYTHON CUDA_AGENT_PCH="${CUDA_AGENT_PCH:-none}"
-cargo build --locked --workspace --bins --test learning >&2
-export CUDA_AGENT_BIN_DIR="$PWD/target/debug"
+# shellcheck source=scripts/learning-env.sh
+. scripts/learning-env.sh
 DYNAMICS_OUT="$out" DYNAMICS_STEPS="${STEPS:-150}" DYNAMICS_SEEDS="${SEEDS:-0 1 2}" \
   DYNAMICS_VARIANTS="${VARIANTS:-recipe no_rft no_value}" \
   cargo test --locked -p e2e-tests --test learning -- --ignored --exact training_dynamics --nocapture \

@@ -17,12 +17,8 @@ ranks="${RANKS:-0 16}"
 seeds="${SEEDS:-0 1}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
-export CUDA_AGENT_TRAINER_BIN="${CUDA_AGENT_TRAINER_BIN:-$PWD/target/release/trainer}"
-[ -x "$CUDA_AGENT_TRAINER_BIN" ] || { echo "no release trainer at $CUDA_AGENT_TRAINER_BIN: cargo build --release -p trainer" >&2; exit 1; }
-CUDA_AGENT_PYTHON="${CUDA_AGENT_PYTHON:-$(scripts/python-env.sh)/bin/python}"
-export CUDA_AGENT_PYTHON CUDA_AGENT_PCH="${CUDA_AGENT_PCH:-none}"
-cargo build --locked --workspace --bins --test learning >&2
-export CUDA_AGENT_BIN_DIR="$PWD/target/debug"
+# shellcheck source=scripts/learning-env.sh
+. scripts/learning-env.sh
 echo "| run | random | after RFT | after PPO | wall s |"
 echo "|---|---:|---:|---:|---:|"
 ppo=() rft=() labels=()
