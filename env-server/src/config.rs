@@ -96,6 +96,12 @@ pub struct ServerConfig {
     pub volume_memory_bytes: Option<u64>,
     /// How often retention runs (it also runs at start).
     pub retention_interval: Duration,
+    /// What one evaluation's volume holds (bytes): everything its build and run may write.
+    pub eval_disk_quota_bytes: u64,
+    /// Memory the evaluations' tmpfs volumes may reserve together; None: with host
+    /// admission, a quarter of the volume-memory budget (at least one volume), taken out of
+    /// the episodes' default budget; without, nothing reserved.
+    pub eval_volume_memory_bytes: Option<u64>,
 }
 
 /// The tool-time budget of an episode when neither the reset nor the server says: enough for
@@ -155,6 +161,8 @@ impl Default for ServerConfig {
             min_available_memory_bytes: None,
             volume_memory_bytes: None,
             retention_interval: Duration::from_secs(300),
+            eval_disk_quota_bytes: 2 << 30,
+            eval_volume_memory_bytes: None,
         }
     }
 }

@@ -17,7 +17,7 @@ use serde::{Serialize, Serializer};
 use crate::admission::Admission;
 use crate::build::Toolchain;
 use crate::config::{default_time_budget, ServerConfig, TaskSize};
-use crate::evaluation::DeviceSlot;
+use crate::evaluation::{DeviceSlot, EvaluationVolumeInfo};
 use crate::http::HttpLimits;
 use crate::retention::TrajectoryRetention;
 use crate::runtime::{Device, PythonInfo};
@@ -85,6 +85,9 @@ pub struct Capacity {
     pub admission: AdmissionInfo,
     /// Device leases (GPUs; 1 on the CPU).
     pub device_slots: usize,
+    /// Each evaluation's volume (what its build and run may write) and the memory the
+    /// volumes reserve.
+    pub evaluation_volume: EvaluationVolumeInfo,
     /// Builds at once.
     pub max_builds: usize,
     /// Commands at once, as applied.
@@ -284,6 +287,8 @@ pub struct Probed<'a> {
     pub task_size: TaskSize,
     /// Evaluations per device started ahead of their lease (None: prestart off).
     pub prestart_depth: Option<usize>,
+    /// The evaluations' volumes.
+    pub evaluation_volume: EvaluationVolumeInfo,
 }
 
 impl ServerInfo {
@@ -310,6 +315,7 @@ impl ServerInfo {
                     volume_memory_reserved_bytes: None,
                 },
                 device_slots: gpus.max(1),
+                evaluation_volume: found.evaluation_volume,
                 max_builds: cfg.max_builds,
                 max_commands: found.admission.max_commands,
                 max_episodes: cfg.max_episodes,

@@ -207,6 +207,16 @@ struct Args {
     /// evaluation over it fails (`build_size`) and its entry is removed.
     #[arg(long, default_value_t = 1 << 30)]
     build_cache_entry_max_bytes: u64,
+    /// Bytes one evaluation's volume holds: everything its build and run may write (the
+    /// sources' copy, temp dir, build directory, outputs). A tmpfs where the server may mount;
+    /// a candidate that fills it fails (`disk_quota`, `inode_quota`).
+    #[arg(long, default_value_t = 2 << 30)]
+    eval_disk_quota_bytes: u64,
+    /// Memory the evaluations' tmpfs volumes may reserve together, each its size; an
+    /// evaluation waits for room (default, with host admission: a quarter of the
+    /// volume-memory budget, at least one volume, taken out of the episodes' default budget).
+    #[arg(long)]
+    eval_volume_memory_bytes: Option<u64>,
     /// Seconds between retention passes (logs, build cache); one also runs at start.
     #[arg(long, default_value_t = 300)]
     retention_interval_s: u64,
@@ -372,6 +382,8 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         host_admission: !args.no_host_admission,
         min_available_memory_bytes: args.min_available_memory_bytes,
         volume_memory_bytes: args.volume_memory_bytes,
+        eval_disk_quota_bytes: args.eval_disk_quota_bytes,
+        eval_volume_memory_bytes: args.eval_volume_memory_bytes,
         retention_interval: Duration::from_secs(args.retention_interval_s.max(1)),
         ..ServerConfig::default()
     };

@@ -99,6 +99,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let variants = cfg.pch_variants_on(device);
     let (toolchain, toolchain_dirs) = toolchain(&cfg, &data_dir, &python, device, &variants);
     let (sandbox, status, admission) = confine(&cfg, toolchain_dirs)?;
+    let (admission, eval_volume_memory) = split_volume_memory(&cfg, admission, status.disk_quota);
     let observer = probe_observer(cfg.observe);
     if !status.confined {
         tracing::warn!(?status, "running UNCONFINED: results are marked unconfined");
@@ -130,7 +131,10 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         0
     };
     let evaluator = Arc::new(Evaluator::new(
-        evaluator_config(&cfg, &data_dir, device, gpus, &extra_env, &observer, &tasks),
+        EvaluatorConfig {
+            volume_memory_bytes: eval_volume_memory,
+            ..evaluator_config(&cfg, &data_dir, device, gpus, &extra_env, &observer, &tasks)
+        },
         sandbox.clone(),
         python.clone(),
         harness_dir.clone(),
@@ -167,11 +171,12 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             toolchain: &toolchain,
             variants,
             admission,
-            sandbox: status,
+            sandbox: status.clone(),
             observer: &observer,
             tasks: tasks.len(),
             task_size,
             prestart_depth: evaluator.prestart_depth(),
+            evaluation_volume: evaluator.volume_info(status.disk_quota),
         },
     );
     Ok(Arc::new(AppState {
@@ -329,7 +334,34 @@ fn evaluator_config(
         shared_cache_tasks: Arc::new(tasks.iter().map(|t| t.hash.clone()).collect()),
         build_cache_max_bytes: cfg.build_cache_max_bytes,
         build_cache_entry_max_bytes: cfg.build_cache_entry_max_bytes,
+        volume_limits: agent_tools::sandbox::VolumeLimits::bytes(cfg.eval_disk_quota_bytes),
+        volume_memory_bytes: cfg.eval_volume_memory_bytes,
     }
+}
+
+/// The evaluations' volume memory budget, and the admission bounds with the episodes' part:
+/// none where volumes are measured directories (on disk); the one given; else, with host
+/// admission, a quarter of the volume-memory budget (at least one evaluation's volume), which
+/// the episodes' default budget gives up so that both together stay within it.
+fn split_volume_memory(
+    cfg: &ServerConfig,
+    mut admission: Admission,
+    volumes: agent_tools::sandbox::QuotaEnforcement,
+) -> (Admission, Option<u64>) {
+    if volumes != agent_tools::sandbox::QuotaEnforcement::Tmpfs {
+        return (admission, None);
+    }
+    if let Some(given) = cfg.eval_volume_memory_bytes {
+        return (admission, Some(given));
+    }
+    let Some(all) = admission.volume_memory_bytes else {
+        return (admission, None);
+    };
+    let evals = (all / 4).max(cfg.eval_disk_quota_bytes);
+    if cfg.volume_memory_bytes.is_none() {
+        admission.volume_memory_bytes = Some(all.saturating_sub(evals).max(4096));
+    }
+    (admission, Some(evals))
 }
 
 /// The episode manager's settings.

@@ -5,23 +5,24 @@
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use agent_tools::sandbox::CpuPriority;
 use agent_tools::Jail;
 use env_api::{BuildDetails, EvaluationPhases};
 
-use super::dirs::{prepare_build_dir, EvalDirs};
+use super::dirs::EvalDirs;
 use super::process::{describe_exit, tail};
+use super::volume::{copy_tree, Copied};
 use super::{io_err, EvalError, Evaluator};
 use crate::runtime::Device;
 
 impl Evaluator {
-    /// The build of these sources into their entry `ext`: the one recorded in `mark` where
-    /// they built before, else a build now (its place queued fairly among `requester`s), its
-    /// entry held to its cap; the build's times go into `phases`. Also whether it was a cache
-    /// hit.
+    /// The build of these sources into their working directory `ext` on the evaluation's
+    /// volume: the cached one (`entry`, copied onto the volume) where `mark` records that they
+    /// built before, else a build now (its place queued fairly among `requester`s) whose
+    /// directory is admitted into the cache, within its cap, afterwards. The build's times go
+    /// into `phases`. Also whether it was a cache hit.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn build_once(
         &self,
@@ -29,33 +30,131 @@ impl Evaluator {
         worker_jail: &Jail,
         layout: &EvalDirs,
         ext: &Path,
+        entry: &Path,
         built_mark: &Path,
         worker_owner: Option<(u32, u32)>,
         phases: &mut EvaluationPhases,
     ) -> Result<(BuildDetails, bool), EvalError> {
-        prepare_build_dir(ext, worker_owner).map_err(|e| io_err(ext, e))?;
-        // Least recently used entries are pruned first (retention.rs).
-        let _ = crate::retention::touch(ext);
-        Ok(match read_built_mark(built_mark, ext) {
-            // These exact sources built before: the worker loads what is there (and
-            // torch rebuilds it there, under the lease, if it was changed since).
-            Some(report) => (report, true),
-            None => {
-                let t = Instant::now();
-                let _permit = self.builds.acquire(requester).await;
-                phases.build_queue_s = t.elapsed().as_secs_f64();
-                let t = Instant::now();
-                let mut report = self.build(worker_jail, layout).await?;
-                phases.build_s = t.elapsed().as_secs_f64();
-                if let Some(reason) = self.entry_over_cap(ext, built_mark, "build").await {
-                    report = build_failed(reason);
+        if let Some(report) = self.copy_in(entry, built_mark, ext, worker_owner).await? {
+            // These exact sources built before: the worker loads the copy (and torch rebuilds
+            // it there, on the volume, if anything in it is out of date).
+            return Ok((report, true));
+        }
+        let t = Instant::now();
+        let _permit = self.builds.acquire(requester).await;
+        phases.build_queue_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let mut report = self.build(worker_jail, layout).await?;
+        phases.build_s = t.elapsed().as_secs_f64();
+        if report.built {
+            if let Some(reason) = self.admit(ext, entry, built_mark, &report).await? {
+                report = build_failed(reason);
+            }
+        }
+        Ok((report, false))
+    }
+
+    /// Copies the cached build `entry` onto the volume as the worker's `ext` when `mark` says
+    /// these sources built; its report then. None where there is no such build (or it went
+    /// while being copied: `ext` is emptied, and the sources are built again).
+    async fn copy_in(
+        &self,
+        entry: &Path,
+        mark: &Path,
+        ext: &Path,
+        owner: Option<(u32, u32)>,
+    ) -> Result<Option<BuildDetails>, EvalError> {
+        let (entry, mark, ext) = (entry.to_path_buf(), mark.to_path_buf(), ext.to_path_buf());
+        let (pruning, cap) = (self.pruning.clone(), self.cfg.build_cache_entry_max_bytes);
+        tokio::task::spawn_blocking(move || {
+            let Some(report) = read_built_mark(&mark, &entry) else {
+                return Ok(None);
+            };
+            // No entry is removed or admitted meanwhile.
+            let _one = pruning.lock().unwrap_or_else(|e| e.into_inner());
+            // Least recently used entries are pruned first (retention.rs).
+            let _ = crate::retention::touch(&entry);
+            let staged = ext.with_file_name("ext.cached");
+            let copied = copy_tree(&entry, &staged, owner, cap, MAX_ENTRY_FILES);
+            let swapped = match copied {
+                Ok(Copied::All(_)) => std::fs::remove_dir(&ext)
+                    .and_then(|()| std::fs::rename(&staged, &ext))
+                    .map(|()| true),
+                Ok(Copied::OverCap) => Ok(false),
+                Err(e) => {
+                    tracing::warn!(entry = %entry.display(), error = %e, "copying a cached build onto an evaluation's volume");
+                    Ok(false)
                 }
-                if report.built {
-                    write_built_mark(built_mark, &report);
-                }
-                (report, false)
+            };
+            let _ = crate::retention::remove_entry(&staged);
+            match swapped {
+                Ok(true) => Ok(Some(report)),
+                Ok(false) => Ok(None),
+                Err(e) => Err(io_err(&ext, e)),
             }
         })
+        .await?
+    }
+
+    /// Admits the finished build in `ext` into the cache as `entry`: copied by the server
+    /// (`copy_tree`) into a staging directory, its size checked, and then, with the cache
+    /// pruned to make room for it, renamed into place and recorded in `mark`. A build over
+    /// the entry cap is not admitted: the reason (`build_size`) is returned.
+    async fn admit(
+        &self,
+        ext: &Path,
+        entry: &Path,
+        mark: &Path,
+        report: &BuildDetails,
+    ) -> Result<Option<String>, EvalError> {
+        let (ext, entry, mark) = (ext.to_path_buf(), entry.to_path_buf(), mark.to_path_buf());
+        let (pruning, cap, max) = (
+            self.pruning.clone(),
+            self.cfg.build_cache_entry_max_bytes,
+            self.cfg.build_cache_max_bytes,
+        );
+        let report = report.clone();
+        tokio::task::spawn_blocking(move || {
+            let cache = entry.parent().map(Path::to_path_buf).unwrap_or_default();
+            let name = entry.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+            // Beside the cache, on the same file system (renamed into it), never in it.
+            let staging = cache.with_file_name("build-staging");
+            std::fs::create_dir_all(&staging).map_err(|e| io_err(&staging, e))?;
+            let staged = staging.join(format!("{}.{:016x}", name.to_string_lossy(), super::random_u64()));
+            let over = || Some(format!("build_size: the build directory holds more than {cap} bytes after the build"));
+            let outcome = match copy_tree(&ext, &staged, None, cap, MAX_ENTRY_FILES) {
+                Ok(Copied::OverCap) => Ok(over()),
+                // Allocated blocks, as retention counts them.
+                Ok(Copied::All(_)) if crate::retention::tree_bytes(&staged, cap) > cap => Ok(over()),
+                Ok(Copied::All(_)) => {
+                    let bytes = crate::retention::tree_bytes(&staged, u64::MAX);
+                    let _one = pruning.lock().unwrap_or_else(|e| e.into_inner());
+                    // This entry's older copy goes, then the least recently used until the new
+                    // one fits: every entry is admitted here, so the cache never holds more
+                    // than its bound (runs use their own copies: nothing in it is spared).
+                    let _ = crate::retention::remove_entry(&entry);
+                    crate::retention::prune_build_cache_sparing(
+                        &cache,
+                        max.saturating_sub(bytes),
+                        |_, _| false,
+                    );
+                    if bytes > max {
+                        Ok(Some(format!("build_size: the build directory ({bytes} bytes) does not fit in the build cache ({max} bytes)")))
+                    } else {
+                        std::fs::rename(&staged, &entry)
+                            .map_err(|e| io_err(&entry, e))
+                            .map(|()| {
+                                write_built_mark(&mark, &report);
+                                None
+                            })
+                    }
+                }
+                Err(e) => Err(io_err(&ext, e)),
+            };
+            let _ = crate::retention::remove_entry(&staged);
+            outcome
+        })
+        .await?
     }
 
     async fn build(&self, jail: &Jail, d: &EvalDirs) -> Result<BuildDetails, EvalError> {
@@ -84,6 +183,12 @@ impl Evaluator {
             jail.env.push(("CUDA_VISIBLE_DEVICES".into(), "".into()));
         }
         let (out, err, outcome) = self.run_sandboxed(&jail, &argv, &d.candidate).await?;
+        // The volume full: the build was ended (whatever it printed), the candidate's fault.
+        if let Some(breach) = outcome.breach {
+            if let Some(reason) = self.volume_breach_reason(breach, "build") {
+                return Ok(build_failed(reason));
+            }
+        }
         if outcome.timed_out {
             return Ok(build_failed(format!(
                 "time_limit: the build ran past {} s",
@@ -106,49 +211,26 @@ impl Evaluator {
             }))
     }
 
-    /// When the build-cache entry `ext` holds more than its cap: the entry and its record of
-    /// a finished build are removed, and the reason is returned.
-    pub(super) async fn entry_over_cap(
-        &self,
-        ext: &Path,
-        mark: &Path,
-        when: &str,
-    ) -> Option<String> {
+    /// When the build directory `ext` on the volume holds more than an entry's cap after the
+    /// run (the worker may write into it at import, or rebuild there): the reason. Nothing of
+    /// the run is ever admitted into the cache; the cap is the same for a build and a run so
+    /// that a candidate judged correct could also be cached.
+    pub(super) async fn entry_over_cap(&self, ext: &Path, when: &str) -> Option<String> {
         let cap = self.cfg.build_cache_entry_max_bytes;
-        let (ext, mark) = (ext.to_path_buf(), mark.to_path_buf());
-        let over = tokio::task::spawn_blocking(move || {
-            let bytes = crate::retention::tree_bytes(&ext, cap);
-            if bytes <= cap {
-                return false;
-            }
-            for p in [&ext, &mark] {
-                if let Err(e) = crate::retention::remove_entry(p) {
-                    if e.kind() != std::io::ErrorKind::NotFound {
-                        tracing::warn!(path = %p.display(), error = %e, "removing a build-cache entry over its cap");
-                    }
-                }
-            }
-            true
-        })
-        .await
-        .unwrap_or(false);
+        let ext = ext.to_path_buf();
+        let over =
+            tokio::task::spawn_blocking(move || crate::retention::tree_bytes(&ext, cap) > cap)
+                .await
+                .unwrap_or(false);
         over.then(|| {
             format!("build_size: the build directory holds more than {cap} bytes after the {when}")
         })
     }
 
-    /// Brings the build cache back under its bound, least recently used entries first,
-    /// sparing those of evaluations in flight (their hash's lock is held). One pass at a time;
-    /// a pass waits for the one before, so the bound holds once a burst is over.
+    /// Brings the build cache back under its bound, least recently used entries first. Runs
+    /// use their own copies of an entry, so none is spared. One pass at a time, and never
+    /// beside an admission or a copy out of the cache.
     pub(super) async fn prune_build_cache(&self) {
-        let in_use: std::collections::HashSet<String> = self
-            .build_locks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|(_, l)| Arc::strong_count(l) > 1)
-            .map(|(d, _)| d.clone())
-            .collect();
         let (dir, max, pruning) = (
             self.cfg.data_dir.join("build-cache"),
             self.cfg.build_cache_max_bytes,
@@ -156,11 +238,7 @@ impl Evaluator {
         );
         let _ = tokio::task::spawn_blocking(move || {
             let _one = pruning.lock().unwrap_or_else(|e| e.into_inner());
-            let removed = crate::retention::prune_build_cache_sparing(&dir, max, |entry, _| {
-                entry
-                    .file_name()
-                    .is_some_and(|n| in_use.contains(&*n.to_string_lossy()))
-            });
+            let removed = crate::retention::prune_build_cache_sparing(&dir, max, |_, _| false);
             if removed.entries > 0 {
                 tracing::debug!(
                     entries = removed.entries,
@@ -182,6 +260,9 @@ impl Evaluator {
         crate::build::build_key(&self.python.torch, self.cfg.device, files)
     }
 }
+
+/// Most files and directories one entry may hold (copied in or out).
+const MAX_ENTRY_FILES: u64 = 65_536;
 
 /// The report of an earlier successful build of the same sources, if its cache entry is
 /// still there. The mark is the server's own file, in a directory no sandbox can write.

@@ -8,12 +8,14 @@ use std::path::{Path, PathBuf};
 use agent_tools::create_private_dir;
 use kernelbench::Task;
 
+use super::volume::VolumeDirs;
 use super::{io_err, EvalError};
 
 /// One evaluation's directory. The root, `task.py`, `source/` (the judge's copy of the
-/// solution, for its static check) and `xfer/` belong to the server; `candidate/`, `tmp/` and
-/// `xfer/out/` to the worker's uid; `judge/` and `xfer/in/` to the judge's. The two FIFOs are
-/// each writable by one side and readable by the other.
+/// solution, for its static check) and `xfer/` belong to the server; `judge/` and `xfer/in/`
+/// to the judge's uid. The two FIFOs are each writable by one side and readable by the other.
+/// What the worker writes (`candidate`, `tmp`, `out`) is on the evaluation's volume
+/// (`volume.rs`), not here.
 pub(super) struct EvalDirs {
     pub root: PathBuf,
     pub task: PathBuf,
@@ -30,6 +32,7 @@ pub(super) struct EvalDirs {
 impl EvalDirs {
     fn create(
         dir: &Path,
+        w: &VolumeDirs,
         task_source: &str,
         files: &BTreeMap<String, String>,
         judge: Option<(u32, u32)>,
@@ -39,12 +42,12 @@ impl EvalDirs {
         let d = Self {
             root: dir.to_path_buf(),
             task: dir.join("task.py"),
-            candidate: dir.join("candidate"),
+            candidate: w.candidate.clone(),
             source: dir.join("source"),
-            tmp: dir.join("tmp"),
+            tmp: w.tmp.clone(),
             judge: dir.join("judge"),
             inputs: dir.join("xfer/in"),
-            out: dir.join("xfer/out"),
+            out: w.out.clone(),
             req: dir.join("xfer/req"),
             rep: dir.join("xfer/rep"),
         };
@@ -54,16 +57,11 @@ impl EvalDirs {
         mode(dir, 0o755)?;
         std::fs::create_dir_all(dir.join("xfer"))?;
         mode(&dir.join("xfer"), 0o755)?;
-        for p in [&d.tmp, &d.candidate] {
-            create_private_dir(p, worker)?;
-        }
         create_private_dir(&d.judge, judge)?;
         // Readable by the other side: the judge reads the worker's outputs, the worker the
         // judge's inputs (each file inside says who may read it).
         create_private_dir(&d.inputs, judge)?;
         mode(&d.inputs, 0o755)?;
-        create_private_dir(&d.out, worker)?;
-        mode(&d.out, 0o755)?;
         std::fs::write(&d.task, task_source)?;
         mode(&d.task, 0o444)?;
         std::fs::create_dir_all(&d.source)?;
@@ -85,18 +83,20 @@ impl EvalDirs {
 }
 
 impl EvalDirs {
-    /// [`EvalDirs::create`] for `task` and `files` in `dir`, on a blocking thread (directory
-    /// set-up is blocking file work: off the async workers).
+    /// [`EvalDirs::create`] for `task` and `files` in `dir` and on the volume `w`, on a
+    /// blocking thread (directory set-up is blocking file work: off the async workers).
     pub(super) async fn lay_out(
         dir: &Path,
+        w: &VolumeDirs,
         task: &Task,
         files: &BTreeMap<String, String>,
         judge_owner: Option<(u32, u32)>,
         worker_owner: Option<(u32, u32)>,
     ) -> Result<Self, EvalError> {
         let (dir, source, files) = (dir.to_path_buf(), task.source.clone(), files.clone());
+        let w = w.clone();
         tokio::task::spawn_blocking(move || {
-            EvalDirs::create(&dir, &source, &files, judge_owner, worker_owner)
+            EvalDirs::create(&dir, &w, &source, &files, judge_owner, worker_owner)
                 .map_err(|e| io_err(&dir, e))
         })
         .await?
@@ -191,24 +191,6 @@ fn chown(p: &Path, owner: Option<(u32, u32)>) {
     if let Some((u, g)) = owner {
         let _ = std::os::unix::fs::lchown(p, Some(u), Some(g));
     }
-}
-
-/// Makes a build directory usable by this evaluation's uid and drops lock files a killed
-/// build left behind (the caller holds the per-hash lock, so none is live).
-pub(super) fn prepare_build_dir(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir)?;
-    // Its evaluation's worker's alone: no other uid reads what another solution built.
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    for e in walkdir::WalkDir::new(dir).follow_links(false) {
-        let e = e.map_err(std::io::Error::other)?;
-        if e.file_type().is_file() && e.file_name() == "lock" {
-            std::fs::remove_file(e.path())?;
-            continue;
-        }
-        chown(e.path(), owner);
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use super::dirs::{compile_cache_parts, hand_over, EvalDirs};
 use super::lease::{Lease, LeaseTimes, Place};
 use super::process::{drain, drain_watching, tail, CompileCache};
 use super::verdict::{Observed, Verdict};
+use super::volume::EvalVolume;
 use super::{io_err, EvalError, Evaluator};
 use crate::observe::Observer;
 
@@ -49,6 +50,7 @@ impl Evaluator {
         &self,
         d: &EvalDirs,
         worker_jail: &Jail,
+        volume: &EvalVolume,
         judge_owner: Option<(u32, u32)>,
         worker_owner: Option<(u32, u32)>,
         seeds: &str,
@@ -78,9 +80,12 @@ impl Evaluator {
             owner: judge_owner,
             cache_parts,
         };
-        let judged = self
-            .judge_through_gate(d, judge, &mut place, worker_pid, worker_owner)
-            .await;
+        // The worker's volume is watched while the judge runs: once it is full the run is
+        // over (the judge and its side are ended with their handles), the candidate's fault.
+        let judged = tokio::select! {
+            j = self.judge_through_gate(d, judge, &mut place, worker_pid, worker_owner) => Ok(j),
+            b = watch_volume(volume) => Err(b),
+        };
         // Whatever the judge decided, the worker and everything it started end here, before
         // the device goes to the next evaluation.
         let judge_ended = Instant::now();
@@ -89,6 +94,24 @@ impl Evaluator {
             let mut log = wout.await.unwrap_or_default();
             log.extend(werr.await.unwrap_or_default());
             tail(&log, 2000)
+        };
+        // Filled and then emptied before the watch looked again: still the limit's verdict.
+        let breach = match judged {
+            Err(b) => Some(b),
+            Ok(_) => volume.breach().await,
+        };
+        if let Some(reason) = breach.and_then(|b| self.volume_breach_reason(b, "run")) {
+            let times = LeaseTimes {
+                leased_at: judge_ended,
+                to_go_s: 0.0,
+                teardown_s: 0.0,
+                held_s: 0.0,
+            };
+            let rule = reason.split(':').next().unwrap_or("disk_quota").to_string();
+            return Ok((Verdict::failed(&rule, reason), log, times, None));
+        }
+        let Ok(judged) = judged else {
+            return Err(EvalError::Harness("the volume watch ended".into()));
         };
         let JudgeRun {
             out,
@@ -274,5 +297,20 @@ async fn finish_observing(observers: Observers) -> Result<Option<Observed>, Eval
             .map_err(|e| EvalError::Harness(format!("observer: {e}")))?,
         )),
         None => Ok(None),
+    }
+}
+
+/// Waits until the evaluation's volume reaches a limit; the limit. A tmpfs is asked every
+/// 100 ms (one statvfs), a measured directory every 2 s (a walk).
+async fn watch_volume(volume: &EvalVolume) -> agent_tools::sandbox::Breach {
+    let every = match volume.volume().map(|v| v.enforcement()) {
+        Some(agent_tools::sandbox::QuotaEnforcement::Tmpfs) => 100,
+        _ => 2000,
+    };
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(every)).await;
+        if let Some(b) = volume.breach().await {
+            return b;
+        }
     }
 }

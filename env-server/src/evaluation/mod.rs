@@ -29,6 +29,7 @@ mod judge;
 mod lease;
 mod process;
 mod verdict;
+mod volume;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -44,6 +45,7 @@ use crate::build::BuildQueue;
 use crate::runtime::{Device, PythonInfo};
 
 pub use lease::DeviceSlot;
+pub use volume::{EvaluationVolumeInfo, MemoryBudget, ReservedNow};
 
 use dirs::{remove_eval_dir, EvalDirs, RemoveOnDrop};
 
@@ -138,9 +140,15 @@ pub struct EvaluatorConfig {
     /// Most bytes the build cache holds once the evaluations in flight are done (each of
     /// those may add up to `build_cache_entry_max_bytes` until it ends).
     pub build_cache_max_bytes: u64,
-    /// Most bytes one build-cache entry may hold, after the build and after the run; an entry
-    /// over it fails its evaluation (`build_size`) and is removed.
+    /// Most bytes one build-cache entry may hold, after the build and after the run; a build
+    /// over it fails its evaluation (`build_size`) and is not admitted.
     pub build_cache_entry_max_bytes: u64,
+    /// What one evaluation's volume holds: everything its build and run may write (sources'
+    /// copy, temp dir, build directory, outputs).
+    pub volume_limits: agent_tools::sandbox::VolumeLimits,
+    /// Memory the evaluations' tmpfs volumes may reserve together (None: nothing reserved);
+    /// an evaluation waits for room.
+    pub volume_memory_bytes: Option<u64>,
 }
 
 /// Evaluations per device whose judge and workers are alive at once with `prestart`, unless
@@ -163,8 +171,11 @@ pub struct Evaluator {
     next_slot: AtomicUsize,
     waiting: AtomicUsize,
     build_locks: Mutex<HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
-    /// Held while the build cache is pruned (one pass at a time).
+    /// Held while the build cache is pruned, an entry admitted into it or copied out of it
+    /// (one at a time).
     pruning: Arc<Mutex<()>>,
+    /// The evaluations' volumes.
+    volumes: volume::EvalVolumes,
     /// Evaluations finished.
     pub finished: AtomicU64,
 }
@@ -196,7 +207,13 @@ impl Evaluator {
         let slots = (0..cfg.devices.max(1))
             .map(|index| DeviceSlot::new(index, cfg.prestart_depth))
             .collect();
+        let volumes = volume::EvalVolumes::new(
+            cfg.data_dir.join("eval-volumes"),
+            cfg.volume_limits,
+            cfg.volume_memory_bytes,
+        );
         Self {
+            volumes,
             builds: BuildQueue::new(cfg.max_builds),
             cfg,
             sandbox,
@@ -214,6 +231,15 @@ impl Evaluator {
     /// The device leases.
     pub fn slots(&self) -> &[DeviceSlot] {
         &self.slots
+    }
+
+    /// What `/v1/info` says of the evaluations' volumes, enforced as `enforcement` (what the
+    /// sandbox found the host allows).
+    pub fn volume_info(
+        &self,
+        enforcement: agent_tools::sandbox::QuotaEnforcement,
+    ) -> EvaluationVolumeInfo {
+        self.volumes.info(enforcement)
     }
 
     /// Evaluations waiting or running.
@@ -334,20 +360,24 @@ impl Evaluator {
             Some((j, w)) => (Some(j.owner()), Some(w.owner())),
             None => (None, None),
         };
-        let layout = EvalDirs::lay_out(dir, task, files, judge_owner, worker_owner).await?;
 
         // Build: off the device, bounded, as the worker's uid. Extensions build into a
-        // directory keyed by the solution's hash, the same path every time, so a rebuild of
-        // the same sources is a no-op for ninja. Evaluations of one hash are serialised from
-        // here to their end: the entry belongs to one evaluation's worker uid at a time (torch
-        // takes a lock file in it on every load, so a second uid taking it over mid-evaluation
-        // fails the first's load; and a build killed at its time limit leaves that lock stale).
+        // directory at a path fixed by the solution's hash, so that a cached build of the same
+        // sources is up to date for ninja. Evaluations of one hash are serialised from here to
+        // their end (and their volume's removal): the path is one evaluation's at a time.
         let digest = self.build_digest(files);
-        let digest_lock = self.build_lock(&digest);
-        let _same_sources = digest_lock.lock().await;
-        let ext = self.cfg.data_dir.join("build-cache").join(&digest);
+        let same_sources = self.build_lock(&digest).lock_owned().await;
+        // Everything the candidate writes, in its build and its run, is on this volume.
+        let volume = self
+            .volumes
+            .take(&digest, same_sources, worker_owner)
+            .await?;
+        let layout =
+            EvalDirs::lay_out(dir, &volume.dirs, task, files, judge_owner, worker_owner).await?;
+        let ext = volume.dirs.ext.clone();
+        let entry = self.cfg.data_dir.join("build-cache").join(&digest);
         let built_mark = self.cfg.data_dir.join("build-ok").join(&digest);
-        let worker_jail = self.worker_jail(&layout, &ext, worker_owner);
+        let worker_jail = self.worker_jail(&layout, &volume, worker_owner);
         let mut phases = EvaluationPhases {
             setup_s: started.elapsed().as_secs_f64(),
             ..EvaluationPhases::default()
@@ -358,6 +388,7 @@ impl Evaluator {
                 &worker_jail,
                 &layout,
                 &ext,
+                &entry,
                 &built_mark,
                 worker_owner,
                 &mut phases,
@@ -390,6 +421,7 @@ impl Evaluator {
             .judge_run(
                 &layout,
                 &worker_jail,
+                &volume,
                 judge_owner,
                 worker_owner,
                 &seeds,
@@ -407,8 +439,10 @@ impl Evaluator {
         details.phases = Some(phases);
         details.confined = Some(self.sandbox.is_confined());
         details.worker_log = (!worker_log.is_empty()).then_some(worker_log);
-        self.decide(verdict, observed, details, &ext, &built_mark)
-            .await
+        let result = self.decide(verdict, observed, details, &ext).await;
+        drop(worker_jail);
+        drop(volume);
+        result
     }
 }
 

@@ -9,6 +9,7 @@ use agent_tools::Jail;
 use tokio::io::AsyncReadExt;
 
 use super::dirs::EvalDirs;
+use super::volume::EvalVolume;
 use super::{EvalError, Evaluator};
 use crate::runtime::Device;
 
@@ -22,9 +23,17 @@ pub(super) struct CompileCache {
 }
 
 impl Evaluator {
-    /// The candidate worker's jail: its sources, its temp dir, the build cache entry, its
-    /// output directory and the reply FIFO; the task and the harness read-only.
-    pub(super) fn worker_jail(&self, d: &EvalDirs, ext: &Path, owner: Option<(u32, u32)>) -> Jail {
+    /// The candidate worker's jail: its sources, its temp dir, its build directory and its
+    /// output directory (all on the evaluation's volume, whose limits end its commands) and
+    /// the reply FIFO; the task and the harness read-only. The build cache is not in reach:
+    /// the build directory is the volume's copy of an entry.
+    pub(super) fn worker_jail(
+        &self,
+        d: &EvalDirs,
+        volume: &EvalVolume,
+        owner: Option<(u32, u32)>,
+    ) -> Jail {
+        let ext = &volume.dirs.ext;
         let mut j = Jail::standard(
             &d.candidate,
             &d.tmp,
@@ -39,6 +48,7 @@ impl Evaluator {
             d.out.clone(),
             d.rep.clone(),
         ];
+        j.volume = volume.volume();
         j.read_only
             .extend([d.root.clone(), self.harness_dir.clone()]);
         // The judge finds the worker's processes by uid in the host's process table; the
@@ -79,9 +89,10 @@ impl Evaluator {
         if cache.shared {
             judge_jail.writable.push(cache.dir.clone());
         }
+        // The worker's outputs are on its volume.
         judge_jail
             .read_only
-            .extend([d.root.clone(), self.harness_dir.clone()]);
+            .extend([d.root.clone(), d.out.clone(), self.harness_dir.clone()]);
         judge_jail.process_view = ProcessView::Host;
         judge_jail
             .env

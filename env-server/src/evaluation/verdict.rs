@@ -14,8 +14,8 @@ use crate::reward::milestone;
 use crate::runtime::Device;
 
 impl Evaluator {
-    /// The result of a judged run: a harness error is the server's; a build entry grown past
-    /// its cap in the run, an incorrect verdict or (on the CPU) an observation that breaks
+    /// The result of a judged run: a harness error is the server's; a build directory grown
+    /// past an entry's cap in the run, an incorrect verdict or (on the CPU) an observation that breaks
     /// `pytorch_compute` fail it; else the milestone reward of its times.
     pub(super) async fn decide(
         &self,
@@ -23,7 +23,6 @@ impl Evaluator {
         observed: Option<Observed>,
         mut details: EvaluationDetails,
         ext: &Path,
-        built_mark: &Path,
     ) -> Result<EvaluationResult, EvalError> {
         let fail = crate::reward::failed;
         if verdict.rule.as_deref() == Some("harness_error") {
@@ -33,14 +32,14 @@ impl Evaluator {
         details.timing = verdict.timing.clone();
         details.noise_band = verdict.noise_band.clone();
         details.env = verdict.env.clone();
-        // The worker may write into its entry too (at import, in the run).
-        if let Some(reason) = self.entry_over_cap(ext, built_mark, "run").await {
-            details.rule = Some("build_size".into());
-            return Ok(fail(reason, details));
-        }
         if !verdict.correct {
             details.rule = verdict.rule.clone();
             let reason = verdict.reason.unwrap_or_else(|| "evaluation failed".into());
+            return Ok(fail(reason, details));
+        }
+        // The worker may write into its build directory too (at import, in the run).
+        if let Some(reason) = self.entry_over_cap(ext, "run").await {
+            details.rule = Some("build_size".into());
             return Ok(fail(reason, details));
         }
         if let Some(observed) = observed {
