@@ -40,9 +40,9 @@ async fn settled(dir: &Path) -> u64 {
     }
 }
 
-/// A working add whose import writes `count` files of `kib` KiB into `target` (`TMPDIR` or
-/// `TORCH_EXTENSIONS_DIR`), in the build (`when = "build"`), the run (`"run"`) or both
-/// (`"both"`; the run's files are new ones). `tag` makes each its own solution.
+/// The start of a candidate whose import writes `count` files of `kib` KiB into `target`
+/// (`TMPDIR` or `TORCH_EXTENSIONS_DIR`), in the build (`when = "build"`), the run (`"run"`) or
+/// both (`"both"`; the run's files are new ones). `tag` makes each its own solution.
 fn flooder(tag: &str, target: &str, count: usize, kib: usize, when: &str) -> String {
     format!(
         "import os, sys\n\
@@ -53,20 +53,24 @@ fn flooder(tag: &str, target: &str, count: usize, kib: usize, when: &str) -> Str
          \x20       _name = ('build' if _in_build else 'run') + str(_i)\n\
          \x20       with open(os.path.join(os.environ[{target:?}], _name), 'wb') as _f:\n\
          \x20           for _ in range({kib} // 64):\n\
-         \x20               _f.write(b'x' * 65536)\n\
-         import torch\n\
-         class ModelNew(torch.nn.Module):\n\
-         \x20   def forward(self, a, b):\n\
-         \x20       return a + b\n"
+         \x20               _f.write(b'x' * 65536)\n"
     )
 }
 
+/// An add in PyTorch (judged `pytorch_compute`; enough where only the build cache matters).
+const PLAIN_ADD: &str = "import torch\n\
+                         class ModelNew(torch.nn.Module):\n\
+                         \x20   def forward(self, a, b):\n\
+                         \x20       return a + b\n";
+
 /// The attack: a candidate writing 3 x 100 MiB at import, into its temp dir or its build
-/// directory, in its build or in its run. Its evaluation may hold 32 MiB: each is failed
-/// for the disk limit, and neither the build cache nor anything else of the evaluation is
-/// left on the host. Without the volume the temp-dir flood was judged correct (300 MiB on the
-/// host's disk while it ran) and the build-directory floods failed only after the fact, as
-/// `build_size`, with their 300 MiB written into the cache's directory.
+/// directory, in its build or in its run, or 100,000 empty files. Its evaluation may hold
+/// 32 MiB and 65,536 files: each is failed for the disk limit (or the file-count limit), and neither the build cache nor anything else of the evaluation is
+/// left on the host. Each is a working extension after its flood: without the volume the
+/// temp-dir flood and the file flood were judged correct (reward 1 or more, their 300 MiB or
+/// 100,000 files on the host's disk while they ran), and the build-directory floods failed
+/// only after the fact, as `build_size`, with their 300 MiB written into the cache's
+/// directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_candidate_that_floods_its_disk_fails_for_the_disk_limit() {
     let dir = tempfile::tempdir().unwrap();
@@ -84,7 +88,10 @@ async fn a_candidate_that_floods_its_disk_fails_for_the_disk_limit() {
         ("TORCH_EXTENSIONS_DIR", "build"),
         ("TORCH_EXTENSIONS_DIR", "run"),
     ] {
-        let solution = flooder(&format!("{target} {when}"), target, 3, 100 << 10, when);
+        let solution = format!(
+            "{}{ADD_CANDIDATE}",
+            flooder(&format!("{target} {when}"), target, 3, 100 << 10, when)
+        );
         let (st, v) = call(
             &s,
             "POST",
@@ -103,14 +110,32 @@ async fn a_candidate_that_floods_its_disk_fails_for_the_disk_limit() {
         let cache = bytes_under(&dir.path().join("build-cache"));
         assert!(cache <= 2 << 20, "{cache} bytes in the build cache");
     }
+    // The same with files: more than the volume's 65,536 inodes, empty, in the temp dir.
+    let many = format!(
+        "import os\n\
+         for _i in range(100_000):\n\
+         \x20   open(os.path.join(os.environ['TMPDIR'], str(_i)), 'w').close()\n\
+         {ADD_CANDIDATE}"
+    );
+    let (st, v) = call(
+        &s,
+        "POST",
+        "/v1/evaluate",
+        Some(json!({"task": "L1/2_Add", "solution": many})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["correct"], false, "{v}");
+    let reason = v["reason"].as_str().unwrap_or("");
+    assert!(reason.starts_with("inode_quota"), "{v}");
     for sub in ["eval-volumes", "evals"] {
         let left = settled(&dir.path().join(sub)).await;
         assert_eq!(left, 0, "{left} bytes left in {sub}/");
     }
 }
 
-/// The attack as a burst: six evaluations at once, each leaving 1.5 MiB in its build
-/// directory in its build (under the 2 MiB entry cap: admitted) and writing 1.5 MiB more there
+/// The attack as a burst: six evaluations at once, each leaving 2.5 MiB in its build
+/// directory in its build (under the 3 MiB entry cap: admitted) and writing 2.5 MiB more there
 /// in its run, against a 4 MiB cache. The cache is measured all through the burst and never
 /// holds more than its bound. Before, entries of evaluations in flight were spared by the
 /// pruning and written by their runs, so the cache held several times its bound until the
@@ -123,7 +148,7 @@ async fn a_burst_of_evaluations_cannot_push_the_build_cache_past_its_bound() {
         eval_disk_quota_bytes: 32 << 20,
         eval_volume_memory_bytes: Some(64 << 20),
         build_cache_max_bytes: 4 << 20,
-        build_cache_entry_max_bytes: 2 << 20,
+        build_cache_entry_max_bytes: 3 << 20,
         max_body_bytes: 1 << 20,
         ..test_config(dir.path())
     });
@@ -148,13 +173,16 @@ async fn a_burst_of_evaluations_cannot_push_the_build_cache_past_its_bound() {
     let burst: Vec<_> = (0..6)
         .map(|i| {
             let s = s.clone();
-            // 1.5 MiB in the build and 1.5 MiB more in the run: three files of 512 KiB each.
-            let solution = flooder(
-                &format!("burst {i}"),
-                "TORCH_EXTENSIONS_DIR",
-                3,
-                512,
-                "both",
+            // 2.5 MiB in the build and 2.5 MiB more in the run: two files of 1.25 MiB each.
+            let solution = format!(
+                "{}{PLAIN_ADD}",
+                flooder(
+                    &format!("burst {i}"),
+                    "TORCH_EXTENSIONS_DIR",
+                    2,
+                    1280,
+                    "both"
+                )
             );
             let body = json!({"task": "L1/2_Add", "solution": solution});
             tokio::spawn(async move { call(&s, "POST", "/v1/evaluate", Some(body)).await })

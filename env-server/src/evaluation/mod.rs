@@ -207,6 +207,8 @@ impl Evaluator {
         let slots = (0..cfg.devices.max(1))
             .map(|index| DeviceSlot::new(index, cfg.prestart_depth))
             .collect();
+        // Copies of builds on their way into the cache that a crash left behind.
+        let _ = crate::retention::remove_entry(&cfg.data_dir.join("build-staging"));
         let volumes = volume::EvalVolumes::new(
             cfg.data_dir.join("eval-volumes"),
             cfg.volume_limits,

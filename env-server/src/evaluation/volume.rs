@@ -227,6 +227,9 @@ impl EvalVolumes {
         let parent = self.root.clone();
         let made = tokio::task::spawn_blocking(move || -> Result<Arc<Volume>, EvalError> {
             std::fs::create_dir_all(&parent).map_err(|e| io_err(&parent, e))?;
+            // Searchable, not listable: no sandbox learns which sources are being evaluated.
+            std::fs::set_permissions(&parent, std::os::unix::fs::PermissionsExt::from_mode(0o711))
+                .map_err(|e| io_err(&parent, e))?;
             // A leftover of a cancelled evaluation whose removal failed: never mounted over.
             if std::fs::symlink_metadata(&root).is_ok() {
                 crate::retention::remove_entry(&root).map_err(|e| io_err(&root, e))?;
@@ -312,7 +315,8 @@ pub(super) enum Copied {
 
 /// Copies the tree under `src` into the new directory `dst` (which must not exist), as the
 /// server: every component opened relative to its parent's descriptor without following links
-/// (`O_NOFOLLOW`), only regular files and directories copied (links, FIFOs, sockets skipped),
+/// (`O_NOFOLLOW`), only regular files of one name and directories copied (links, hard-linked
+/// files, FIFOs, sockets skipped),
 /// modification times kept to the nanosecond (ninja decides by them), modes kept but for
 /// set-id bits, everything owned by `owner` (None: the server). torch's lock files are left
 /// out. Stops once more than `max_bytes` of file data or `max_entries` entries were met.
@@ -402,6 +406,9 @@ fn copy_dir(
                 copy_dir(&fd, &sub, owner, left, depth + 1)?;
                 finish(&fd, &sub, owner, true)?;
             }
+            // A file with other names is not copied: on a measured volume (a directory on the
+            // data disk) another name could be a file of someone else's.
+            libc::S_IFREG if st.st_nlink > 1 => {}
             libc::S_IFREG => {
                 let size = u64::try_from(st.st_size).unwrap_or(u64::MAX);
                 left.bytes = left.bytes.checked_sub(size).ok_or_else(Left::over)?;
@@ -543,6 +550,7 @@ mod tests {
         std::fs::write(&secret, b"the server's").unwrap();
         std::os::unix::fs::symlink(&secret, src.join("link")).unwrap();
         std::os::unix::fs::symlink(dir.path(), src.join("dirlink")).unwrap();
+        std::fs::hard_link(&secret, src.join("hardlink")).unwrap();
         let fifo = cname(src.join("fifo").as_os_str().as_bytes()).unwrap();
         // SAFETY: NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
@@ -565,7 +573,7 @@ mod tests {
             .modified()
             .unwrap();
         assert_eq!(copied, old, "ninja needs the times to the nanosecond");
-        for gone in ["link", "dirlink", "fifo", "lock"] {
+        for gone in ["link", "dirlink", "hardlink", "fifo", "lock"] {
             assert!(std::fs::symlink_metadata(dst.join(gone)).is_err(), "{gone}");
         }
         // Over the cap: stopped.
