@@ -40,6 +40,10 @@ export CUDA_AGENT_SERVER_BIN="${CUDA_AGENT_SERVER_BIN:-$target/debug/env-server}
 # The red-team corpus leaves torch.compile out of its timing on CPU: it is one more contestant
 # and changes no verdict.
 export REDTEAM_NO_COMPILE=1
+# The judge times each evaluation's contestants for half a second, not the servers' default 2:
+# the tests assert verdicts, not speedups, and the judge still times its minimum of rounds.
+# Every server the tests start (`--timing-budget-s` reads it) and the red-team runner take it.
+export CUDA_AGENT_TIMING_BUDGET_S="${CUDA_AGENT_TIMING_BUDGET_S:-0.5}"
 
 if [ "$quick" = 1 ]; then
   # --workspace throughout: the features cargo resolves, and so the build, are the full run's.

@@ -183,7 +183,8 @@ async fn a_restart_mid_episode_loses_no_step() {
 #[tokio::test(flavor = "multi_thread")]
 async fn evaluate_scores_right_wrong_and_inline_tasks() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("data"), &[]);
+    // A timing budget shorter than any round: the judge times its minimum of rounds.
+    let server = Server::start(&dir.path().join("data"), &["--timing-budget-s", "0.001"]);
     let c = server.client();
     let right = c
         .evaluate(&EvaluateRequest {
@@ -200,6 +201,9 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
         "torch.compile baseline timed: {right:?}"
     );
     assert!(right.speedup.eager.is_some());
+    // `Options.min_rounds` of skills/cuda_agent_judge.py.
+    let rounds = right.details.timing.as_ref().map(|t| t["rounds"].clone());
+    assert_eq!(rounds, Some(json!(10)), "{right:?}");
     // The same sources again: the build is found in the cache.
     let again = c
         .evaluate(&EvaluateRequest {

@@ -11,6 +11,10 @@ use serde::{Deserialize, Serialize};
 use crate::evaluation::DEFAULT_PRESTART_DEPTH;
 use crate::{build, http, retention, runtime};
 
+/// How long the judge times an evaluation's contestants unless told otherwise: on a GPU,
+/// tens to hundreds of rounds of millisecond-scale calls.
+pub const DEFAULT_TIMING_BUDGET: Duration = Duration::from_secs(2);
+
 /// Everything the server is started with.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -58,6 +62,9 @@ pub struct ServerConfig {
     pub task_size: Option<TaskSize>,
     /// Skip torch.compile baselines.
     pub skip_compile: bool,
+    /// How long the judge times one evaluation's contestants (rounds interleaved; at least
+    /// the judge's minimum of rounds).
+    pub timing_budget: Duration,
     /// Observe the workers' forwards from outside on the CPU (perf events; needs root).
     pub observe: bool,
     /// Start the next evaluation's judge and workers while the device still times the last
@@ -140,6 +147,7 @@ impl Default for ServerConfig {
             limits: ResourceLimits::default(),
             task_size: None,
             skip_compile: false,
+            timing_budget: DEFAULT_TIMING_BUDGET,
             observe: true,
             prestart: None,
             prestart_depth: DEFAULT_PRESTART_DEPTH,

@@ -45,6 +45,8 @@ pub struct ServerInfo {
     pub gpus: Vec<String>,
     /// Limits of the HTTP layer.
     pub http: HttpInfo,
+    /// What the judge times.
+    pub judge: JudgeInfo,
     /// The server's name.
     pub name: &'static str,
     /// Whether the workers are observed from outside, and whether that is judged.
@@ -149,6 +151,16 @@ pub struct EpisodeDefaults {
     pub time_budget_from: &'static str,
     /// The tool-time budget.
     pub time_budget_s: f64,
+}
+
+/// `judge` of [`ServerInfo`]: what an evaluation times.
+#[derive(Debug, Clone, Serialize)]
+pub struct JudgeInfo {
+    /// Whether torch.compile is timed as a baseline (`--skip-compile` turns it off; the
+    /// compile milestone is then never reached).
+    pub compile_baseline: bool,
+    /// Seconds the contestants are timed for, rounds interleaved (`--timing-budget-s`).
+    pub timing_budget_s: f64,
 }
 
 /// A number per device.
@@ -342,6 +354,10 @@ impl ServerInfo {
             evaluations_in_flight: 0,
             gpus: found.python.gpu_names.clone(),
             http: HttpInfo::new(&cfg.http, cfg.max_body_bytes),
+            judge: JudgeInfo {
+                compile_baseline: !cfg.skip_compile,
+                timing_budget_s: cfg.timing_budget.as_secs_f64(),
+            },
             name: "cuda-agent env-server",
             observer: ObserverInfo::new(found.observer, cfg.observe, device),
             open_episodes: 0,

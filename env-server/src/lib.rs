@@ -44,7 +44,7 @@ pub mod state;
 pub mod trajectory;
 
 pub use api::router;
-pub use config::{default_time_budget, ServerConfig, TaskSize};
+pub use config::{default_time_budget, ServerConfig, TaskSize, DEFAULT_TIMING_BUDGET};
 pub use evaluation::DEFAULT_PRESTART_DEPTH;
 pub use janitor::{release_free_memory, spawn_janitor};
 pub use retention::Retention;

@@ -16,6 +16,7 @@ use env_server::http::HttpLimits;
 use env_server::retention::TrajectoryRetention;
 use env_server::{
     build_state, prepare_pch, router, spawn_janitor, DeviceChoice, ServerConfig, TaskSize,
+    DEFAULT_TIMING_BUDGET,
 };
 
 /// `--cgroup-nesting`, as the command line spells [`CgroupNesting`] (see that flag's help).
@@ -118,6 +119,11 @@ struct Args {
     /// Skip torch.compile baselines (the compile milestone is then never reached).
     #[arg(long)]
     skip_compile: bool,
+    /// Seconds the judge times each evaluation's contestants for, their calls interleaved
+    /// round by round (it times at least its minimum of rounds whatever the budget). More
+    /// rounds narrow the speedups' bands; fewer make evaluations quicker (a test suite).
+    #[arg(long, env = "CUDA_AGENT_TIMING_BUDGET_S", default_value_t = DEFAULT_TIMING_BUDGET.as_secs_f64())]
+    timing_budget_s: f64,
     /// Do not observe the workers' forwards from outside (on the CPU the server samples their
     /// threads with perf events, where the kernel lets it, to catch PyTorch compute hidden
     /// from the worker's own trace).
@@ -363,6 +369,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         eval_timeout: Duration::from_secs(args.eval_timeout_s),
         task_size: args.task_size,
         skip_compile: args.skip_compile,
+        timing_budget: secs(args.timing_budget_s, "timing-budget-s")?,
         observe: !args.no_observe,
         prestart: args.prestart.map(|v| v == Switch::On),
         prestart_depth: args.prestart_depth as usize,

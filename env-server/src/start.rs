@@ -327,6 +327,7 @@ fn evaluator_config(
         phase_timeout: cfg.eval_timeout,
         extra_env: extra_env.to_vec(),
         skip_compile: cfg.skip_compile,
+        timing_budget: cfg.timing_budget,
         allow_ops: cfg.allow_ops.clone(),
         prestart: cfg.prestart.unwrap_or(device == Device::Cuda),
         prestart_depth: cfg.prestart_depth,

@@ -116,6 +116,11 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
         cmd += ["--call-timeout", str(case.call_timeout_s)]
     if os.environ.get("REDTEAM_NO_COMPILE"):
         cmd.append("--no-compile")  # no torch.compile baseline: faster, the verdict is the same
+    if os.environ.get("CUDA_AGENT_TIMING_BUDGET_S"):
+        # The judge's timing budget, as env-server passes it (`--timing-budget-s`, which reads
+        # the same variable): the suite's runner shortens the loop, about half a case's time;
+        # the judge still times its minimum of rounds.
+        cmd += ["--budget-s", os.environ["CUDA_AGENT_TIMING_BUDGET_S"]]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -121,6 +121,8 @@ pub struct EvaluatorConfig {
     pub extra_env: Vec<(String, String)>,
     /// Skip torch.compile baselines (faster CPU test runs; compile speedup then unknown).
     pub skip_compile: bool,
+    /// How long the judge times the contestants (its `--budget-s`).
+    pub timing_budget: Duration,
     /// Aten operators candidates may dispatch beyond the harness's allocation/view/copy list.
     pub allow_ops: Vec<String>,
     /// Start the next evaluation's processes while the device is still leased (see the

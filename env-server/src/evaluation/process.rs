@@ -203,6 +203,10 @@ impl Evaluator {
         if self.cfg.skip_compile {
             jargv.push("--no-compile".into());
         }
+        jargv.extend([
+            "--budget-s".into(),
+            format!("{}", self.cfg.timing_budget.as_secs_f64()).into(),
+        ]);
         // The judge starts its side (workers, channels) and waits at the gate for the lease.
         jargv.push("--gate".into());
         jargv

@@ -45,8 +45,19 @@ pub fn test_config(dir: &std::path::Path) -> ServerConfig {
         max_body_bytes: 64 * 1024,
         pch_variants,
         pch_dir,
+        timing_budget: suite_timing_budget(),
         ..ServerConfig::default()
     }
+}
+
+/// The judge's timing budget the suite's runner asks for (`CUDA_AGENT_TIMING_BUDGET_S`, as
+/// the server binary reads it), else the server's default.
+pub fn suite_timing_budget() -> std::time::Duration {
+    std::env::var("CUDA_AGENT_TIMING_BUDGET_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+        .unwrap_or(env_server::DEFAULT_TIMING_BUDGET)
 }
 
 /// The state for `cfg`.
