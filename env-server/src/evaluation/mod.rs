@@ -98,6 +98,14 @@ pub enum EvalError {
     /// A device lease could not be taken (the evaluator is shutting down).
     #[error("evaluation harness failed: device lease: {0}")]
     Lease(#[from] tokio::sync::AcquireError),
+    /// Room for the evaluation's volume in the memory budget could not be waited for (the
+    /// evaluator is shutting down).
+    #[error("evaluation harness failed: volume memory: {source}")]
+    VolumeBudget {
+        /// The error.
+        #[source]
+        source: tokio::sync::AcquireError,
+    },
 }
 
 /// Settings of the evaluator.

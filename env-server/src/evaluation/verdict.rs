@@ -32,14 +32,18 @@ impl Evaluator {
         details.timing = verdict.timing.clone();
         details.noise_band = verdict.noise_band.clone();
         details.env = verdict.env.clone();
+        // The worker may write into its build directory too (at import, in the run); a full
+        // volume (the run was ended for it) says more than the directory's size.
+        let volume_full = matches!(verdict.rule.as_deref(), Some("disk_quota" | "inode_quota"));
+        if !volume_full {
+            if let Some(reason) = self.entry_over_cap(ext, "run").await {
+                details.rule = Some("build_size".into());
+                return Ok(fail(reason, details));
+            }
+        }
         if !verdict.correct {
             details.rule = verdict.rule.clone();
             let reason = verdict.reason.unwrap_or_else(|| "evaluation failed".into());
-            return Ok(fail(reason, details));
-        }
-        // The worker may write into its build directory too (at import, in the run).
-        if let Some(reason) = self.entry_over_cap(ext, "run").await {
-            details.rule = Some("build_size".into());
             return Ok(fail(reason, details));
         }
         if let Some(observed) = observed {

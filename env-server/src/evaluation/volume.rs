@@ -218,7 +218,8 @@ impl EvalVolumes {
                 b.permits
                     .clone()
                     .acquire_many_owned(quota_mib(self.limits.bytes))
-                    .await?,
+                    .await
+                    .map_err(|source| EvalError::VolumeBudget { source })?,
             ),
             None => None,
         };
