@@ -224,6 +224,10 @@ async fn a_legitimate_extension_is_built_cached_and_reused() {
         assert_eq!(v["correct"], true, "{v}");
         assert!(v["reward"].as_f64().unwrap() >= 1.0, "{v}");
         assert_eq!(v["details"]["build_cache_hit"], hit, "{v}");
+        println!(
+            "cache hit {hit}: {} s in all, phases {}",
+            v["details"]["elapsed_s"], v["details"]["phases"]
+        );
         let log = v["details"]["worker_log"].as_str().unwrap_or("");
         let library = log
             .lines()

@@ -18,7 +18,9 @@
 //!
 //! The parts, one job each: [`lease`] (device slots, leases, places among the warm
 //! evaluations), [`dirs`] (an evaluation's directory, FIFOs, the judges' compile cache),
-//! [`build_cache`] (the build phase and its cache entry), [`process`] (the sandboxed
+//! [`build_cache`] (the build phase and its cache entry), [`volume`] (the evaluation's
+//! size- and inode-limited volume, everything the candidate writes, and the copies between it
+//! and the cache), [`process`] (the sandboxed
 //! processes: jails, command lines, their output), [`judge`] (the check-and-time run through
 //! the judge's gate) and [`verdict`] (the judge's verdict, the outside observation, the
 //! result). This file holds the queue and the order of the phases.
