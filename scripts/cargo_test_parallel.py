@@ -48,6 +48,7 @@ JUDGE = {
     "e2e-tests replay.rs",
     "e2e-tests runner.rs",
     "env-server tests/build.rs",
+    "env-server tests/eval_volume.rs",
     "env-server tests/prestart.rs",
 }
 # At normal priority too, beside anything but ALONE: they check the nice value their sandboxes'
@@ -69,6 +70,7 @@ FOREGROUND = {
 # run, such as CI's fresh clone, where no times of a last run are kept.
 TYPICAL_S = {
     "env-server tests/build.rs": 250,
+    "env-server tests/eval_volume.rs": 150,
     "e2e-tests learning.rs": 245,
     "e2e-tests episode.rs": 235,
     "env-server tests/redteam_http.rs": 207,
