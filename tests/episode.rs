@@ -202,7 +202,7 @@ async fn evaluate_scores_right_wrong_and_inline_tasks() {
     );
     assert!(right.speedup.eager.is_some());
     // `Options.min_rounds` of skills/cuda_agent_judge.py.
-    let rounds = right.details.timing.as_ref().map(|t| t["rounds"].clone());
+    let rounds = right.details.check.as_ref().map(|c| c["rounds"].clone());
     assert_eq!(rounds, Some(json!(10)), "{right:?}");
     // The same sources again: the build is found in the cache.
     let again = c
