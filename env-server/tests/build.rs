@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use common::{call, state_from, test_config};
+use common::{bytes_under, call, state_from, test_config};
 use env_server::build::Pch;
 use env_server::runtime::{Device, PythonInfo};
 use env_server::ServerConfig;
@@ -270,17 +270,6 @@ async fn solutions_whose_joined_files_are_equal_get_distinct_build_entries() {
         .unwrap()
         .count();
     assert_eq!(entries, 2, "one build-cache entry per solution");
-}
-
-/// Bytes under `dir` (apparent sizes of its files).
-fn bytes_under(dir: &Path) -> u64 {
-    walkdir::WalkDir::new(dir)
-        .into_iter()
-        .flatten()
-        .filter(|e| e.file_type().is_file())
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
 }
 
 /// A candidate that writes `mib` MiB into its build-cache entry on import, in the build

@@ -11,22 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use common::{call, state_from, test_config};
+use common::{bytes_under, call, state_from, test_config};
 use env_server::ServerConfig;
 use serde_json::json;
 
 const ADD_CANDIDATE: &str = include_str!("../../tests/cpu_add_candidate.py");
-
-/// Bytes under `dir` (apparent sizes of its files; 0 where it does not exist).
-fn bytes_under(dir: &Path) -> u64 {
-    walkdir::WalkDir::new(dir)
-        .into_iter()
-        .flatten()
-        .filter(|e| e.file_type().is_file())
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
-}
 
 /// Waits until nothing is left under `dir` (its removal runs after the answer); what is left.
 async fn settled(dir: &Path) -> u64 {

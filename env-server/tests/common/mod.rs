@@ -140,3 +140,14 @@ pub fn short_limits() -> HttpLimits {
         ..HttpLimits::default()
     }
 }
+
+/// Bytes under `dir` (apparent sizes of its files; 0 where it does not exist).
+pub fn bytes_under(dir: &std::path::Path) -> u64 {
+    walkdir::WalkDir::new(dir)
+        .into_iter()
+        .flatten()
+        .filter(|e| e.file_type().is_file())
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
