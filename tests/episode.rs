@@ -2,7 +2,7 @@
 
 mod server;
 
-use env_api::{EvaluateRequest, ResetOptions, ResetRequest, SolutionRef, TaskRef};
+use env_api::{EvaluateRequest, ProbeStatus, ResetOptions, ResetRequest, SolutionRef, TaskRef};
 use serde_json::json;
 use server::Server;
 
@@ -30,7 +30,7 @@ async fn an_episode_with_every_tool_then_submit() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
     let c = server.client();
-    assert_eq!(c.health().await.unwrap()["status"], "ok");
+    assert_eq!(c.health().await.unwrap().status, ProbeStatus::Ok);
     let reset = c
         .reset(&ResetRequest {
             task: Some("L1/2_Add".into()),

@@ -655,6 +655,24 @@ pub struct EvaluationPhases {
     pub teardown_s: f64,
 }
 
+/// `GET /v1/health` and `GET /v1/ready` when the answer is yes (a 503 [`ErrorBody`] says
+/// why not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ProbeAnswer {
+    /// `ok` (alive) or `ready` (takes new episodes and evaluations).
+    pub status: ProbeStatus,
+}
+
+/// What a probe that answers 200 says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeStatus {
+    /// The process serves (`/v1/health`).
+    Ok,
+    /// A new episode would be admitted (`/v1/ready`).
+    Ready,
+}
+
 /// Error answer body.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {

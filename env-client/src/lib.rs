@@ -9,8 +9,8 @@ pub use fleet::{Fleet, FleetConfig, FleetError, ServerHandle};
 use std::time::Duration;
 
 use env_api::{
-    Action, EpisodeState, ErrorBody, EvaluateRequest, EvaluationResult, PlainAction, ResetRequest,
-    ResetResponse, StepRequest, StepResponse, TaskList, Trajectory,
+    Action, EpisodeState, ErrorBody, EvaluateRequest, EvaluationResult, PlainAction, ProbeAnswer,
+    ResetRequest, ResetResponse, StepRequest, StepResponse, TaskList, Trajectory,
 };
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -159,7 +159,7 @@ impl EnvClient {
     }
 
     /// `GET /v1/health`.
-    pub async fn health(&self) -> Result<Value, ClientError> {
+    pub async fn health(&self) -> Result<ProbeAnswer, ClientError> {
         self.send(self.req(reqwest::Method::GET, "/v1/health"))
             .await
     }

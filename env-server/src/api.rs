@@ -14,7 +14,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use env_api::*;
 use futures_util::future::FutureExt as _;
-use serde_json::{json, Value};
 use utoipa::OpenApi;
 
 use crate::episode::EpisodeError;
@@ -527,18 +526,22 @@ async fn tasks(State(s): State<Arc<AppState>>) -> Json<TaskList> {
     })
 }
 
-#[utoipa::path(get, path = "/v1/health", responses((status = 200, description = "alive")))]
-async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+#[utoipa::path(get, path = "/v1/health", responses((status = 200, body = ProbeAnswer, description = "alive")))]
+async fn health() -> Json<ProbeAnswer> {
+    Json(ProbeAnswer {
+        status: ProbeStatus::Ok,
+    })
 }
 
 /// Readiness, apart from liveness: 200 while a new episode would be admitted; 503 with the
 /// reason (`draining`, `at_capacity`, `host_busy`) otherwise, so a load balancer sends new
 /// work elsewhere while the server finishes what it has.
-#[utoipa::path(get, path = "/v1/ready", responses((status = 200, description = "takes new episodes and evaluations"), (status = 503, body = ErrorBody)))]
-async fn ready(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, path = "/v1/ready", responses((status = 200, body = ProbeAnswer, description = "takes new episodes and evaluations"), (status = 503, body = ErrorBody)))]
+async fn ready(State(s): State<Arc<AppState>>) -> Result<Json<ProbeAnswer>, ApiError> {
     s.episodes.admits()?;
-    Ok(Json(json!({"status": "ready"})))
+    Ok(Json(ProbeAnswer {
+        status: ProbeStatus::Ready,
+    }))
 }
 
 #[utoipa::path(get, path = "/v1/info", responses((status = 200, description = "version, devices, capacity, sandbox")))]
@@ -737,6 +740,8 @@ fn device_counter(
         env_api::LibraryShare,
         ErrorBody,
         ErrorDetail,
+        ProbeAnswer,
+        ProbeStatus,
         TaskList,
         // The tools' arguments (`info.tools` carries the same as OpenAI function schemas).
         env_api::tools::BashArgs,
