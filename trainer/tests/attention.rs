@@ -9,6 +9,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Tensor, TensorData};
+#[cfg(feature = "cuda")]
+use burn::tensor::{DType, FloatDType};
 use trainer::model::transformer::positions_and_mask;
 
 mod common;
@@ -228,5 +230,200 @@ fn attention_and_its_gradients_match_the_decomposed_reference_on_cuda() {
             ),
             3e-2,
         );
+    }
+}
+
+/// Values of `t` on `device` in backend `C` (through host memory).
+#[cfg(feature = "cuda")]
+fn moved<B: Backend, C: Backend, const D: usize>(
+    t: Tensor<B, D>,
+    device: &C::Device,
+) -> Tensor<C, D> {
+    Tensor::from_data(t.into_data().convert::<f32>(), device)
+}
+
+/// Keys or values `[b, kvh, s, d]` repeated for each of `h` query heads (query head `j` reads
+/// key head `j / (h / kvh)`), differentiably: the reference's grouped-query attention.
+#[cfg(feature = "cuda")]
+fn expand_heads<B: Backend>(z: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
+    let [b, kvh, s, d] = z.dims();
+    z.unsqueeze_dim::<5>(2)
+        .expand([b, kvh, h / kvh, s, d])
+        .reshape([b, h, s, d])
+}
+
+/// One grouped-query case for the flash kernels: Q `[b, h, t, d]` against K, V
+/// `[b, kvh, s, d]` in bf16 through `attention` (the trainer's kernels, K and V unexpanded)
+/// against `attention_fallback` in f32 on the same bf16-rounded inputs with K and V
+/// expanded; relative differences of the output, dQ, dK, dV. `valid` `[b, s]` (with
+/// `t == s`) builds the models' padding-and-causal mask; `hidden` `[t, s]` a mask shared by
+/// every row.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn compare_grouped(
+    [b, h, kvh, t, s, d]: [usize; 6],
+    valid: Option<Vec<bool>>,
+    hidden: Option<Vec<bool>>,
+    options: AttentionModuleOptions,
+    seed: u64,
+) -> [f32; 4] {
+    type Bf = Autodiff<burn::backend::Cuda<half::bf16>>;
+    type F32 = Autodiff<burn::backend::Cuda<f32>>;
+    let device = burn::backend::cuda::CudaDevice::new(0);
+    let mut rng = trainer::seeds::ReplayRng::new(seed);
+    let mut normal = |dims: [usize; 4]| -> Tensor<F32, 4> {
+        let n: usize = dims.iter().product();
+        let data: Vec<f32> = (0..n)
+            .map(|_| (0..12).map(|_| rng.unit_f64() as f32).sum::<f32>() - 6.0)
+            .collect();
+        // Rounded to bf16 once, so both sides read the same values.
+        Tensor::<F32, 4>::from_data(TensorData::new(data, dims), &device)
+            .cast(FloatDType::BF16)
+            .cast(FloatDType::F32)
+    };
+    let inputs = [
+        normal([b, h, t, d]),
+        normal([b, kvh, s, d]),
+        normal([b, kvh, s, d]),
+        normal([b, h, t, d]),
+    ];
+    fn mask_of<B: Backend>(
+        valid: &Option<Vec<bool>>,
+        hidden: &Option<Vec<bool>>,
+        [b, h, t, s]: [usize; 4],
+        device: &B::Device,
+    ) -> Option<Tensor<B, 4, Bool>> {
+        if let Some(valid) = valid {
+            let valid =
+                Tensor::<B, 2, Bool>::from_data(TensorData::new(valid.clone(), [b, s]), device);
+            return Some(positions_and_mask(valid, None).mask.expand([b, h, t, s]));
+        }
+        hidden.as_ref().map(|hidden| {
+            Tensor::<B, 2, Bool>::from_data(TensorData::new(hidden.clone(), [t, s]), device)
+                .reshape([1, 1, t, s])
+                .expand([b, h, t, s])
+        })
+    }
+    // Ours: bf16, K and V as they are.
+    let ours = {
+        let [q, k, v, w] = inputs.clone().map(|x| moved::<F32, Bf, 4>(x, &device));
+        let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+        let mask = mask_of::<Bf>(&valid, &hidden, [b, h, t, s], &device);
+        let out = attention(q.clone(), k.clone(), v.clone(), mask, None, options);
+        let grads = (out.clone() * w).sum().backward();
+        let g = |x: &Tensor<Bf, 4>| x.grad(&grads).expect("a gradient");
+        [out.inner(), g(&q), g(&k), g(&v)]
+            .map(|x| moved::<_, burn::backend::Cuda<f32>, 4>(x, &device))
+    };
+    // The reference: K and V expanded to every query head as leaves, their gradients summed
+    // over each group by hand.
+    let reference = {
+        let [q, k, v, w] = inputs;
+        let q = q.require_grad();
+        let k = expand_heads(k, h).detach().require_grad();
+        let v = expand_heads(v, h).detach().require_grad();
+        let mask = mask_of::<F32>(&valid, &hidden, [b, h, t, s], &device);
+        let out = attention_fallback(q.clone(), k.clone(), v.clone(), mask, None, options);
+        let grads = (out.clone() * w).sum().backward();
+        let g = |x: &Tensor<F32, 4>| x.grad(&grads).expect("a gradient");
+        let grouped = |x: Tensor<burn::backend::Cuda<f32>, 4>| {
+            x.reshape([b, kvh, h / kvh, s, d])
+                .sum_dim(2)
+                .reshape([b, kvh, s, d])
+        };
+        [out.inner(), g(&q), grouped(g(&k)), grouped(g(&v))]
+    };
+    rel_diffs(ours, reference)
+}
+
+/// The flash kernels (bf16, head widths 64 and 128; `CUDA_AGENT_ATTENTION=flash`) against the
+/// decomposed reference in f32:
+/// grouped-query heads read unexpanded, the models' padding (left and right) with
+/// causality, lengths that are not multiples of the 64-row tiles, `is_causal` with fewer
+/// queries than keys, no mask, and a query whose every key is hidden.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p trainer --features cuda --test attention -- --ignored"]
+fn flash_attention_matches_the_decomposed_reference_on_cuda() {
+    assert!(
+        trainer::kernels::attention::install(),
+        "CUDA_AGENT_ATTENTION=decomposed is set"
+    );
+    for d in [64, 128] {
+        assert!(
+            trainer::kernels::flash::takes_shape(d, DType::BF16),
+            "flash attention is off: run with CUDA_AGENT_ATTENTION=flash"
+        );
+    }
+    let tol = 2e-2;
+    let mut seed = 11;
+    // Every case runs and prints before the first failure is reported.
+    let mut failed = Vec::new();
+    let mut check = |what: String, shape: [usize; 6], valid, hidden, options| {
+        seed += 1;
+        let diffs = compare_grouped(shape, valid, hidden, options, seed);
+        let ok = diffs.iter().all(|d| d.is_finite() && *d <= tol);
+        eprintln!("{what}: {diffs:?}{}", if ok { "" } else { "  FAILED" });
+        if !ok {
+            failed.push((what, diffs));
+        }
+    };
+    for d in [64, 128] {
+        for (h, kvh) in [(7, 1), (4, 2), (2, 2)] {
+            for t in [64, 100, 200] {
+                let b = 3;
+                // Row 0 left-padded by 5, row 1 right-padded by 7, row 2 full.
+                let valid: Vec<bool> = (0..b * t)
+                    .map(|i| match i / t {
+                        0 => i % t >= 5,
+                        1 => i % t < t - 7,
+                        _ => true,
+                    })
+                    .collect();
+                check(
+                    format!("flash d={d} h={h} kvh={kvh} t={t}, padding + causal"),
+                    [b, h, kvh, t, t, d],
+                    Some(valid),
+                    None,
+                    Default::default(),
+                );
+            }
+        }
+        check(
+            format!("flash d={d}, no mask"),
+            [2, 4, 2, 130, 130, d],
+            None,
+            None,
+            Default::default(),
+        );
+        let causal = AttentionModuleOptions {
+            is_causal: true,
+            ..Default::default()
+        };
+        check(
+            format!("flash d={d}, is_causal, 70 queries on 150 keys"),
+            [2, 4, 1, 70, 150, d],
+            None,
+            None,
+            causal,
+        );
+        // Query 40 sees nothing; the rest see a band.
+        let (t, s) = (90, 90);
+        let hidden: Vec<bool> = (0..t * s)
+            .map(|i| {
+                let (qi, kj) = (i / s, i % s);
+                qi == 40 || kj > qi || kj + 50 < qi
+            })
+            .collect();
+        check(
+            format!("flash d={d}, a fully hidden query"),
+            [1, 4, 2, t, s, d],
+            None,
+            Some(hidden),
+            Default::default(),
+        );
+    }
+    if let Some((what, diffs)) = failed.first() {
+        assert_close(what, *diffs, tol);
     }
 }

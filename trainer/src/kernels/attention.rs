@@ -14,6 +14,10 @@
 //!             in place;  dQ = dS K;  dK = dSᵗ Q
 //!
 //! so every scores-sized tensor is written once by a product and rewritten once by a kernel.
+//!
+//! With `CUDA_AGENT_ATTENTION=flash`, bf16 attention of head width 64 or 128 instead runs
+//! [`super::flash`]'s kernels (no scores in device memory; key and value heads shared by
+//! query heads read in place).
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
@@ -23,6 +27,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 use std::marker::PhantomData;
 
+use super::flash;
 use super::module::Source;
 use super::stream::{
     enabled, queue, stride, Cube, CudaTensor as Cuda, FusionTensor as Tensor, Handles, Runtime,
@@ -58,17 +63,27 @@ pub fn install() -> bool {
         forward: forward::<half::bf16>,
         backward: backward::<half::bf16>,
     });
+    if flash::on() {
+        use crate::model::{fused, transformer::GroupedAttention};
+        use burn::backend::Autodiff;
+        type Cuda<F> = super::stream::Cuda<F>;
+        fused::register::<Autodiff<Cuda<f32>>, GroupedAttention>(flash::takes_shape);
+        fused::register::<Autodiff<Cuda<half::bf16>>, GroupedAttention>(flash::takes_shape);
+    }
     true
 }
 
-/// Whether the kernels take these inputs: f32 or bf16 throughout, rows countable by a grid.
+/// Whether the score kernels take these inputs: f32 or bf16 throughout, as many key and
+/// value heads as query heads, rows countable by a grid.
 fn supported(q: &Tensor, others: &[&Tensor]) -> bool {
     let dtype_ok =
         matches!(q.dtype, DType::F32 | DType::BF16) && others.iter().all(|t| t.dtype == q.dtype);
     let dims = q.shape.dims::<4>();
     dtype_ok
         && dims[0] * dims[1] * dims[2] <= i32::MAX as usize
-        && others.iter().all(|t| t.shape.num_dims() == 4)
+        && others
+            .iter()
+            .all(|t| t.shape.num_dims() == 4 && t.shape.dims::<4>()[1] == dims[1])
 }
 
 fn forward<F: FloatElement>(
@@ -79,7 +94,8 @@ fn forward<F: FloatElement>(
     scale: f64,
     causal: bool,
 ) -> Option<Tensor> {
-    if !supported(q, &[k, v]) {
+    let flash = flash::takes(q, k, v, mask);
+    if !flash && !supported(q, &[k, v]) {
         return None;
     }
     let [b, h, t, _] = q.shape.dims::<4>();
@@ -106,6 +122,7 @@ fn forward<F: FloatElement>(
         scale,
         causal,
         backward: false,
+        flash,
         _f: PhantomData,
     };
     client
@@ -124,7 +141,8 @@ fn backward<F: FloatElement>(
     causal: bool,
     grad: &Tensor,
 ) -> Option<(Tensor, Tensor, Tensor)> {
-    if !supported(q, &[k, v, out, grad]) {
+    let flash = flash::takes(q, k, v, mask);
+    if !flash && !supported(q, &[k, v, out, grad]) {
         return None;
     }
     let client = q.client.clone();
@@ -146,6 +164,7 @@ fn backward<F: FloatElement>(
         scale,
         causal,
         backward: true,
+        flash,
         _f: PhantomData,
     };
     let mut grads = client
@@ -161,6 +180,8 @@ struct AttentionOp<F> {
     scale: f64,
     causal: bool,
     backward: bool,
+    /// Through [`flash`]'s kernels rather than the score kernels.
+    flash: bool,
     _f: PhantomData<F>,
 }
 
@@ -171,13 +192,20 @@ impl<F: FloatElement> Operation<Runtime> for AttentionOp<F> {
         if !self.backward {
             let (q, k, v) = (float(0), float(1), float(2));
             let mask = inputs.get(3).map(|m| handles.get_bool_tensor::<Cube<F>>(m));
-            let out = forward_cube::<F>(q, k, v, mask.as_ref(), self.scale, self.causal);
+            let out = if self.flash {
+                flash::forward(q, k, v, mask.as_ref(), self.scale, self.causal)
+            } else {
+                forward_cube::<F>(q, k, v, mask.as_ref(), self.scale, self.causal)
+            };
             handles.register_float_tensor::<Cube<F>>(&self.desc.outputs[0].id, out);
         } else {
             let (q, k, v, out, grad) = (float(0), float(1), float(2), float(3), float(4));
             let mask = inputs.get(5).map(|m| handles.get_bool_tensor::<Cube<F>>(m));
-            let (dq, dk, dv) =
-                backward_cube::<F>(q, k, v, out, mask.as_ref(), self.scale, self.causal, grad);
+            let (dq, dk, dv) = if self.flash {
+                flash::backward(q, k, v, out, mask.as_ref(), self.scale, self.causal, grad)
+            } else {
+                backward_cube::<F>(q, k, v, out, mask.as_ref(), self.scale, self.causal, grad)
+            };
             for (ir, grad) in self.desc.outputs.iter().zip([dq, dk, dv]) {
                 handles.register_float_tensor::<Cube<F>>(&ir.id, grad);
             }

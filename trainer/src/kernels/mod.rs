@@ -12,6 +12,7 @@
 
 pub mod attention;
 pub mod decode;
+pub mod flash;
 mod module;
 pub mod norm;
 pub mod rope;

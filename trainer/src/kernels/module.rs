@@ -213,6 +213,20 @@ pub(crate) fn launch(
     stream: cuda::CUstream,
     args: &[u64],
 ) -> Result<(), KernelError> {
+    launch_shared(source, kernel, rows, threads, 0, stream, args)
+}
+
+/// [`launch`] with `shared` bytes of dynamic shared memory per block (past the 48 KiB a
+/// kernel gets unasked, the function is allowed that much first).
+pub(crate) fn launch_shared(
+    source: &'static Source,
+    kernel: usize,
+    rows: u32,
+    threads: u32,
+    shared: u32,
+    stream: cuda::CUstream,
+    args: &[u64],
+) -> Result<(), KernelError> {
     let device = current_device()?;
     let function = {
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
@@ -236,6 +250,21 @@ pub(crate) fn launch(
             kernel,
         })?
     };
+    if shared > 48 * 1024 {
+        // SAFETY: a function of a loaded module; the attribute takes a byte count.
+        unsafe {
+            cuda::cuFuncSetAttribute(
+                function,
+                cuda::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+        }
+        .result()
+        .map_err(driver_error(format!(
+            "cuFuncSetAttribute {}",
+            source.kernels[kernel]
+        )))?;
+    }
     let mut values: Vec<u64> = args.to_vec();
     let mut params: Vec<*mut c_void> = values
         .iter_mut()
@@ -248,7 +277,7 @@ pub(crate) fn launch(
             function,
             (rows, 1, 1),
             (threads, 1, 1),
-            0,
+            shared,
             stream,
             &mut params,
         )

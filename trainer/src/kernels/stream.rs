@@ -65,9 +65,10 @@ pub(crate) fn enabled(source: &Source, env: &str, what: &str) -> bool {
 }
 
 /// Every source launched through [`queue`], by number (the number travels with the launch).
-fn sources() -> [&'static Source; 6] {
+fn sources() -> [&'static Source; 7] {
     [
         &super::attention::SOURCE,
+        &super::flash::SOURCE,
         &super::vocab::SOURCE,
         &super::norm::SOURCE,
         &super::rope::SOURCE,
@@ -90,6 +91,24 @@ pub(crate) fn queue(
     nulls: usize,
     scalars: &[u64],
 ) {
+    queue_shared(
+        client, source, kernel, blocks, threads, 0, buffers, nulls, scalars,
+    )
+}
+
+/// [`queue`] with `shared` bytes of dynamic shared memory per block.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn queue_shared(
+    client: &cubecl_runtime::client::ComputeClient<CudaRuntime>,
+    source: &'static Source,
+    kernel: usize,
+    blocks: u64,
+    threads: u32,
+    shared: u32,
+    buffers: Vec<Binding>,
+    nulls: usize,
+    scalars: &[u64],
+) {
     let number = sources()
         .iter()
         .position(|s| std::ptr::eq(*s, source))
@@ -99,6 +118,7 @@ pub(crate) fn queue(
         kernel as u64,
         blocks,
         u64::from(threads),
+        u64::from(shared),
         (buffers.len() + nulls) as u64,
     ];
     data.extend_from_slice(scalars);
@@ -112,10 +132,10 @@ fn op() -> external::ExternalOpId {
     *OP.get_or_init(|| external::register_external_op(run))
 }
 
-/// On cubecl's device thread: `data` is [source, kernel, blocks, threads, pointer count,
-/// scalars...]; pointers beyond the buffers resolved are passed as null.
+/// On cubecl's device thread: `data` is [source, kernel, blocks, threads, shared bytes,
+/// pointer count, scalars...]; pointers beyond the buffers resolved are passed as null.
 fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
-    let [source, kernel, blocks, threads, pointers, scalars @ ..] = call.data else {
+    let [source, kernel, blocks, threads, shared, pointers, scalars @ ..] = call.data else {
         return Err("trainer kernel: truncated launch".into());
     };
     let source = *sources()
@@ -127,11 +147,12 @@ fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
     args.resize(*pointers as usize, 0);
     args.extend_from_slice(scalars);
     // cubecl's external operations report failures as text.
-    module::launch(
+    module::launch_shared(
         source,
         *kernel as usize,
         blocks,
         *threads as u32,
+        *shared as u32,
         call.stream,
         &args,
     )

@@ -277,6 +277,13 @@ fn grouped_query_attention<B: Backend>(
     grouped_query_attention_in_blocks(q, k, v, mask, kvh, MAX_SCORE_ELEMENTS)
 }
 
+/// Whether backend `B`'s differentiable attention (registered with [`super::fused`]) takes
+/// keys and values `[b, kvh, s, d]` shared by groups of query heads as they are, for queries
+/// of head width `d` and this element type, at any length: flash kernels that never hold the
+/// scores. Where it does, [`grouped_query_attention`] neither expands the keys nor splits
+/// the queries.
+pub type GroupedAttention = fn(usize, DType) -> bool;
+
 /// Elements of one attention's score tensor (`[batch, heads, queries, keys]`) above which
 /// [`grouped_query_attention`] takes the queries a block at a time. The scores are made
 /// whole: 8 rows of 10,112 tokens on Qwen2.5-0.5B's 14 heads are 1.1e10 elements (23 GB per
@@ -295,8 +302,17 @@ fn grouped_query_attention_in_blocks<B: Backend>(
     kvh: usize,
     max_scores: usize,
 ) -> Tensor<B, 4> {
-    let [b, h, t, _] = q.dims();
+    let [b, h, t, d] = q.dims();
     let s = k.dims()[2];
+    if t > REGROUP_MAX_QUERIES {
+        if let Some(takes) = super::fused::get::<B, GroupedAttention>() {
+            if takes(d, q.dtype()) {
+                // Flash kernels: the shared key heads read in place, the scores never whole.
+                let mask = mask.clone().expand([b, h, t, s]);
+                return attention(q, k, v, Some(mask), None, AttentionModuleOptions::default());
+            }
+        }
+    }
     let per_query = (b * h * s).max(1);
     if t <= 1 || per_query.saturating_mul(t) <= max_scores {
         return grouped_query_attention_as(q, k, v, mask, kvh, t <= REGROUP_MAX_QUERIES);
