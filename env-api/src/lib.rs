@@ -204,6 +204,11 @@ pub struct StepInfo {
     /// This answer is a replay of an earlier one with the same request_id.
     #[serde(default)]
     pub replayed: bool,
+    /// Seconds this step's command spent waiting for a CPU while none of its processes ran:
+    /// the host was busy, and that time is not in `tool_time_s` (0 where nothing waited or
+    /// the host cannot measure it: `/v1/info` `sandbox.cpu_accounting`).
+    #[serde(default)]
+    pub cpu_wait_s: f64,
 }
 
 /// `POST /v1/episodes/{id}/step` answer.

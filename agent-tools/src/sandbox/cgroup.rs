@@ -409,6 +409,19 @@ impl Hierarchies {
         Ok(dir)
     }
 
+    /// Whether a background command's cgroups count their CPU time (cgroup v2 `cpu.stat`,
+    /// or v1 `cpuacct.usage` where cpuacct shares the cpu hierarchy), as the measure of its
+    /// wait for a CPU needs.
+    pub fn count_cpu_time(&self) -> bool {
+        let counts = |d: &Path| {
+            d.join("cpuacct.usage").exists()
+                || std::fs::read_to_string(d.join("cpu.stat"))
+                    .is_ok_and(|s| s.lines().any(|l| l.starts_with("usage_usec ")))
+        };
+        // The v2 directory's own cpu.stat: its children's have the same fields.
+        self.bases(true).iter().any(|d| counts(d))
+    }
+
     /// What these hierarchies provide.
     pub fn support(&self) -> CgroupSupport {
         CgroupSupport {
@@ -640,6 +653,22 @@ fn counter(file: &Path, key: &str) -> u64 {
 }
 
 impl CommandCgroup {
+    /// A meter of the time the command waits for a CPU ([`super::cpu_wait`]), where one of
+    /// its cgroups lists its threads and one counts their CPU time.
+    pub fn cpu_wait_meter(&self) -> Option<super::cpu_wait::CpuWaitMeter> {
+        let threads = self.dirs.iter().find_map(|d| {
+            ["cgroup.threads", "tasks"]
+                .iter()
+                .map(|f| d.join(f))
+                .find(|f| f.exists())
+        })?;
+        let cpu = self
+            .dirs
+            .iter()
+            .find_map(|d| super::cpu_wait::CpuCounter::of(d))?;
+        super::cpu_wait::CpuWaitMeter::new(threads, cpu)
+    }
+
     /// The `cgroup.procs` files the command joins.
     pub fn procs_files(&self) -> Vec<CString> {
         self.dirs

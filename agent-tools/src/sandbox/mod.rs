@@ -11,6 +11,7 @@
 //! ruleset, building argv and env); the child, between fork and exec, only makes syscalls.
 
 mod cgroup;
+mod cpu_wait;
 mod features;
 mod ipc;
 mod landlock;
@@ -33,6 +34,7 @@ pub use cgroup::{
     nest, CgroupNesting, CgroupSupport, CgroupVersion, NestReport, BACKGROUND_CPU_SHARES,
     BACKGROUND_CPU_WEIGHT,
 };
+pub use cpu_wait::CpuAccounting;
 pub use features::KernelFeatures;
 pub use ipc::IpcIsolation;
 pub use landlock::Access;
@@ -238,6 +240,9 @@ pub struct SandboxStatus {
     pub background_cpu: &'static str,
     /// How commands are kept from each other's SysV IPC objects and message queues.
     pub ipc: IpcIsolation,
+    /// How a command's time waiting for a CPU is measured, so that the time the host held it
+    /// back is not charged to it ([`SandboxedChild::wait_charged`]).
+    pub cpu_accounting: CpuAccounting,
     /// How volumes ([`Volume`]) enforce their size and inode limits.
     pub disk_quota: QuotaEnforcement,
     /// The uids leased to jails, when uids are switched.
@@ -293,6 +298,12 @@ pub struct Outcome {
     pub breach: Option<Breach>,
     /// Processes killed after the command ended or was stopped.
     pub killed: usize,
+    /// Wall-clock time during which the command waited for a CPU while none of its tasks ran
+    /// ([`CpuAccounting`]; zero where not measured).
+    pub cpu_wait: Duration,
+    /// It was killed at its wall-clock cap ([`SandboxedChild::wait_charged`]) before its
+    /// charged time ran out (`timed_out` is set too).
+    pub wall_capped: bool,
 }
 
 /// What [`Sandbox::sweep_leftovers`] found and ended.
@@ -431,6 +442,7 @@ struct Inner {
     nesting: Option<NestReport>,
     commands_memory: Option<u64>,
     uids: Option<UidPool>,
+    cpu_accounting: CpuAccounting,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -489,6 +501,15 @@ impl Sandbox {
             None
         };
         become_subreaper();
+        let cpu_accounting = if cpu_wait::schedstat_readable() && cgroups.count_cpu_time() {
+            CpuAccounting::Schedstat
+        } else {
+            CpuAccounting::Wall
+        };
+        tracing::info!(
+            ?cpu_accounting,
+            "how a command's wait for a CPU is measured"
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
@@ -498,6 +519,7 @@ impl Sandbox {
                 nesting,
                 commands_memory,
                 uids,
+                cpu_accounting,
             }),
         })
     }
@@ -604,6 +626,7 @@ impl Sandbox {
                 QuotaEnforcement::Measured
             },
             uid_pool: self.inner.uids.as_ref().map(UidPool::range),
+            cpu_accounting: self.inner.cpu_accounting,
         }
     }
 
@@ -865,7 +888,29 @@ impl SandboxedChild {
     /// Waits for the command to end, at most `timeout`, checking its limits meanwhile; a
     /// command that runs out of time or into a limit is killed. Then kills everything it left.
     pub async fn wait_within(&mut self, timeout: Duration) -> Outcome {
-        let deadline = tokio::time::Instant::now() + timeout;
+        self.wait_charged(timeout, timeout).await
+    }
+
+    /// Waits for the command to end while its charged time (wall time less the time it
+    /// waited for a CPU while none of its tasks ran, [`CpuAccounting`]) stays under `limit`
+    /// and its wall time under `wall_cap`, checking its limits meanwhile; a command past
+    /// either, or in a limit, is killed. Then kills everything it left. A host that keeps a
+    /// command waiting for a CPU thus moves its deadline, up to the cap; where the wait is
+    /// not measured (or `wall_cap` is not above `limit`) the deadline is `limit` of wall time.
+    pub async fn wait_charged(&mut self, limit: Duration, wall_cap: Duration) -> Outcome {
+        let start = tokio::time::Instant::now();
+        let hard = start + wall_cap;
+        // Sampled every other tick, at the deadline and at the end.
+        let mut meter = match wall_cap > limit {
+            true => self
+                .cgroup
+                .as_ref()
+                .and_then(cgroup::CommandCgroup::cpu_wait_meter),
+            false => None,
+        };
+        // Charged time grows at most as fast as wall time: the charged limit is reached no
+        // sooner than `limit` plus what was waited so far.
+        let deadline = |waited: Duration| (start + limit + waited).min(hard);
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // A measured volume costs a directory walk: checked every 2 s only.
@@ -874,16 +919,27 @@ impl SandboxedChild {
             _ => 1,
         };
         let mut ticks = 0u64;
-        let (mut timed_out, mut breach) = (false, None);
+        let (mut timed_out, mut breach, mut wall_capped) = (false, None, false);
         let status = loop {
+            let until = deadline(meter.as_ref().map_or(Duration::ZERO, |m| m.waited()));
             tokio::select! {
                 st = self.child.wait() => break st.ok(),
-                _ = tokio::time::sleep_until(deadline) => {
-                    timed_out = true;
-                    break None;
+                _ = tokio::time::sleep_until(until) => {
+                    let waited = meter.as_mut().map_or(Duration::ZERO, |m| m.sample());
+                    let now = tokio::time::Instant::now();
+                    if now >= deadline(waited) {
+                        timed_out = true;
+                        wall_capped = now >= hard && now < start + limit + waited;
+                        break None;
+                    }
                 }
                 _ = tick.tick() => {
                     ticks += 1;
+                    if ticks.is_multiple_of(2) {
+                        if let Some(m) = meter.as_mut() {
+                            m.sample();
+                        }
+                    }
                     let b = self.cgroup.as_ref().and_then(cgroup::CommandCgroup::breach).or_else(|| {
                         ticks.is_multiple_of(walk_every).then(|| self.volume.as_ref().and_then(|v| v.breach())).flatten()
                     });
@@ -893,6 +949,12 @@ impl SandboxedChild {
                     }
                 }
             }
+        };
+        // The last window: tasks that exited in it took their counters with them.
+        let cpu_wait = match meter.as_mut() {
+            Some(m) if status.is_some() => m.sample(),
+            Some(m) => m.waited(),
+            None => Duration::ZERO,
         };
         let status = match status {
             Some(s) => {
@@ -913,6 +975,8 @@ impl SandboxedChild {
             timed_out,
             breach,
             killed,
+            cpu_wait,
+            wall_capped,
         }
     }
 

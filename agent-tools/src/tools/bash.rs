@@ -14,6 +14,15 @@ use super::{ToolError, ToolOutput, Toolbox};
 const WRAPPER: &str = r#"trap 'pwd -P > "$CUDA_AGENT_CWD_FILE" 2>/dev/null' EXIT
 eval "$1""#;
 
+/// A command's wall time is capped at this many times its limit of charged time: time it
+/// spends waiting for a CPU while none of its processes runs is not charged (the host's
+/// load, not the agent's doing) and so does not bring its deadline closer, but a command
+/// starved for ever must still end.
+pub const WALL_CAP_FACTOR: u32 = 3;
+
+/// Waits shorter than this are not worth a line in the observation.
+const WAIT_WORTH_SAYING: Duration = Duration::from_millis(500);
+
 /// Bytes kept from the start and from the end of a stream.
 #[derive(Default)]
 struct Capped {
@@ -137,10 +146,14 @@ pub(super) async fn run(
         .stderr
         .take()
         .map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
-    // Whatever happened, nothing the command started outlives the step.
-    let outcome = child.wait_within(timeout).await;
+    // Whatever happened, nothing the command started outlives the step. Its deadline is in
+    // charged time (wall time less its wait for a CPU), up to a cap in wall time.
+    let outcome = child
+        .wait_charged(timeout, timeout.saturating_mul(WALL_CAP_FACTOR))
+        .await;
     let (timed_out, killed, breach) = (outcome.timed_out, outcome.killed, outcome.breach);
     let elapsed = started.elapsed();
+    let cpu_wait = outcome.cpu_wait.min(elapsed);
     let collect = |t: Option<AbortOnDrop<Capped>>| async move {
         match t {
             Some(mut t) => tokio::time::timeout(Duration::from_secs(5), &mut t.0)
@@ -188,6 +201,15 @@ pub(super) async fn run(
         text.push_str(&format!(
             "[stopped: {b}; the command and every process it started were killed]"
         ));
+    } else if outcome.wall_capped {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&format!(
+            "[stopped after {:.1} s of wall time, {WALL_CAP_FACTOR}x its {:.1} s limit, before its tool time ran out: the host kept it waiting for a CPU; the command and every process it started were killed]",
+            elapsed.as_secs_f64(),
+            timeout.as_secs_f64()
+        ));
     } else if timed_out && by_budget {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
@@ -221,6 +243,21 @@ pub(super) async fn run(
         text.push('\n');
         text.push_str(n);
     }
+    if cpu_wait >= WAIT_WORTH_SAYING {
+        tracing::debug!(
+            wall_s = elapsed.as_secs_f64(),
+            cpu_wait_s = cpu_wait.as_secs_f64(),
+            "the host kept a command waiting for a CPU"
+        );
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&format!(
+            "[the host was busy: {:.1} s of this command's {:.1} s were spent waiting for a CPU and not charged]",
+            cpu_wait.as_secs_f64(),
+            elapsed.as_secs_f64()
+        ));
+    }
     if text.is_empty() {
         text.push_str("(no output)");
     }
@@ -241,6 +278,7 @@ pub(super) async fn run(
             truncated: out_cut || err_cut,
         })
         .into(),
+        cpu_wait,
     })
 }
 

@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use crate::sandbox::{Jail, Sandbox};
 use crate::workspace::Workspace;
 // The argument types are wire types: they live in env-api, beside the rest of the API.
+pub use bash::WALL_CAP_FACTOR;
 pub use env_api::tools::{
     BashArgs, Edit, EditArgs, GlobArgs, GrepArgs, GrepOutputMode, MultiEditArgs, ReadArgs,
     SubmitArgs, TodoItem, TodoStatus, TodoWriteArgs, WriteArgs,
@@ -310,6 +311,11 @@ pub struct ToolOutput {
     pub is_error: bool,
     /// Structured details (exit code, matched paths, ...).
     pub data: ObservationData,
+    /// Wall-clock time the call spent waiting for a CPU while none of its processes ran (a
+    /// Bash command on a busy host; zero otherwise): the host's doing, not charged as tool
+    /// time.
+    #[serde(skip)]
+    pub cpu_wait: Duration,
 }
 
 impl ToolOutput {
@@ -318,6 +324,7 @@ impl ToolOutput {
             text: text.into(),
             is_error: false,
             data: data.into(),
+            cpu_wait: Duration::ZERO,
         }
     }
 
@@ -326,6 +333,7 @@ impl ToolOutput {
             text: format!("Error: {err}"),
             is_error: true,
             data: ObservationData::default(),
+            cpu_wait: Duration::ZERO,
         }
     }
 }
@@ -430,6 +438,11 @@ impl Toolbox {
     /// Restores a todo list (when an episode is reloaded).
     pub fn set_todos(&mut self, todos: Vec<Todo>) {
         self.todos = todos;
+    }
+
+    /// The sandbox its commands run in.
+    pub fn sandbox(&self) -> &Sandbox {
+        &self.sandbox
     }
 
     /// The Bash working directory.

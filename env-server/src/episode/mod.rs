@@ -281,6 +281,7 @@ fn command_refused(busy: &HostBusy) -> agent_tools::ToolOutput {
         ),
         is_error: true,
         data: Default::default(),
+        cpu_wait: Duration::ZERO,
     }
 }
 

@@ -60,6 +60,7 @@ impl EpisodeManager {
         let _work = self.drain.admit()?;
         let call = ToolCall::parse(tool, arguments)?;
         let out = self.run_tool(&mut ep, id, &call).await?;
+        let cpu_wait_s = out.cpu_wait.as_secs_f64();
         let mut observation = Observation {
             text: relative_paths(&out.text, &self.cfg().data_dir, &ep.dir),
             tool: Some(call.name().into()),
@@ -108,6 +109,7 @@ impl EpisodeManager {
                 truncation_reason,
                 evaluation,
                 replayed: false,
+                cpu_wait_s,
             },
         };
         self.record(&mut ep, tool, arguments, request_id, &resp, submitted)
@@ -173,7 +175,9 @@ impl EpisodeManager {
         };
         drop(command_slot);
         if !matches!(call, ToolCall::Submit(_)) {
-            ep.tool_time += started.elapsed();
+            // The time the host kept the command waiting for a CPU (while none of its
+            // processes ran) is the host's load, not the agent's doing: not charged.
+            ep.tool_time += started.elapsed().saturating_sub(out.cpu_wait);
         }
         ep.turn += 1;
         {
