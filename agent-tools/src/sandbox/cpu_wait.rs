@@ -27,7 +27,7 @@
 //! counters go with it, between two samples), of tasks that live less than a window, and the
 //! waits of a parallel command beyond one task's (overlapping waits count once). What it
 //! cannot tell apart: a task waiting for a CPU while the command's other tasks sleep (say on
-//! a device) is counted, whatever that sleep achieves.
+//! the GPU) is counted, whatever that sleep achieves.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
