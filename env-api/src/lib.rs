@@ -206,9 +206,15 @@ pub struct StepInfo {
     pub replayed: bool,
     /// Seconds this step's command spent waiting for a CPU while none of its processes ran:
     /// the host was busy, and that time is not in `tool_time_s` (0 where nothing waited or
-    /// the host cannot measure it: `/v1/info` `sandbox.cpu_accounting`).
-    #[serde(default)]
+    /// the host cannot measure it: `/v1/info` `sandbox.cpu_accounting`). Left out when 0, so
+    /// that answers logged before it replay as they were.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub cpu_wait_s: f64,
+}
+
+/// Whether a figure is 0 (a field left out of an answer when it is).
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// `POST /v1/episodes/{id}/step` answer.

@@ -174,6 +174,9 @@ impl EpisodeManager {
             (Some(tb), None) => tb.run(call, budget).await,
         };
         drop(command_slot);
+        // Idle time starts when the answer leaves: a command the host starved may have run
+        // for up to three times its limit.
+        ep.last_active = Instant::now();
         if !matches!(call, ToolCall::Submit(_)) {
             // The time the host kept the command waiting for a CPU (while none of its
             // processes ran) is the host's load, not the agent's doing: not charged.
