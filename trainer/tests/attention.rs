@@ -306,7 +306,10 @@ fn compare_grouped(
     }
     // Ours: bf16, K and V as they are.
     let ours = {
-        let [q, k, v, w] = inputs.clone().map(|x| moved::<F32, Bf, 4>(x, &device));
+        // from_data keeps the data's f32: cast, or the kernels would see f32 operands.
+        let [q, k, v, w] = inputs
+            .clone()
+            .map(|x| moved::<F32, Bf, 4>(x, &device).cast(FloatDType::BF16));
         let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
         let mask = mask_of::<Bf>(&valid, &hidden, [b, h, t, s], &device);
         let out = attention(q.clone(), k.clone(), v.clone(), mask, None, options);

@@ -43,9 +43,9 @@ const THREADS: u32 = 128;
 const FINISH_THREADS: u32 = 256;
 
 /// Whether bf16 attention may take the flash kernels: `CUDA_AGENT_ATTENTION=flash` asks for
-/// them (off by default until their grouped-query key and value gradients match the
-/// reference; unset or `kernels` keeps the score-materialising kernels, `decomposed` turns
-/// every attention kernel off) and `flash.cu` compiles for the first device. Read once.
+/// them (off by default until their GPU test has run against the reference; unset or
+/// `kernels` keeps the score-materialising kernels, `decomposed` turns every attention
+/// kernel off) and `flash.cu` compiles for the first device. Read once.
 pub fn on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
