@@ -97,7 +97,7 @@ fn vector_ready(t: Cuda) -> Cuda {
     let strides = t.meta.strides();
     let aligned = strides[3] == 1
         && strides[..3].iter().all(|s| s % 8 == 0)
-        && t.handle.offset_start.unwrap_or(0) % 16 == 0;
+        && t.handle.offset_start.unwrap_or(0).is_multiple_of(16);
     if aligned {
         t
     } else {
@@ -107,7 +107,7 @@ fn vector_ready(t: Cuda) -> Cuda {
 
 /// Contiguous `t` (the kernels index O and dO as `[b, h, t, d]` rows).
 fn contiguous(t: Cuda) -> Cuda {
-    if t.is_contiguous() && t.handle.offset_start.unwrap_or(0) % 16 == 0 {
+    if t.is_contiguous() && t.handle.offset_start.unwrap_or(0).is_multiple_of(16) {
         t
     } else {
         burn_cubecl::kernel::into_contiguous(t)
