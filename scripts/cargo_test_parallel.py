@@ -35,7 +35,13 @@ from pathlib import Path
 # out. redteam_http.rs holds a server's connection slots for its 300 ms header timeout while
 # it sends 50 more connections that must all be refused: a starved test outlasts the timeout
 # (it failed at background priority beside a judging binary).
+#
+# The two CPU-wait tests pin busy loops at normal priority to one CPU for seconds on purpose
+# (a starved command is what they measure): beside a judging binary they would starve its
+# timed calls.
 ALONE = {
+    "agent-tools tests/cpu_wait.rs",
+    "env-server tests/cpu_wait.rs",
     "env-server tests/observe.rs",
     "env-server tests/redteam_http.rs",
 }
