@@ -43,7 +43,7 @@ const THREADS: u32 = 128;
 const FINISH_THREADS: u32 = 256;
 
 /// Whether bf16 attention may take the flash kernels: `CUDA_AGENT_ATTENTION=flash` asks for
-/// them (off by default until their GPU test has run against the reference; unset or
+/// them (off by default while their GPU test fails its ungrouped single-tile dK cases; unset or
 /// `kernels` keeps the score-materialising kernels, `decomposed` turns every attention
 /// kernel off) and `flash.cu` compiles for the first device. Read once.
 pub fn on() -> bool {
