@@ -151,13 +151,19 @@ async fn threads_that_wait_on_each_other_do_not_lower_their_commands_charge() {
     let cpu = pin_to_one_cpu();
     // Eight busy loops on one CPU, each runnable for 3 s and waiting most of it, for each
     // other: nothing of the host held the command back but the host's own load on that CPU.
-    // `times` then says the CPU time they used (the shell's children).
-    let out = bash_within(
+    charged_at_least_its_cpu_time(
         &mut f,
+        cpu,
         "for k in 1 2 3 4 5 6 7 8; do ( end=$((SECONDS+3)); while [ $SECONDS -lt $end ]; do :; done ) & done; wait; times",
-        Duration::from_secs(600),
     )
     .await;
+}
+
+/// Runs `script` (which ends with `times`, so that its output says the CPU time its children
+/// used) and asserts the command is charged at least 0.8 of that CPU time: what ran was its
+/// progress, whatever its tasks' waits.
+async fn charged_at_least_its_cpu_time(f: &mut Fixture, cpu: usize, script: &str) {
+    let out = bash_within(f, script, Duration::from_secs(600)).await;
     let wall = Duration::from_millis(bash_data(&out).duration_ms);
     let charged = wall.saturating_sub(out.cpu_wait);
     eprintln!(
@@ -212,24 +218,12 @@ async fn work_done_by_processes_that_come_and_go_counts_as_progress() {
     // A busy loop that waits for a CPU while short-lived processes, each gone before the
     // next sample, take it: their CPU time is the command's progress even though no sample
     // sees them (the cgroup counts it).
-    let out = bash_within(
+    charged_at_least_its_cpu_time(
         &mut f,
+        cpu,
         "end=$((SECONDS+3)); ( while [ $SECONDS -lt $end ]; do :; done ) & while [ $SECONDS -lt $end ]; do /bin/sh -c 'i=0; while [ $i -lt 2000 ]; do i=$((i+1)); done'; done; wait; times",
-        Duration::from_secs(600),
     )
     .await;
-    let wall = Duration::from_millis(bash_data(&out).duration_ms);
-    let charged = wall.saturating_sub(out.cpu_wait);
-    eprintln!(
-        "cpu {cpu}: wall {wall:?}, waited {:?}, charged {charged:?}\n{}",
-        out.cpu_wait, out.text
-    );
-    let used = children_cpu(&out.text);
-    assert!(used > 0.3, "the loops used {used} s of CPU: {}", out.text);
-    assert!(
-        charged.as_secs_f64() >= 0.8 * used,
-        "a command that used {used:.2} s of CPU on one CPU is charged {charged:?} of {wall:?}"
-    );
 }
 
 /// The CPU time of a shell's children from the output of `times` at its end: its last line
