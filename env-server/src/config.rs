@@ -8,7 +8,7 @@ use agent_tools::sandbox::CgroupNesting;
 use agent_tools::ResourceLimits;
 use serde::{Deserialize, Serialize};
 
-use crate::evaluation::DEFAULT_PRESTART_DEPTH;
+use crate::evaluation::{TimingCores, DEFAULT_PRESTART_DEPTH};
 use crate::{build, http, retention, runtime};
 
 /// How long the judge times an evaluation's contestants unless told otherwise: on a GPU,
@@ -74,6 +74,10 @@ pub struct ServerConfig {
     pub prestart_depth: usize,
     /// Aten operators candidates may dispatch beyond allocation, views and copies.
     pub allow_ops: Vec<String>,
+    /// What keeps a timed evaluation's CPU its own (`--timing-cores`: the binary's default
+    /// is `auto`; embedders and tests get `off` unless they ask, since pinning moves the
+    /// whole process into a cpuset).
+    pub timing_cores: TimingCores,
     /// Largest request body.
     pub max_body_bytes: usize,
     /// Limits of the HTTP layer (connections, header, body, idle and write timeouts).
@@ -152,6 +156,7 @@ impl Default for ServerConfig {
             prestart: None,
             prestart_depth: DEFAULT_PRESTART_DEPTH,
             allow_ops: Vec::new(),
+            timing_cores: TimingCores::Off,
             max_body_bytes: 8 << 20,
             http: http::HttpLimits::default(),
             finished_grace: Duration::from_secs(60),

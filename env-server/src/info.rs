@@ -17,7 +17,7 @@ use serde::{Serialize, Serializer};
 use crate::admission::Admission;
 use crate::build::Toolchain;
 use crate::config::{default_time_budget, ServerConfig, TaskSize};
-use crate::evaluation::{DeviceSlot, EvaluationVolumeInfo};
+use crate::evaluation::{DeviceSlot, EvaluationVolumeInfo, TimingIsolationInfo};
 use crate::http::HttpLimits;
 use crate::retention::TrajectoryRetention;
 use crate::runtime::{Device, PythonInfo};
@@ -62,6 +62,9 @@ pub struct ServerInfo {
     pub task_size: TaskSize,
     /// Tasks served.
     pub tasks: usize,
+    /// What keeps a timed evaluation's CPU its own: its cores (`pinned`), its priority
+    /// (`priority`) or nothing beyond the background priority of builds and commands (`none`).
+    pub timing_isolation: TimingIsolationInfo,
     /// torch's version.
     pub torch: String,
     /// The CUDA version torch was built for, if any.
@@ -301,6 +304,8 @@ pub struct Probed<'a> {
     pub prestart_depth: Option<usize>,
     /// The evaluations' volumes.
     pub evaluation_volume: EvaluationVolumeInfo,
+    /// The timing isolation in force.
+    pub timing_isolation: TimingIsolationInfo,
 }
 
 impl ServerInfo {
@@ -371,6 +376,7 @@ impl ServerInfo {
             sandbox: found.sandbox,
             task_size: found.task_size,
             tasks: found.tasks,
+            timing_isolation: found.timing_isolation,
             torch: found.python.torch.clone(),
             torch_cuda: found.python.torch_cuda.clone(),
             version: env!("CARGO_PKG_VERSION"),

@@ -145,6 +145,15 @@ struct Args {
     /// memory (three processes with PyTorch imported) and none touches the device.
     #[arg(long, default_value_t = env_server::DEFAULT_PRESTART_DEPTH as u32, value_parser = clap::value_parser!(u32).range(2..=64))]
     prestart_depth: u32,
+    /// What keeps a timed evaluation's CPU its own. `auto`: cores of its own per device slot
+    /// (4 per GPU, the highest-numbered, when at least 4 are left for the rest; on the CPU
+    /// three quarters of a host of 8 cores or more) where the host has a cgroup v1 cpuset the
+    /// server may write, everything else the server starts on the other cores; else by
+    /// priority (evaluations started ahead of their lease run at SCHED_IDLE until they hold
+    /// it). A core list (such as `8-15`) reserves those cores, split among the device slots.
+    /// `off`: neither. `/v1/info` `timing_isolation` says what is in force.
+    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(env_server::evaluation::TimingCores))]
+    timing_cores: env_server::evaluation::TimingCores,
     /// Aten operators candidates may dispatch in their forward beyond allocation, views and
     /// copies (comma separated, such as `mm,addmm` to allow PyTorch's matmul).
     #[arg(long, value_delimiter = ',')]
@@ -374,6 +383,7 @@ async fn run(args: Args, api_key: Option<String>) -> anyhow::Result<()> {
         prestart: args.prestart.map(|v| v == Switch::On),
         prestart_depth: args.prestart_depth as usize,
         allow_ops: args.allow_ops,
+        timing_cores: args.timing_cores,
         max_body_bytes: args.max_body_bytes,
         http: http.clone(),
         finished_grace: Duration::from_secs(args.finished_grace_s),

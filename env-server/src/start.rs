@@ -14,7 +14,7 @@ use crate::admission::{Admission, AdmissionConfig, HostFacts};
 use crate::config::{default_time_budget, ServerConfig, TaskSize};
 use crate::drain::Drain;
 use crate::episode::{EpisodeConfig, EpisodeManager};
-use crate::evaluation::{Evaluator, EvaluatorConfig};
+use crate::evaluation::{Evaluator, EvaluatorConfig, TimingIsolation};
 use crate::info::{Probed, ServerInfo};
 use crate::retention::{BuildCacheRetention, Retention};
 use crate::runtime::{Device, PythonInfo};
@@ -96,6 +96,20 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         &SandboxConfig::with_toolchains(python.toolchain_dirs()).read_only,
     )?;
     let device = Device::choose(cfg.device, &python)?;
+    // Before the server starts any process of its own: pinned, the server moves into the
+    // shared cores, and what it starts later inherits them.
+    let isolation = Arc::new(TimingIsolation::new(
+        &cfg.timing_cores,
+        device,
+        if device == Device::Cuda {
+            python.gpus.max(1)
+        } else {
+            1
+        },
+        // Moving and raising other uids' processes, found by the uids leased to them.
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() } == 0,
+    ));
     let variants = cfg.pch_variants_on(device);
     let (toolchain, toolchain_dirs) = toolchain(&cfg, &data_dir, &python, device, &variants);
     let (sandbox, status, admission) = confine(&cfg, toolchain_dirs)?;
@@ -133,7 +147,16 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let evaluator = Arc::new(Evaluator::new(
         EvaluatorConfig {
             volume_memory_bytes: eval_volume_memory,
-            ..evaluator_config(&cfg, &data_dir, device, gpus, &extra_env, &observer, &tasks)
+            ..evaluator_config(
+                &cfg,
+                &data_dir,
+                device,
+                gpus,
+                &extra_env,
+                &observer,
+                &tasks,
+                isolation.clone(),
+            )
         },
         sandbox.clone(),
         python.clone(),
@@ -177,6 +200,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             task_size,
             prestart_depth: evaluator.prestart_depth(),
             evaluation_volume: evaluator.volume_info(status.disk_quota),
+            timing_isolation: isolation.info(),
         },
     );
     Ok(Arc::new(AppState {
@@ -308,6 +332,7 @@ fn probe_observer(asked: bool) -> Result<(), String> {
 }
 
 /// The evaluator's settings.
+#[allow(clippy::too_many_arguments)]
 fn evaluator_config(
     cfg: &ServerConfig,
     data_dir: &Path,
@@ -316,6 +341,7 @@ fn evaluator_config(
     extra_env: &[(String, String)],
     observer: &Result<(), String>,
     tasks: &TaskSet,
+    isolation: Arc<TimingIsolation>,
 ) -> EvaluatorConfig {
     EvaluatorConfig {
         data_dir: data_dir.to_path_buf(),
@@ -337,6 +363,7 @@ fn evaluator_config(
         build_cache_entry_max_bytes: cfg.build_cache_entry_max_bytes,
         volume_limits: agent_tools::sandbox::VolumeLimits::bytes(cfg.eval_disk_quota_bytes),
         volume_memory_bytes: cfg.eval_volume_memory_bytes,
+        isolation,
     }
 }
 

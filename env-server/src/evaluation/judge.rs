@@ -62,12 +62,20 @@ impl Evaluator {
         let worker_jail = self.worker_jail_on(worker_jail, slot_index);
         let (cache, cache_parts) = self.compile_cache(d, slot_index, shared_compile_cache)?;
         let judge_jail = self.judge_jail(d, judge_owner, &cache, slot_index);
+        // Started ahead of the lease in priority mode: below the evaluation that times now,
+        // raised when this one holds the lease. Only with uids of their own, by which the
+        // server finds every process to raise.
+        let lowered = place.lease.is_none()
+            && self.cfg.isolation.lowers_prestart()
+            && judge_owner.is_some()
+            && worker_owner.is_some();
         let mut worker = self.spawn_jailed(
             &worker_jail,
             &self.worker_argv(d),
             &d.candidate,
             "the worker",
             false,
+            lowered,
         )?;
         let worker_pid = worker.id().unwrap_or(0);
         // The worker's prints go nowhere the verdict is read from: drained (so it never blocks
@@ -83,7 +91,7 @@ impl Evaluator {
         // The worker's volume is watched while the judge runs: once it is full the run is
         // over (the judge and its side are ended with their handles), the candidate's fault.
         let judged = tokio::select! {
-            j = self.judge_through_gate(d, judge, &mut place, worker_pid, worker_owner) => Ok(j),
+            j = self.judge_through_gate(d, judge, &mut place, worker_pid, worker_owner, lowered) => Ok(j),
             b = watch_volume(volume) => Err(b),
         };
         // Whatever the judge decided, the worker and everything it started end here, before
@@ -182,9 +190,17 @@ impl Evaluator {
         place: &mut Place<'a>,
         worker_pid: u32,
         worker_owner: Option<(u32, u32)>,
+        lowered: bool,
     ) -> Result<JudgeRun<'a>, EvalError> {
         let deadline = Instant::now() + self.cfg.phase_timeout;
-        let mut child = self.spawn_jailed(judge.jail, &judge.argv, &d.judge, "the judge", true)?;
+        let mut child = self.spawn_jailed(
+            judge.jail,
+            &judge.argv,
+            &d.judge,
+            "the judge",
+            true,
+            lowered,
+        )?;
         let (at_gate_tx, at_gate) = tokio::sync::oneshot::channel();
         let out = drain_watching(child.stdout.take(), 8 << 20, Some(at_gate_tx));
         let err = drain(child.stderr.take(), 1 << 20);
@@ -201,6 +217,26 @@ impl Evaluator {
             },
         };
         let leased_at = Instant::now();
+        if lease.is_some() {
+            // The timed evaluation's CPU: its processes onto the slot's own cores, or raised
+            // above everything else, before the gate opens (both trees are quiet there:
+            // imports done, nothing of the candidate's loaded, so nothing forks meanwhile).
+            let uids: Vec<u32> = [judge.owner, worker_owner]
+                .into_iter()
+                .flatten()
+                .map(|(uid, _)| uid)
+                .collect();
+            let isolation = self.cfg.isolation.clone();
+            let slot = place.slot.index;
+            let entered =
+                tokio::task::spawn_blocking(move || isolation.enter_timed(slot, &uids)).await??;
+            tracing::debug!(
+                slot,
+                moved = entered.moved,
+                raised = entered.raised,
+                "timed evaluation isolated"
+            );
+        }
         if lease.is_some() {
             let (parts, owner) = (judge.cache_parts.clone(), judge.owner);
             tokio::task::spawn_blocking(move || {

@@ -27,6 +27,7 @@
 
 mod build_cache;
 mod dirs;
+pub mod isolation;
 mod judge;
 mod lease;
 mod process;
@@ -46,6 +47,7 @@ use kernelbench::Task;
 use crate::build::BuildQueue;
 use crate::runtime::{Device, PythonInfo};
 
+pub use isolation::{TimingCores, TimingIsolation, TimingIsolationInfo};
 pub use lease::DeviceSlot;
 pub use volume::{EvaluationVolumeInfo, MemoryBudget, ReservedNow};
 
@@ -100,6 +102,9 @@ pub enum EvalError {
     /// A device lease could not be taken (the evaluator is shutting down).
     #[error("evaluation harness failed: device lease: {0}")]
     Lease(#[from] tokio::sync::AcquireError),
+    /// The timed evaluation's processes could not be moved onto their cores or raised.
+    #[error("evaluation harness failed: {0}")]
+    Isolation(#[from] isolation::IsolationError),
     /// Room for the evaluation's volume in the memory budget could not be waited for (the
     /// evaluator is shutting down).
     #[error("evaluation harness failed: volume memory: {source}")]
@@ -161,6 +166,8 @@ pub struct EvaluatorConfig {
     /// Memory the evaluations' tmpfs volumes may reserve together (None: nothing reserved);
     /// an evaluation waits for room.
     pub volume_memory_bytes: Option<u64>,
+    /// What keeps a timed evaluation's CPU its own (`--timing-cores`).
+    pub isolation: Arc<TimingIsolation>,
 }
 
 /// Evaluations per device whose judge and workers are alive at once with `prestart`, unless

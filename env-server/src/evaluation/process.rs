@@ -220,7 +220,7 @@ impl Evaluator {
         argv: &[OsString],
         cwd: &Path,
     ) -> Result<(Vec<u8>, Vec<u8>, Outcome), EvalError> {
-        let mut child = self.spawn_jailed(jail, argv, cwd, "python", false)?;
+        let mut child = self.spawn_jailed(jail, argv, cwd, "python", false, false)?;
         let out = drain(child.stdout.take(), 8 << 20);
         let err = drain(child.stderr.take(), 1 << 20);
         let outcome = child.wait_within(self.cfg.phase_timeout).await;
@@ -232,7 +232,9 @@ impl Evaluator {
     }
 
     /// Starts the harness's Python in `jail`; `stdin` gives it a pipe (the judge's gate)
-    /// instead of nothing.
+    /// instead of nothing; `lowered` starts it at `SCHED_IDLE` with its session's autogroup
+    /// at nice 19 (an evaluation started ahead of its lease, in priority mode: raised by
+    /// [`super::isolation::TimingIsolation::enter_timed`] once it holds the lease).
     pub(super) fn spawn_jailed(
         &self,
         jail: &Jail,
@@ -240,6 +242,7 @@ impl Evaluator {
         cwd: &Path,
         what: &'static str,
         stdin: bool,
+        lowered: bool,
     ) -> Result<SandboxedChild, EvalError> {
         let mut sc = self
             .sandbox
@@ -251,8 +254,25 @@ impl Evaluator {
         if stdin {
             sc.cmd.stdin(std::process::Stdio::piped());
         }
-        sc.spawn()
-            .map_err(|source| EvalError::Spawn { what, source })
+        if lowered {
+            // Runs after the sandbox's own steps, in the process about to exec (the keeper
+            // never gets here): the policy is inherited by every thread and child it starts,
+            // so no thread of the start-up runs at the normal policy, however early.
+            // SAFETY: `lower_self` makes one async-signal-safe syscall.
+            unsafe {
+                sc.cmd.pre_exec(super::isolation::lower_self);
+            }
+        }
+        let child = sc
+            .spawn()
+            .map_err(|source| EvalError::Spawn { what, source })?;
+        if lowered {
+            // The keeper made the session and shares its autogroup with the command.
+            if let Some(pid) = child.id() {
+                super::isolation::lower_autogroup(pid);
+            }
+        }
+        Ok(child)
     }
 }
 
