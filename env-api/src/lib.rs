@@ -9,8 +9,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+mod chain;
 pub mod observation;
 pub mod tools;
+
+pub use chain::{error_chain, ErrorChain};
 
 /// Episode options a reset may set.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]

@@ -1,6 +1,8 @@
 //! `Observation.data` keeps the JSON the server sent before it was typed: each golden literal
 //! below is what the untyped server wrote for that tool, byte for byte.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use env_api::observation::{
     BashData, EditData, GlobData, GrepData, NoData, ObservationData, ReadData, ResetData,
     StreamLayout, TodoWriteData, ToolData, WriteData,

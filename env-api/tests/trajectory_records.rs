@@ -1,6 +1,8 @@
 //! Trajectory records: logs written before records were typed still read, every record says
 //! the same when written again, and the kind stays first on the line.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::PathBuf;
 
 use env_api::observation::ToolData;
