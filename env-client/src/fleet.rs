@@ -38,7 +38,7 @@ pub enum FleetError {
         why: String,
     },
     /// A name did not resolve, and no address of it was known before.
-    #[error("resolving {name}: {source}")]
+    #[error("resolving {name}")]
     Resolve {
         /// `host:port`.
         name: String,
@@ -46,11 +46,20 @@ pub enum FleetError {
         #[source]
         source: std::io::Error,
     },
+    /// The HTTP client for a server could not be built.
+    #[error("HTTP client for {url}")]
+    Client {
+        /// The server's URL.
+        url: String,
+        /// The client's error.
+        #[source]
+        source: ClientError,
+    },
     /// No server is known (every name resolved to nothing).
     #[error("no server to send the request to")]
     NoServer,
     /// The request failed on the last server tried.
-    #[error("{server}: {source}")]
+    #[error("{server}")]
     Server {
         /// That server's base URL.
         server: String,
@@ -373,9 +382,9 @@ fn trim(u: &str) -> &str {
 
 fn server(cfg: &FleetConfig, base: &str) -> Result<ServerHandle, FleetError> {
     let client = EnvClient::new(base, cfg.timeout)
-        .map_err(|e| FleetError::BadUrl {
+        .map_err(|source| FleetError::Client {
             url: base.to_string(),
-            why: e.to_string(),
+            source,
         })?
         .with_retries(cfg.retries);
     let client = match &cfg.api_key {

@@ -29,7 +29,7 @@ pub enum ClientError {
         message: String,
     },
     /// The request did not get an answer.
-    #[error("transport: {0}")]
+    #[error("transport")]
     Transport(#[from] reqwest::Error),
 }
 

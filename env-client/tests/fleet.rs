@@ -5,6 +5,8 @@
 //! a retried reset or evaluation with the same key never makes a second episode or a second
 //! evaluation, and nothing waits past the client's timeout.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use env_api::ResetRequest;
+use env_api::{ErrorChain, ResetRequest};
 use env_client::EnvClient;
 use serde_json::json;
 
@@ -62,7 +62,7 @@ async fn episode(c: EnvClient, steps: usize) -> Samples {
     {
         Ok(r) => r.episode_id,
         Err(e) => {
-            eprintln!("reset: {e}");
+            eprintln!("reset: {}", ErrorChain(&e));
             s.errors += 1;
             return s;
         }
@@ -88,7 +88,7 @@ async fn episode(c: EnvClient, steps: usize) -> Samples {
                     s.errors += 1;
                 }
                 Err(e) => {
-                    eprintln!("{tool}: {e}");
+                    eprintln!("{tool}: {}", ErrorChain(&e));
                     s.errors += 1;
                 }
             }
