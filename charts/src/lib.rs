@@ -10,10 +10,10 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum ChartError {
     /// PNG encoding failed.
-    #[error("png: {0}")]
+    #[error("encoding PNG")]
     Png(#[from] png::EncodingError),
     /// The file could not be written.
-    #[error("{0}: {1}")]
+    #[error("writing {0}")]
     Io(std::path::PathBuf, #[source] std::io::Error),
 }
 

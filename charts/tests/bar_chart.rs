@@ -1,5 +1,7 @@
 //! The bar chart's layout: what it draws stays where a reader can see it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use charts::{BarChart, INK, PALETTE};
 
 #[test]
