@@ -19,7 +19,7 @@ mod bundled {
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
     /// A file could not be read.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The file or directory.
         path: PathBuf,

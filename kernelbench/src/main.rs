@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use env_api::{EvaluateRequest, SolutionRef, TaskRef};
+use env_api::{ErrorChain, EvaluateRequest, SolutionRef, TaskRef};
 use kernelbench::report::{
     by_level, markdown, speedup_distribution, ResultRecord, SPEEDUP_BUCKETS,
 };
@@ -350,7 +350,7 @@ async fn replay(
                             speedup_compile: r.speedup.compile,
                             reason: r.reason,
                         },
-                        Err(e) => failure(&task, &format!("evaluation_error: {e}")),
+                        Err(e) => failure(&task, &format!("evaluation_error: {}", ErrorChain(&e))),
                     }
                 }
             };

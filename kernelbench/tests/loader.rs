@@ -1,5 +1,7 @@
 //! The loader on the bundled suite and on directories with broken files.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use kernelbench::{TaskError, TaskSet};
 
 #[test]

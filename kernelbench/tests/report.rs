@@ -1,5 +1,7 @@
 //! The report's numbers on a small made-up result set, worked by hand.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use kernelbench::report::{by_level, markdown, ResultRecord};
 
 fn r(

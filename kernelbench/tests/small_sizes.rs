@@ -7,6 +7,8 @@
 //! mostly page faults, the same for the reference and any candidate. Inputs are allocated
 //! once and may be larger (the reductions read 125 MiB, more than the CPU's caches).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::Path;
 use std::process::Command;
 

@@ -3,6 +3,8 @@
 //! loadable as a task directory, and a rerun appending without duplicates. (Each task costs a
 //! trace and a timing; the checks below need no more than 20.)
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::process::Command;
 
 use kernelbench::TaskSet;

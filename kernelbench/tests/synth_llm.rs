@@ -7,6 +7,8 @@
 //! serve --tiny-random` when `CUDA_AGENT_TRAINER_BIN` names a trainer binary, and the filters'
 //! worker alone against candidates that end or hang it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::{BTreeMap, VecDeque};
 use std::io::BufRead as _;
 use std::path::Path;

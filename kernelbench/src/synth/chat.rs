@@ -27,7 +27,7 @@ pub enum ChatError {
         message: String,
     },
     /// No answer (refused, reset, timed out) after the retries.
-    #[error("transport: {0}")]
+    #[error("transport")]
     Transport(#[source] reqwest::Error),
     /// An answer that is not what was asked for.
     #[error("unexpected answer ({what}): {excerpt}")]
@@ -173,7 +173,7 @@ pub struct Completion {
 
 /// A failed call, with the attempts it retried.
 #[derive(Debug, thiserror::Error)]
-#[error("{error} (after {retries} retries)")]
+#[error("failed after {retries} retries")]
 pub struct CallFailed {
     /// The last attempt's error.
     #[source]

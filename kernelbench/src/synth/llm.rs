@@ -17,6 +17,7 @@ use super::propose::{extract_code, prompt, sample_ops};
 use super::worker::{JudgeWorker, WorkerConfig, WorkerError};
 use crate::similarity::{op_sequence, SimilarityIndex};
 use crate::{validate_source, TaskSet};
+use env_api::ErrorChain;
 
 /// The log of prompts, answers and verdicts in the output directory.
 pub const LOG_FILE: &str = "llm-log.jsonl";
@@ -30,13 +31,13 @@ pub enum SynthError {
     #[error(transparent)]
     Chat(#[from] ChatError),
     /// No model was named and the endpoint lists none.
-    #[error("finding the endpoint's model: {0}")]
+    #[error("finding the endpoint's model")]
     Model(#[source] CallFailed),
     /// The filters' worker failed.
     #[error(transparent)]
     Worker(#[from] WorkerError),
     /// Writing the output failed.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The file or directory.
         path: PathBuf,
@@ -340,7 +341,7 @@ impl Judge {
             Err(e) => {
                 rec.retries = e.retries;
                 rec.verdict = Verdict::Failed;
-                rec.reason = Some(format!("request_failed: {e}"));
+                rec.reason = Some(format!("request_failed: {}", ErrorChain(&e)));
             }
             Ok(c) => {
                 rec.model = c.model;

@@ -15,7 +15,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// The interpreter could not be started.
-    #[error("starting {python}: {source}")]
+    #[error("starting {python}")]
     Spawn {
         /// The interpreter.
         python: PathBuf,
@@ -24,7 +24,7 @@ pub enum WorkerError {
         source: std::io::Error,
     },
     /// Talking to the worker failed.
-    #[error("the filters' worker: {0}")]
+    #[error("the filters' worker")]
     Io(#[source] std::io::Error),
     /// The worker ended or stalled before listing the seed operators.
     #[error("the filters' worker did not start: {0}")]
