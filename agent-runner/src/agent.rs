@@ -6,7 +6,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use env_api::{EvaluationResult, ResetOptions, ResetRequest, StepResponse};
+use env_api::{ErrorChain, EvaluationResult, ResetOptions, ResetRequest, StepResponse};
 use env_client::{ClientError, EnvClient};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -18,10 +18,10 @@ use crate::openai::{ChatClient, ChatError, Sampling, ToolCall, Usage};
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     /// The environment server failed (reset, or a step it could not answer).
-    #[error("environment: {0}")]
+    #[error("environment")]
     Env(#[from] ClientError),
     /// The model server failed after its retries.
-    #[error("model: {0}")]
+    #[error("model")]
     Model(#[from] ChatError),
 }
 
@@ -430,7 +430,7 @@ impl Agent {
             match self.env.reset(&req).await {
                 Err(e) if e.is_retryable() && attempt < self.chat.retry.max_retries => {
                     let delay = self.chat.retry.delay(attempt, None);
-                    tracing::debug!(error = %e, delay_s = delay.as_secs_f64(), "reset retried");
+                    tracing::debug!(error = %ErrorChain(&e), delay_s = delay.as_secs_f64(), "reset retried");
                     tokio::time::sleep(delay).await;
                     attempt += 1;
                 }

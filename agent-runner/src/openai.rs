@@ -6,6 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use env_api::ErrorChain;
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -32,7 +33,7 @@ pub enum ChatError {
         message: String,
     },
     /// No answer (connection refused, reset, timed out), after the retries.
-    #[error("transport: {0}")]
+    #[error("transport")]
     Transport(#[source] reqwest::Error),
     /// An answer that is not a chat completion (or not JSON at all).
     #[error("unexpected answer: {message}")]
@@ -48,10 +49,8 @@ pub enum ChatError {
 impl ChatError {
     /// An answer that is not what was asked for, named by the start of its body.
     fn decode(what: &str, body: &[u8], source: Option<serde_json::Error>) -> Self {
-        let message = match &source {
-            Some(e) => format!("{what} ({e}): {}", excerpt(body)),
-            None => format!("{what}: {}", excerpt(body)),
-        };
+        // The JSON error, if any, is the source: the chain prints it after the message.
+        let message = format!("{what}: {}", excerpt(body));
         ChatError::Decode { message, source }
     }
 }
@@ -407,7 +406,7 @@ impl ChatClient {
                 return Err(err);
             }
             let delay = self.retry.delay(attempt, retry_after);
-            tracing::debug!(error = %err, attempt, delay_s = delay.as_secs_f64(), "model call retried");
+            tracing::debug!(error = %ErrorChain(&err), attempt, delay_s = delay.as_secs_f64(), "model call retried");
             tokio::time::sleep(delay).await;
             attempt += 1;
             *retries += 1;

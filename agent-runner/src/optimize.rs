@@ -15,11 +15,14 @@ pub enum OptimizeError {
     /// The module file cannot be made a task.
     #[error("{0}")]
     Module(String),
+    /// The module (or the task made of it) is not a valid task.
+    #[error(transparent)]
+    Task(#[from] kernelbench::TaskError),
     /// Running the episodes.
     #[error(transparent)]
     Run(#[from] RunError),
     /// Reading or writing files.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The file.
         path: PathBuf,
@@ -28,10 +31,10 @@ pub enum OptimizeError {
         source: std::io::Error,
     },
     /// The server (fetching the solution, evaluating it again).
-    #[error("environment: {0}")]
+    #[error("environment")]
     Env(#[from] env_client::ClientError),
     /// A chart.
-    #[error("chart: {0}")]
+    #[error("chart")]
     Chart(#[from] charts::ChartError),
     /// No episode wrote a correct `ModelNew`; the report says what each did.
     #[error("no correct ModelNew in {episodes} episodes; see {report}")]
@@ -139,8 +142,7 @@ pub fn task_source(
         out.push_str("\n\n# Added by agent-runner optimize.");
         out.push_str(&extra);
     }
-    kernelbench::validate_source("module", &out)
-        .map_err(|e| OptimizeError::Module(e.to_string()))?;
+    kernelbench::validate_source("module", &out)?;
     Ok(out)
 }
 
@@ -211,8 +213,7 @@ pub async fn optimize(
     concurrency: usize,
     out: &Path,
 ) -> Result<Optimized, OptimizeError> {
-    let task =
-        kernelbench::Task::inline(source).map_err(|e| OptimizeError::Module(e.to_string()))?;
+    let task = kernelbench::Task::inline(source)?;
     std::fs::create_dir_all(out).map_err(io(out))?;
     std::fs::write(out.join("task.py"), source).map_err(io(out))?;
     let jobs: Vec<Job> = (0..episodes)
@@ -238,8 +239,7 @@ pub async fn write_outcome(
     summary: &RunSummary,
     out: &Path,
 ) -> Result<Optimized, OptimizeError> {
-    let task =
-        kernelbench::Task::inline(source).map_err(|e| OptimizeError::Module(e.to_string()))?;
+    let task = kernelbench::Task::inline(source)?;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let records: Vec<&EpisodeRecord> = summary
         .records

@@ -15,7 +15,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use env_api::TaskInfo;
+use env_api::{ErrorChain, TaskInfo};
 use kernelbench::report::ResultRecord;
 
 use crate::agent::{Agent, EpisodeRecord, TaskChoice};
@@ -25,7 +25,7 @@ use crate::openai::Usage;
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// Reading or writing the output directory.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The file.
         path: PathBuf,
@@ -226,7 +226,7 @@ pub async fn run_jobs(
                                 }
                             }
                             Err(e) => {
-                                tracing::warn!(episode = %rec.episode_id, error = %e, "fetching a trajectory")
+                                tracing::warn!(episode = %rec.episode_id, error = %ErrorChain(&e), "fetching a trajectory")
                             }
                         }
                     }
@@ -244,7 +244,7 @@ pub async fn run_jobs(
                     Some(rec)
                 }
                 Err(e) => {
-                    tracing::warn!(task = %job.task_id, sample = job.sample, error = %e, "episode failed");
+                    tracing::warn!(task = %job.task_id, sample = job.sample, error = %ErrorChain(&e), "episode failed");
                     None
                 }
             }

@@ -1,6 +1,8 @@
 //! `optimize --allow-ops`: the operators a user lets ModelNew keep are written into the task
 //! (its ALLOW_OPS), checked as names first.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use agent_runner::optimize::{task_source, with_allowed_ops};
 
 const PLAIN: &str = "import torch\nimport torch.nn as nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(8, 8)\n\n    def forward(self, x):\n        return torch.relu(self.fc(x))\n";

@@ -1,6 +1,8 @@
 //! The first prompt for small contexts, the per-episode transcript of messages, and the
 //! binary's handling of a user's error.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use agent_runner::agent::{
     compact_tool, first_prompt_chars, full_prompt_too_long, observation_chars, Conversation,
     PromptStyle, Transcript, COMPACT_SYSTEM_PROMPT, COMPACT_TOOLS, SYSTEM_PROMPT,
