@@ -198,9 +198,9 @@ pub(crate) fn open_beneath(
 ) -> io::Result<OwnedFd> {
     let parts = components(rel)?;
     let flags = flags | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-    if parts.is_empty() {
+    let Some((last, parents)) = parts.split_last() else {
         return openat(dir.as_raw_fd(), c".", flags & !libc::O_NOFOLLOW, 0);
-    }
+    };
     match resolver {
         Resolver::Openat2 => {
             let path = cstr(rel.as_os_str())?;
@@ -209,7 +209,6 @@ pub(crate) fn open_beneath(
             openat2(dir.as_raw_fd(), &path, flags, resolve)
         }
         Resolver::Walk => {
-            let (last, parents) = parts.split_last().expect("not empty");
             let mut cur: Option<OwnedFd> = None;
             for part in parents {
                 let at = cur.as_ref().unwrap_or(dir).as_raw_fd();
@@ -517,9 +516,9 @@ pub(crate) fn list_dir(dir: &OwnedFd, max: usize) -> io::Result<(Vec<Entry>, boo
             libc::DT_SOCK => Kind::Socket,
             libc::DT_CHR | libc::DT_BLK => Kind::Device,
             _ => {
-                let c = CString::new(name.clone()).expect("no NUL in a directory entry");
-                match stat_at(dir, &c) {
-                    Ok(Some(st)) => Kind::of_mode(st.st_mode),
+                // A directory entry's name holds no NUL; were one there, the kind is unknown.
+                match CString::new(name.clone()).map(|c| stat_at(dir, &c)) {
+                    Ok(Ok(Some(st))) => Kind::of_mode(st.st_mode),
                     _ => Kind::Other,
                 }
             }
