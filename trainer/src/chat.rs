@@ -110,9 +110,10 @@ pub enum ToolCallParseError {
     /// A `<tool_call>` block was opened but never closed.
     #[error("<tool_call> is not closed by </tool_call>")]
     Unclosed,
-    /// The call is not valid JSON (shared, so that the error stays cloneable).
+    /// The call is not valid JSON (shared, so that the error stays cloneable). The JSON error
+    /// is part of the message, not a source: the message is what the agent reads.
     #[error("tool call is not valid JSON: {0}")]
-    Json(#[source] std::sync::Arc<serde_json::Error>),
+    Json(std::sync::Arc<serde_json::Error>),
     /// The JSON lacks `name` or its arguments are not an object.
     #[error("tool call must be {{\"name\": string, \"arguments\": object}}: {0}")]
     Shape(String),

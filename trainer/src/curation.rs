@@ -259,7 +259,7 @@ pub fn samples_from_dir(
         {
             Ok(s) => out.push(s),
             Err(e) => {
-                tracing::warn!(log = %f.display(), "skipping trajectory log: {e}");
+                tracing::warn!(log = %f.display(), "skipping trajectory log: {}", env_api::ErrorChain(&e));
                 bad += 1;
             }
         }

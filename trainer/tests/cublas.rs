@@ -4,6 +4,7 @@
 //! `cargo test --release -p trainer --features cuda --test cublas -- --ignored`.
 //! The layout mapping itself is unit-tested on the CPU (`blas::plan`).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(feature = "cuda")]
 
 use burn::backend::NdArray;

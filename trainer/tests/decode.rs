@@ -6,6 +6,8 @@
 //! (`kernels::sample`) against the composition it replaces. The CPU has no decode step (its
 //! generation always runs `forward_last`, which the parity tests check).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[cfg(feature = "cuda")]
 #[allow(dead_code)] // shared with tests that use all of it
 mod common;

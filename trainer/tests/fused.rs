@@ -4,6 +4,8 @@
 //! (`kernels::norm` against `RmsNorm::forward_decomposed`: output, and the gradients of input
 //! and scale). The CPU always takes the decompositions, which the unit and parity tests check.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[cfg(feature = "cuda")]
 mod common;
 

@@ -1,6 +1,8 @@
 //! Metrics records are written and read back as types; the lines keep the flat JSON shape
 //! that scripts and the plots read; a resume drops the lines of steps after the checkpoint.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeMap;
 
 use serde_json::Value;
@@ -142,7 +144,7 @@ fn runs_are_drawn_together_one_curve_per_run() {
         &[("none".into(), empty.as_path())],
         &dir.path().join("x.png"),
     )
-    .unwrap_err()
-    .to_string();
+    .unwrap_err();
+    let err = env_api::error_chain(&err);
     assert!(err.contains("empty.jsonl"), "{err}");
 }

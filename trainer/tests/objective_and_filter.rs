@@ -1,5 +1,7 @@
 //! The learning signals and the RFT filter against values worked out by hand.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use burn::backend::NdArray;
 use burn::tensor::{Tensor, TensorData};
 use serde_json::json;

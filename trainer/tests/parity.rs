@@ -1,6 +1,8 @@
 //! Logit and greedy-generation parity with Hugging Face `transformers` on tiny random
 //! Qwen2- and Llama-shaped checkpoints, built by the test itself on CPU.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -2,6 +2,8 @@
 //! same on every platform and every build, so a resumed run repeats its data order and
 //! samples. A change here breaks exact resume of runs started before it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use trainer::seeds::{derive, permutation, ReplayRng};
 
 #[test]

@@ -1,6 +1,8 @@
 //! `trainer serve`: the real binary on a free port with a tiny random model, called over HTTP
 //! as an OpenAI client would.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

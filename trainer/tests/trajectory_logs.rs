@@ -1,6 +1,8 @@
 //! Fine-tuning samples from the server's trajectory logs, as logs written before the records
 //! were typed (env-api's fixtures) still give them.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use trainer::chat::ChatTemplate;
 use trainer::curation::samples_from_dir;
 use trainer::render::Renderer;

@@ -31,7 +31,7 @@ pub enum CublasError {
     #[error("libcublas was found neither by the dynamic loader nor in a CUDA toolkit under /usr/local or $CUDA_PATH (add its directory to LD_LIBRARY_PATH)")]
     NotFound,
     /// A driver call made to create the handle failed.
-    #[error("CUDA driver, device {device}: {source}")]
+    #[error("CUDA driver, device {device}")]
     Driver {
         /// CUDA device index.
         device: usize,
@@ -40,7 +40,7 @@ pub enum CublasError {
         source: driver::DriverError,
     },
     /// cuBLAS could not create a handle.
-    #[error("cuBLAS handle for CUDA device {device}: {source}")]
+    #[error("cuBLAS handle for CUDA device {device}")]
     Handle {
         /// CUDA device index.
         device: usize,
@@ -238,7 +238,7 @@ fn device_handle(
     device: usize,
 ) -> Result<&DeviceBlas, String> {
     if !handles.iter().any(|(d, _)| *d == device) {
-        let blas = device_blas(device).map_err(|e| e.to_string())?;
+        let blas = device_blas(device).map_err(|e| env_api::error_chain(&e))?;
         handles.push((device, blas));
     }
     handles

@@ -266,10 +266,9 @@ impl<B: Backend> Adapter<B> {
         if col < self.out_width {
             pieces.push(Tensor::zeros([n, self.out_width - col], (&device, dtype)));
         }
-        let delta = if pieces.len() == 1 {
-            pieces.pop().expect("one piece")
-        } else {
-            Tensor::cat(pieces, 1)
+        let delta = match <[_; 1]>::try_from(pieces) {
+            Ok([one]) => one,
+            Err(pieces) => Tensor::cat(pieces, 1),
         };
         delta * self.scale
     }
@@ -495,8 +494,10 @@ impl<B: Backend> Backbone<B> {
                     let bk = take(tensors, &format!("{name}.lora_B.weight"), [w, r])?;
                     bs.push(transposed(&bk, w, r));
                 }
-                let dense = layer.slot_mut(slot);
-                let adapter = dense.lora.as_mut().expect("adapter checked above");
+                // The same slot as above, which has an adapter.
+                let Some(adapter) = layer.slot_mut(slot).lora.as_mut() else {
+                    continue;
+                };
                 adapter.a = Param::initialized(adapter.a.id, f32_leaf(a, [d_in, width], &device));
                 for (b, v) in adapter.b.iter_mut().zip(bs) {
                     let shape = [r, v.len() / r];

@@ -171,9 +171,9 @@ pub fn prepare(
     let text = renderer.template().render(&turns, &tools, true);
     let tokenizer = renderer.tokenizer();
     let encode = |t: &str| {
-        tokenizer
-            .encode(t)
-            .map_err(|e| ApiError::invalid("invalid_value", Some("messages"), format!("{e}")))
+        tokenizer.encode(t).map_err(|e| {
+            ApiError::invalid("invalid_value", Some("messages"), env_api::error_chain(&e))
+        })
     };
     let prompt = encode(&text)?;
     let mut forced = if forced_text.is_empty() {

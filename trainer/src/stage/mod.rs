@@ -192,16 +192,12 @@ impl<B: AutodiffBackend> Learner<B> {
 
     /// The policy.
     pub fn policy(&self) -> &CausalLm<B> {
-        self.policy
-            .as_ref()
-            .expect("policy is present between steps")
+        present(&self.policy)
     }
 
     /// The critic.
     pub fn critic(&self) -> &Critic<B> {
-        self.critic
-            .as_ref()
-            .expect("critic is present between steps")
+        present(&self.critic)
     }
 
     /// The tokenizer.
@@ -218,7 +214,7 @@ impl<B: AutodiffBackend> Learner<B> {
         temperature: f64,
         loss: impl FnOnce(SequenceStats<B>) -> Tensor<B, 1>,
     ) {
-        let p = self.policy.as_ref().expect("policy");
+        let p = present(&self.policy);
         if self.cfg.optim.activation_checkpointing {
             let parts = layerwise_grads(
                 p,
@@ -243,7 +239,7 @@ impl<B: AutodiffBackend> Learner<B> {
         valid: Tensor<B, 2, Bool>,
         loss: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 1>,
     ) {
-        let c = self.critic.as_ref().expect("critic");
+        let c = present(&self.critic);
         if self.cfg.optim.activation_checkpointing {
             let parts = layerwise_grads(c, &c.backbone, tokens, valid, &self.arch.rope, |h| {
                 loss(c.values_of_hidden(h))
@@ -257,16 +253,14 @@ impl<B: AutodiffBackend> Learner<B> {
 
     /// Applies the policy's accumulated gradients; returns the gradient norm.
     pub fn policy_step(&mut self, lr: f64) -> Option<f32> {
-        let (p, norm) = self.actor_opt.step(lr, self.policy.take().expect("policy"));
+        let (p, norm) = self.actor_opt.step(lr, take_present(&mut self.policy));
         self.policy = Some(p);
         norm
     }
 
     /// Applies the critic's accumulated gradients; returns the gradient norm.
     pub fn critic_step(&mut self, lr: f64) -> Option<f32> {
-        let (c, norm) = self
-            .critic_opt
-            .step(lr, self.critic.take().expect("critic"));
+        let (c, norm) = self.critic_opt.step(lr, take_present(&mut self.critic));
         self.critic = Some(c);
         norm
     }
@@ -393,6 +387,27 @@ impl<B: AutodiffBackend> Learner<B> {
             })
             .collect()
     }
+}
+
+/// The model in a learner's slot. The slots are options only so that an optimiser step can
+/// take the model by value: `policy_step` and `critic_step` empty their slot and fill it again
+/// before they return, so between calls (everywhere this is used) the model is there.
+#[allow(
+    clippy::expect_used,
+    reason = "only policy_step and critic_step empty a slot, and each refills it before returning"
+)]
+fn present<T>(slot: &Option<T>) -> &T {
+    slot.as_ref()
+        .expect("the model is in its slot between steps")
+}
+
+/// The model out of a learner's slot, for an optimiser step that puts it back.
+#[allow(
+    clippy::expect_used,
+    reason = "only policy_step and critic_step empty a slot, and each refills it before returning"
+)]
+fn take_present<T>(slot: &mut Option<T>) -> T {
+    slot.take().expect("the model is in its slot between steps")
 }
 
 pub use crate::seeds::{derive as seed_of, permutation};

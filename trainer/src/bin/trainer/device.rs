@@ -125,7 +125,10 @@ fn configure_matmul() -> &'static str {
                     "cublas"
                 }
                 Err(e) => {
-                    tracing::warn!("{e}; matrix products run on cubecl's kernels");
+                    tracing::warn!(
+                        "{}; matrix products run on cubecl's kernels",
+                        env_api::ErrorChain(&e)
+                    );
                     "mma"
                 }
             }
