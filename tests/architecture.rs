@@ -2,6 +2,8 @@
 //! `cargo metadata` reports (normal dependencies, transitively; dev and build dependencies
 //! are not linked into the crate).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 use std::sync::OnceLock;

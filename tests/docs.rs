@@ -7,6 +7,8 @@
 //! in); one that is not built is skipped with a printed notice, as are Python scripts'
 //! flags without `CUDA_AGENT_PYTHON`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;

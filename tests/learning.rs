@@ -10,6 +10,8 @@
 //! does not build: `CUDA_AGENT_TRAINER_BIN` names it, as scripts/test.sh sets it after
 //! `cargo build --release -p trainer`. The server binary is the test profile's.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod server;
 
 use std::path::{Path, PathBuf};

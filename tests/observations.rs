@@ -11,6 +11,8 @@
 //! failing build, one kernels/ build shared by verify.py and the agent's own script, and the
 //! final evaluation's build.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod server;
 
 use env_api::{ResetOptions, ResetRequest, StepResponse};

@@ -1,4 +1,6 @@
 //! Starts the real `env-server` binary on a free port.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 use std::net::TcpListener;
