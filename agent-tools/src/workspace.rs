@@ -272,7 +272,7 @@ impl Workspace {
     ) -> Result<Option<fsops::Capped>, ToolError> {
         let (mut file, size) = match self.open_file(rel) {
             Ok(f) => f,
-            Err(ToolError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Err(ToolError::Io { error, .. }) if error.kind() == std::io::ErrorKind::NotFound => {
                 return Ok(None)
             }
             Err(e) => return Err(e),
@@ -285,7 +285,7 @@ impl Workspace {
     /// Opens a directory beneath the root (never through a link).
     pub(crate) fn open_dir(&self, rel: &Path) -> Result<OwnedFd, ToolError> {
         fsops::open_dir(self.resolver, &self.dir, rel).map_err(|e| match self.fs_error(rel, e) {
-            ToolError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOTDIR) => {
+            ToolError::Io { error, .. } if error.raw_os_error() == Some(libc::ENOTDIR) => {
                 ToolError::InvalidArgument(format!("{} is not a directory", self.display(rel)))
             }
             other => other,
@@ -297,7 +297,7 @@ impl Workspace {
         match e {
             OpenError::Missing => ToolError::Io {
                 path,
-                source: std::io::ErrorKind::NotFound.into(),
+                error: std::io::ErrorKind::NotFound.into(),
             },
             OpenError::Link => ToolError::Link(
                 self.first_link(rel)
@@ -321,13 +321,13 @@ impl Workspace {
                 None if e.raw_os_error() == Some(libc::ELOOP) => ToolError::Link(self.display(rel)),
                 None => ToolError::Io {
                     path: self.display(rel),
-                    source: e,
+                    error: e,
                 },
             },
             Some(libc::EXDEV) => ToolError::OutsideWorkspace(self.display(rel)),
             _ => ToolError::Io {
                 path: self.display(rel),
-                source: e,
+                error: e,
             },
         }
     }
@@ -472,8 +472,8 @@ impl Collector<'_> {
     /// Records why `rel` (or the directory it is in) could not be opened.
     fn skip_dir_error(&mut self, rel: &Path, e: std::io::Error) {
         match self.ws.fs_error(rel, e) {
-            ToolError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {}
-            ToolError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOTDIR) => {
+            ToolError::Io { error, .. } if error.kind() == std::io::ErrorKind::NotFound => {}
+            ToolError::Io { error, .. } if error.raw_os_error() == Some(libc::ENOTDIR) => {
                 self.skip(rel, "not a directory")
             }
             ToolError::Link(link) if link == rel.display().to_string() => {

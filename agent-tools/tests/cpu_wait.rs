@@ -8,6 +8,8 @@
 //! relations hold on an idle host and on a loaded one alike. Needs root (cgroups) and a
 //! kernel with scheduler statistics; elsewhere the tests say why and pass.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::os::unix::process::CommandExt;

@@ -6,6 +6,8 @@
 //! - channels out: named unix sockets anywhere on the host, other processes' command lines;
 //! - quotas: the temp dir, inode counts, memory and processes across a whole command.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::os::unix::fs::PermissionsExt;

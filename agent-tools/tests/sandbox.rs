@@ -1,5 +1,7 @@
 //! Escape tests: real commands in the real sandbox, each denial asserted by its own failure.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::net::TcpListener;

@@ -1,5 +1,7 @@
 //! Semantics and errors of each tool.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use agent_tools::{tool_schemas, CallError, ToolCall};

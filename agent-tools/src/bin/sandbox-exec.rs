@@ -12,9 +12,16 @@ use std::path::PathBuf;
 
 use agent_tools::sandbox::ProcessView;
 use agent_tools::{create_private_dir, Jail, Sandbox, SandboxConfig};
+use env_api::ErrorChain;
 
 fn usage() -> ! {
     eprintln!("usage: sandbox-exec [--rw DIR]... [--ro DIR]... [--no-landlock] [--no-seccomp] [--seccomp-allow SYSCALL]... [--no-cgroups] [--cuda] [--view private|own-uid|host] [--uid N] [--timeout SECS] -- CMD ARGS...");
+    std::process::exit(2)
+}
+
+/// Says what could not be set up, with its causes, and exits with status 2.
+fn fail(what: &str, e: &(dyn std::error::Error + 'static)) -> ! {
+    eprintln!("sandbox-exec: {what}: {}", ErrorChain(e));
     std::process::exit(2)
 }
 
@@ -78,14 +85,16 @@ fn main() {
     let owner = uid.map(|u| (u, u));
     let scratch = std::env::temp_dir().join(format!("sandbox-exec-{}", std::process::id()));
     if rw.is_empty() {
-        std::fs::create_dir_all(&scratch).expect("scratch dir");
+        std::fs::create_dir_all(&scratch)
+            .unwrap_or_else(|e| fail(&format!("creating {}", scratch.display()), &e));
         std::fs::set_permissions(
             &scratch,
             std::os::unix::fs::PermissionsExt::from_mode(0o711),
         )
-        .expect("chmod");
+        .unwrap_or_else(|e| fail(&format!("chmod {}", scratch.display()), &e));
         let ws = scratch.join("ws");
-        create_private_dir(&ws, owner).expect("workspace");
+        create_private_dir(&ws, owner)
+            .unwrap_or_else(|e| fail(&format!("creating {}", ws.display()), &e));
         rw.push(ws);
     }
     let mut cfg = SandboxConfig::with_toolchains(ro);
@@ -96,10 +105,7 @@ fn main() {
     cfg.allow_unconfined = !(landlock && seccomp);
     let sandbox = match Sandbox::new(cfg) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("sandbox-exec: {e}");
-            std::process::exit(2)
-        }
+        Err(e) => fail("the sandbox", &e),
     };
     let path: Vec<PathBuf> = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).collect())
@@ -111,13 +117,13 @@ fn main() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .expect("runtime");
+        .unwrap_or_else(|e| fail("the async runtime", &e));
     let code = rt.block_on(async {
         let mut sc = match sandbox.command(&jail, std::path::Path::new(&cmd[0]), &cmd[1..], &rw[0])
         {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("sandbox-exec: {e}");
+                eprintln!("sandbox-exec: {}", ErrorChain(&e));
                 return 2;
             }
         };

@@ -51,7 +51,7 @@ pub(super) fn read(
         Ok(None) => {
             return Err(ToolError::Io {
                 path: shown,
-                source: std::io::ErrorKind::NotFound.into(),
+                error: std::io::ErrorKind::NotFound.into(),
             })
         }
         Err(e) => return Err(directory_hint(e, hint)),

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use env_api::observation::{ObservationData, ToolData};
+use env_api::ErrorChain;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -38,14 +39,14 @@ pub enum ToolError {
     /// A protected file would change.
     #[error("{0} is read-only: the harness files and the reference model cannot be changed")]
     ReadOnly(String),
-    /// A file could not be read or written.
-    #[error("{path}: {}", io_reason(.source))]
+    /// A file could not be read or written. The I/O error is told in the message, in the
+    /// words the agent reads ([`io_reason`]), so it is not also a source.
+    #[error("{path}: {}", io_reason(.error))]
     Io {
         /// The path, as given or resolved.
         path: String,
         /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A MultiEdit edit could not be applied; nothing was written.
     #[error("edit {index} of {total} failed, no change written: {reason}{}", on_lines(.detail))]
@@ -89,7 +90,7 @@ pub enum ToolError {
     #[error("the tool failed: {0}")]
     Failed(String),
     /// The sandbox could not start the process.
-    #[error("sandbox: {0}")]
+    #[error("sandbox")]
     Sandbox(#[from] crate::sandbox::SandboxError),
 }
 
@@ -113,10 +114,10 @@ fn on_lines(detail: &str) -> String {
 }
 
 impl ToolError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: &Path, error: std::io::Error) -> Self {
         Self::Io {
             path: path.display().to_string(),
-            source,
+            error,
         }
     }
 }
@@ -330,7 +331,7 @@ impl ToolOutput {
 
     fn error(err: &ToolError) -> Self {
         Self {
-            text: format!("Error: {err}"),
+            text: format!("Error: {}", ErrorChain(err)),
             is_error: true,
             data: ObservationData::default(),
             cpu_wait: Duration::ZERO,
@@ -497,7 +498,7 @@ impl Toolbox {
                 out.data.restored_read_only = restored;
             }
             Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "restoring protected files failed"),
+            Err(e) => tracing::warn!(error = %ErrorChain(&e), "restoring protected files failed"),
         }
         out
     }
