@@ -243,6 +243,24 @@ pub enum PchError {
         /// What failed.
         message: String,
     },
+    /// The interpreter could not be run for the probe.
+    #[error("probing torch's extension flags: running {python}")]
+    ProbeSpawn {
+        /// The interpreter.
+        python: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The probe printed something other than its JSON.
+    #[error("probing torch's extension flags with {python}: bad probe output")]
+    ProbeOutput {
+        /// The interpreter.
+        python: String,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// The compiler failed on the header.
     #[error("precompiling torch/extension.h with `{flags}`: {message}")]
     Compile {
@@ -255,7 +273,7 @@ pub enum PchError {
     #[error("the precompiled header for `{0}` is not used by the compiler; removed")]
     NotUsed(String),
     /// A file operation.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The path.
         path: PathBuf,
@@ -335,7 +353,10 @@ impl Pch {
             .env("PATH", path)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .output()
-            .map_err(|e| probe_err(e.to_string()))?;
+            .map_err(|source| PchError::ProbeSpawn {
+                python: python.executable.display().to_string(),
+                source,
+            })?;
         if !out.status.success() {
             return Err(probe_err(last_lines(&out.stderr, 3)));
         }
@@ -346,7 +367,10 @@ impl Pch {
                 .unwrap_or("")
                 .as_bytes(),
         )
-        .map_err(|e| probe_err(format!("bad probe output: {e}")))?;
+        .map_err(|source| PchError::ProbeOutput {
+            python: python.executable.display().to_string(),
+            source,
+        })?;
         let key = {
             let mut parts = vec![
                 python.torch.as_bytes(),

@@ -4,7 +4,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use env_api::{ErrorBody, ErrorDetail, FieldTooLong};
+use env_api::{error_chain, ErrorBody, ErrorDetail, FieldTooLong};
 
 use crate::episode::EpisodeError;
 use crate::evaluation::EvalError;
@@ -49,7 +49,8 @@ impl IntoResponse for ApiError {
 
 impl From<EpisodeError> for ApiError {
     fn from(e: EpisodeError) -> Self {
-        let msg = e.to_string();
+        // The client gets the error with its causes: they are sources, not in the message.
+        let msg = error_chain(&e);
         match e {
             EpisodeError::Unknown(_) => Self::new(StatusCode::NOT_FOUND, "unknown_episode", msg),
             EpisodeError::Task(kernelbench::TaskError::Unknown(_))
@@ -73,7 +74,7 @@ impl From<EpisodeError> for ApiError {
             EpisodeError::BadRequest(_) => Self::new(StatusCode::BAD_REQUEST, "bad_request", msg),
             EpisodeError::Draining(e) => e.into(),
             EpisodeError::KeyReused(e) => e.into(),
-            EpisodeError::Internal(_) => {
+            EpisodeError::Internal { .. } => {
                 tracing::error!(error = %msg, "episode request failed inside the server");
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg)
             }

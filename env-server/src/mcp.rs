@@ -31,7 +31,10 @@ use std::sync::Arc;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use env_api::{Capped as _, EpisodeStatus, PlainAction, ResetOptions, ResetRequest, StepRequest};
+use env_api::{
+    error_chain, Capped as _, EpisodeStatus, ErrorChain, PlainAction, ResetOptions, ResetRequest,
+    StepRequest,
+};
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, DiscoverResult,
     ErrorCode, ErrorData, Implementation, InitializeRequestParams, InitializeResult, JsonObject,
@@ -217,7 +220,9 @@ async fn close_if_running(state: &AppState, id: &str) {
     if running {
         match state.episodes.close(id).await {
             Ok(_) => tracing::info!(episode = id, "MCP session ended: episode closed"),
-            Err(e) => tracing::warn!(episode = id, error = %e, "closing an MCP session's episode"),
+            Err(e) => {
+                tracing::warn!(episode = id, error = %ErrorChain(&e), "closing an MCP session's episode")
+            }
         }
     }
 }
@@ -277,7 +282,7 @@ impl EpisodeSession {
                     serde_json::to_value(&resp).unwrap_or(Value::Null),
                 )
             }
-            Err(e) => error_result(e.to_string()),
+            Err(e) => error_result(error_chain(&e)),
         }
     }
 
@@ -329,7 +334,7 @@ impl EpisodeSession {
                 "the episode has ended; call `{RESET_TOOL}` to start another"
             ))),
             // Bad arguments (no turn taken), capacity and internal errors: the agent reads them.
-            Err(e) => Ok(error_result(e.to_string())),
+            Err(e) => Ok(error_result(error_chain(&e))),
         }
     }
 }
@@ -441,7 +446,10 @@ impl ServerHandler for EpisodeSession {
                 .map_err(|e| ErrorData::invalid_params(format!("/mcp query: {e}"), None))?;
             if !start.is_empty() {
                 let resp = self.reset(start.into_reset()).await.map_err(|e| {
-                    ErrorData::invalid_params(format!("starting the episode: {e}"), None)
+                    ErrorData::invalid_params(
+                        format!("starting the episode: {}", ErrorChain(&e)),
+                        None,
+                    )
                 })?;
                 tracing::info!(episode = %resp.episode_id, task = %resp.info.task.id, "MCP session started its episode");
                 // Clients put the instructions before the model; the prompt is the task.

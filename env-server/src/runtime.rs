@@ -51,11 +51,29 @@ pub enum RuntimeError {
         /// What failed.
         message: String,
     },
+    /// Python could not be run.
+    #[error("python {python}")]
+    Spawn {
+        /// The interpreter.
+        python: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Python's probe printed something other than its JSON.
+    #[error("python {python}: bad probe output")]
+    ProbeOutput {
+        /// The interpreter.
+        python: String,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// CUDA was asked for and is not there.
     #[error("--device cuda: torch sees no CUDA device on this machine")]
     NoCuda,
     /// A file could not be written.
-    #[error("{0}: {1}")]
+    #[error("{0}")]
     Io(PathBuf, #[source] std::io::Error),
     /// One process cannot map another's GPU memory: the judge shares inputs and outputs
     /// with its workers that way, so no CUDA evaluation could run.
@@ -136,7 +154,10 @@ impl PythonInfo {
         let out = std::process::Command::new(python)
             .args(["-c", script])
             .output()
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|source| RuntimeError::Spawn {
+                python: python.display().to_string(),
+                source,
+            })?;
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             return Err(err(format!(
@@ -145,8 +166,12 @@ impl PythonInfo {
             )));
         }
         let text = String::from_utf8_lossy(&out.stdout);
-        serde_json::from_str(text.lines().last().unwrap_or(""))
-            .map_err(|e| err(format!("bad probe output: {e}")))
+        serde_json::from_str(text.lines().last().unwrap_or("")).map_err(|source| {
+            RuntimeError::ProbeOutput {
+                python: python.display().to_string(),
+                source,
+            }
+        })
     }
 
     /// Directories the sandbox must let tool processes read: Python's and CUDA's.
@@ -235,7 +260,10 @@ pub fn check_cuda_ipc(python: &Path, harness_dir: &Path) -> Result<(), RuntimeEr
     let out = std::process::Command::new(python)
         .args(["-c", &script])
         .output()
-        .map_err(|e| RuntimeError::NoCudaIpc(e.to_string()))?;
+        .map_err(|source| RuntimeError::Spawn {
+            python: python.display().to_string(),
+            source,
+        })?;
     let said = String::from_utf8_lossy(&out.stdout);
     let last = said.lines().last().unwrap_or("").trim();
     if out.status.success() && last == "ok" {

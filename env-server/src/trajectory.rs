@@ -15,7 +15,7 @@ use env_api::TrajectoryRecord;
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     /// Reading or writing failed.
-    #[error("trajectory log {path}: {source}")]
+    #[error("trajectory log {path}")]
     Io {
         /// The file.
         path: PathBuf,

@@ -3,6 +3,8 @@
 //! its share with a fixed 503, while other clients are still served; its share comes back
 //! when its connections close.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

@@ -4,6 +4,8 @@
 //! server starts the command, pinned to one CPU beside busy-looping processes), so it holds
 //! on an idle host and on a loaded one alike.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::os::unix::process::CommandExt;

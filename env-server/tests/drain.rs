@@ -5,6 +5,8 @@
 //! with the drain's reason, for the next server. A second signal exits at once; an evaluation
 //! still running when the grace is over is answered 503 `drained`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::io::{Read as _, Write as _};

@@ -3,6 +3,8 @@
 //! cannot push the build cache past its bound at any moment, and a legitimate `load_inline`
 //! candidate still builds once, is cached, and is reused without a rebuild.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::path::Path;

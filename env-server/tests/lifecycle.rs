@@ -1,6 +1,8 @@
 //! The episode lifecycle against a client that opens, ends and deletes many episodes and a
 //! server that crashes: what leaves memory, what survives a restart, what stays on disk.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::time::{Duration, SystemTime};

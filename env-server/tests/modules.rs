@@ -3,6 +3,8 @@
 //! `lib.rs`, which declares them all, and the `main.rs` binary are above every one of them.
 //! A module's own submodules (`evaluation/judge.rs` in `evaluation`) are part of it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 

@@ -2,6 +2,8 @@
 //! executing, through threads and children started after it attached and programs they exec;
 //! windows select samples by time.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::process::{Command, Stdio};
 
 use env_server::observe::{pytorch_compute, Finding, ObserveError, Observer, Profile, Tree};

@@ -3,6 +3,8 @@
 //! server left readable), an agent's command cannot read another episode's log, and the server
 //! refuses a data directory that every sandbox may read.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::os::unix::fs::PermissionsExt;

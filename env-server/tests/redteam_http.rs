@@ -3,6 +3,8 @@
 //! attacks are quick; the bounds the tests wait for are long, so that a slow machine never
 //! fails them (a defence that is missing makes them wait out the bound and fail).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::io::{Read as _, Write as _};

@@ -53,14 +53,21 @@ pub enum EpisodeError {
     #[error(transparent)]
     HostBusy(#[from] HostBusy),
     /// A resource episodes share (the uid pool) is used up.
-    #[error("{0}; retry later")]
-    Exhausted(String),
+    #[error("no uid for a new episode (retry later)")]
+    Exhausted(#[source] agent_tools::SandboxError),
     /// A bad option value.
     #[error("{0}")]
     BadRequest(String),
-    /// Something on the server's side failed.
-    #[error("internal error: {0}")]
-    Internal(String),
+    /// Something on the server's side failed: what it was doing, and the error it met, if
+    /// one (its source, printed after the message by the chain).
+    #[error("internal error: {what}")]
+    Internal {
+        /// What failed.
+        what: String,
+        /// The error met.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     /// The server is draining before it stops: no new episodes or steps.
     #[error(transparent)]
     Draining(#[from] crate::drain::Draining),
@@ -403,16 +410,31 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, EpisodeError> {
     match tokio::time::timeout(timeout, tokio::task::spawn_blocking(f)).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(EpisodeError::Internal(format!("{what}: {e}"))),
-        Err(_) => Err(EpisodeError::Internal(format!(
+        Ok(Err(e)) => Err(internal(what, e)),
+        Err(_) => Err(internal_msg(format!(
             "{what} took longer than {} s",
             timeout.as_secs_f64()
         ))),
     }
 }
 
-fn internal(e: impl std::fmt::Display) -> EpisodeError {
-    EpisodeError::Internal(e.to_string())
+/// An internal error: `what` failed with `source`.
+fn internal(
+    what: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> EpisodeError {
+    EpisodeError::Internal {
+        what: what.into(),
+        source: Some(source.into()),
+    }
+}
+
+/// An internal error with no error of another kind behind it.
+fn internal_msg(what: impl Into<String>) -> EpisodeError {
+    EpisodeError::Internal {
+        what: what.into(),
+        source: None,
+    }
 }
 
 /// Rebuilds an episode's summary from its log, one record in memory at a time; None when the
@@ -550,13 +572,13 @@ fn stream_log(path: &Path, id: &str, tx: &tokio::sync::mpsc::Sender<TrajectoryCh
 fn solution_files(
     ws: &Workspace,
     kind: &kernelbench::TaskKind,
-) -> Result<agent_tools::workspace::Solution, String> {
+) -> Result<agent_tools::workspace::Solution, agent_tools::ToolError> {
     let max = crate::evaluation::MAX_SOLUTION_BYTES as u64;
     let collected = match kind {
         kernelbench::TaskKind::Recall { file, .. } => ws.collect(&[file.as_str()], &[], max),
         kernelbench::TaskKind::Kernel => ws.collect_solution(max),
     };
-    collected.map_err(|e| e.to_string())
+    collected
 }
 
 impl Episode {
@@ -631,10 +653,7 @@ impl Setup {
         n: u64,
         reserved: Option<VolumeReservation>,
     ) -> Result<Started, EpisodeError> {
-        let uid = self
-            .sandbox
-            .lease_uid()
-            .map_err(|e| EpisodeError::Exhausted(format!("no uid for a new episode: {e}")))?;
+        let uid = self.sandbox.lease_uid().map_err(EpisodeError::Exhausted)?;
         let owner = uid.as_ref().map(UidLease::owner);
         let dir = self.cfg.data_dir.join("episodes").join(id);
         let made = self
@@ -658,8 +677,8 @@ impl Setup {
                         replayed: false,
                     },
                 };
-                let log =
-                    TrajectoryLog::open(&self.trajectories_dir(), id).map_err(|e| e.to_string())?;
+                let log = TrajectoryLog::open(&self.trajectories_dir(), id)
+                    .map_err(|e| internal("opening the trajectory log", e))?;
                 log.append(&TrajectoryRecord::Reset {
                     time: trajectory::now(),
                     body: ResetRecord {
@@ -668,7 +687,7 @@ impl Setup {
                         task_source: Some(task.source.clone()),
                     },
                 })
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| internal("writing the trajectory log", e))?;
                 Ok(Started {
                     toolbox,
                     log,
@@ -681,7 +700,7 @@ impl Setup {
             Ok(started) => Ok(Started { uid, ..started }),
             Err(e) => {
                 let _ = retention::remove_entry(&dir);
-                Err(EpisodeError::Internal(e))
+                Err(e)
             }
         }
     }
@@ -693,14 +712,14 @@ impl Setup {
         owner: Option<(u32, u32)>,
         n: u64,
         reserved: Option<VolumeReservation>,
-    ) -> Result<(Toolbox, Vec<String>, HeldVolume), String> {
+    ) -> Result<(Toolbox, Vec<String>, HeldVolume), EpisodeError> {
         let root = dir.join("workspace");
         let tmp = dir.join("tmp");
         // Everything the episode may write (workspace and temp dir) lives on one volume
         // bounded by the disk quota.
         let volume = Arc::new(
             Volume::create(dir, VolumeLimits::bytes(self.cfg.disk_quota_bytes))
-                .map_err(|e| e.to_string())?,
+                .map_err(|e| internal("creating the episode's volume", e))?,
         );
         // A volume that could not be mounted is a measured directory on disk: it holds no
         // memory, and gives its reservation back at once.
@@ -708,20 +727,24 @@ impl Setup {
             _reserved: reserved.filter(|_| volume.enforcement() == QuotaEnforcement::Tmpfs),
             volume,
         };
-        create_private_dir(&root, owner).map_err(|e| e.to_string())?;
-        create_private_dir(&tmp, owner).map_err(|e| e.to_string())?;
-        let mut ws = Workspace::open(&root, owner).map_err(|e| e.to_string())?;
+        create_private_dir(&root, owner)
+            .map_err(|e| internal(format!("creating {}", root.display()), e))?;
+        create_private_dir(&tmp, owner)
+            .map_err(|e| internal(format!("creating {}", tmp.display()), e))?;
+        let mut ws =
+            Workspace::open(&root, owner).map_err(|e| internal("opening the workspace", e))?;
         let mut listing: Vec<String> = Vec::new();
         if task.is_kernel() {
             ws.add_protected("model.py", task.source.as_bytes())
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| internal("writing model.py", e))?;
             for name in WORKSPACE_FILES {
                 let text = std::fs::read(self.harness_dir.join(name))
-                    .map_err(|e| format!("harness file {name}: {e}"))?;
-                ws.add_protected(name, &text).map_err(|e| e.to_string())?;
+                    .map_err(|e| internal(format!("harness file {name}"), e))?;
+                ws.add_protected(name, &text)
+                    .map_err(|e| internal(format!("writing {name}"), e))?;
             }
             ws.write_atomic(&ws.root().join("model_new.py"), b"")
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| internal("writing model_new.py", e))?;
             listing.extend(WORKSPACE_FILES.iter().map(|s| s.to_string()));
             listing.extend(["model.py".to_string(), "model_new.py".to_string()]);
         }
@@ -857,9 +880,10 @@ impl EpisodeManager {
     /// an episode.
     pub fn recover(&self) -> Result<usize, EpisodeError> {
         let dir = self.trajectories_dir();
-        std::fs::create_dir_all(&dir).map_err(internal)?;
+        let in_dir = |e| internal(format!("trajectory directory {}", dir.display()), e);
+        std::fs::create_dir_all(&dir).map_err(in_dir)?;
         let mut n = 0;
-        for e in std::fs::read_dir(&dir).map_err(internal)?.flatten() {
+        for e in std::fs::read_dir(&dir).map_err(in_dir)?.flatten() {
             let path = e.path();
             // Logs an older server made readable by all become the server's alone.
             if e.file_type().is_ok_and(|t| t.is_file()) {
@@ -896,7 +920,8 @@ impl EpisodeManager {
             if ep.closed || !running {
                 continue;
             }
-            let log = TrajectoryLog::open(&dir, &id).map_err(internal)?;
+            let log = TrajectoryLog::open(&dir, &id)
+                .map_err(|e| internal("opening the trajectory log", e))?;
             log.append(&TrajectoryRecord::Truncated {
                 time: trajectory::now(),
                 body: TruncatedRecord {
@@ -904,7 +929,7 @@ impl EpisodeManager {
                     turn: ep.state.turn,
                 },
             })
-            .map_err(internal)?;
+            .map_err(|e| internal("writing the trajectory log", e))?;
             n += 1;
         }
         Ok(n)
@@ -987,7 +1012,7 @@ impl EpisodeManager {
             move || log.append(&record),
         )
         .await?
-        .map_err(internal)?;
+        .map_err(|e| internal("writing the trajectory log", e))?;
         ep.log_bytes += n;
         Ok(())
     }
@@ -1001,7 +1026,7 @@ impl EpisodeManager {
             move || TrajectoryLog::open(&dir, &id)?.append(&record),
         )
         .await?
-        .map_err(internal)?;
+        .map_err(|e| internal("writing the trajectory log", e))?;
         Ok(())
     }
 
@@ -1112,7 +1137,7 @@ impl EpisodeManager {
             {
                 Err(EpisodeError::Unknown(id.to_string()))
             }
-            Err(e) => Err(internal(e)),
+            Err(e) => Err(internal("reading the trajectory log", e)),
         }
     }
 

@@ -8,15 +8,15 @@ use std::time::{Duration, Instant};
 
 use agent_tools::{ToolCall, ToolOutput};
 use env_api::{
-    EpisodeStatus, EvaluationDetails, EvaluationResult, FinalRecord, Observation, PlainAction,
-    StepInfo, StepRecord, StepResponse, TrajectoryRecord,
+    error_chain, EpisodeStatus, EvaluationDetails, EvaluationResult, FinalRecord, Observation,
+    PlainAction, StepInfo, StepRecord, StepResponse, TrajectoryRecord,
 };
 use kernelbench::Task;
 use serde_json::Value;
 
 use super::{
-    blocking, budget_line, command_refused, escape_controls, internal, relative_paths,
-    solution_files, Episode, EpisodeError, EpisodeManager, Found, Slot, Summary,
+    blocking, budget_line, command_refused, escape_controls, internal, internal_msg,
+    relative_paths, solution_files, Episode, EpisodeError, EpisodeManager, Found, Slot, Summary,
 };
 use crate::reward;
 use crate::trajectory;
@@ -47,7 +47,7 @@ impl EpisodeManager {
             .filter(|rid| ep.answered.contains(*rid))
         {
             let mut prev = self.logged_answer(id, rid).await?.ok_or_else(|| {
-                EpisodeError::Internal(format!("request {rid} is answered but not in the log"))
+                internal_msg(format!("request {rid} is answered but not in the log"))
             })?;
             self.counters.replays.fetch_add(1, Ordering::Relaxed);
             prev.info.replayed = true;
@@ -153,7 +153,12 @@ impl EpisodeManager {
         // Commands wait for a slot (not counted as tool time): starting a sandboxed command
         // takes dozens of descriptors for a moment, and a thousand at once exhaust them.
         let command_slot = match call {
-            ToolCall::Bash(_) => Some(self.commands.acquire().await.map_err(internal)?),
+            ToolCall::Bash(_) => Some(
+                self.commands
+                    .acquire()
+                    .await
+                    .map_err(|e| internal("waiting for a command slot", e))?,
+            ),
             _ => None,
         };
         // A command does not start while the host is short of memory: the agent is told and may
@@ -266,13 +271,17 @@ impl EpisodeManager {
         let collected = match ep.toolbox.as_ref().map(|t| t.workspace().clone()) {
             Some(ws) => {
                 let kind = ep.task.kind.clone();
-                blocking(
+                // The reason the agent reads: the error with its causes.
+                match blocking(
                     self.cfg().io_timeout,
                     "collecting the solution",
                     move || solution_files(&ws, &kind),
                 )
                 .await
-                .unwrap_or_else(|e| Err(e.to_string()))
+                {
+                    Ok(collected) => collected.map_err(|e| error_chain(&e)),
+                    Err(e) => Err(error_chain(&e)),
+                }
             }
             None => Err("the workspace is gone".to_string()),
         };
@@ -404,7 +413,7 @@ impl EpisodeManager {
             },
         )
         .await?
-        .map_err(internal)
+        .map_err(|e| internal("reading the trajectory log", e))
     }
 
     async fn final_evaluation(
