@@ -664,7 +664,7 @@ pub fn spawn_pch_builds(pch: Pch, variants: Vec<String>, path: std::ffi::OsStrin
                         seconds = t0.elapsed().as_secs_f64(),
                         "precompiled torch/extension.h"
                     ),
-                    Err(e) => tracing::warn!(error = %e, "precompiled header not made"),
+                    Err(e) => tracing::warn!(error = %env_api::ErrorChain(&e), "precompiled header not made"),
                 }
             }
         })

@@ -13,8 +13,8 @@ use agent_tools::sandbox::{CpuPriority, QuotaEnforcement, UidLease, Volume, Volu
 use agent_tools::{create_private_dir, CallError, Jail, Sandbox, ToolLimits, Toolbox, Workspace};
 use env_api::{
     observation::{ResetData, ToolData},
-    ClosedRecord, EpisodeLimits, EpisodeState, EpisodeStatus, EvaluationResult, Observation,
-    ResetInfo, ResetRecord, ResetRequest, ResetResponse, TaskInfo, TrajectoryRecord,
+    ClosedRecord, EpisodeLimits, EpisodeState, EpisodeStatus, ErrorChain, EvaluationResult,
+    Observation, ResetInfo, ResetRecord, ResetRequest, ResetResponse, TaskInfo, TrajectoryRecord,
     TruncatedRecord,
 };
 use kernelbench::{Task, TaskSet};
@@ -1242,7 +1242,9 @@ impl EpisodeManager {
             Ok(Ok(())) => {}
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
             Ok(Err(e)) => tracing::warn!(episode = %ep.id, error = %e, "removing the workspace"),
-            Err(e) => tracing::warn!(episode = %ep.id, error = %e, "removing the workspace"),
+            Err(e) => {
+                tracing::warn!(episode = %ep.id, error = %ErrorChain(&e), "removing the workspace")
+            }
         }
     }
 
