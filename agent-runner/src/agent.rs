@@ -460,7 +460,7 @@ impl Agent {
             Err(e) => {
                 // No result: free the server's workspace now rather than at its idle timeout.
                 if let Err(close) = self.env.close(&id).await {
-                    tracing::warn!(episode = %id, error = %close, "closing a failed episode");
+                    tracing::warn!(episode = %id, error = %ErrorChain(&close), "closing a failed episode");
                 }
                 Err(e)
             }
