@@ -1,12 +1,16 @@
 //! Batched sampling with a KV cache: temperature, top-k, top-p, stop tokens and strings, a
 //! token limit, and each sampled token's log-probability.
 
+use crate::model::decode::DecodeStep;
 use crate::model::vocab::log_softmax_last;
 use crate::model::{Architecture, CausalLm, KvCache};
 use crate::seeds::ReplayRng;
 use crate::tokenizer::TextTokenizer;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{backend::Backend, Bool, FloatDType, Int, Tensor, TensorData};
+
+mod running;
+pub use running::{RunningBatch, TurnDone, TurnRequest};
 
 /// How to sample.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -156,22 +160,7 @@ pub fn generate_continuing<B: Backend>(
     let mut suffixes = Vec::with_capacity(contexts.len());
     let mut prefixes = prefixes.into_iter();
     for ctx in contexts {
-        let (mut cache, tokens) = match prefixes.next().flatten() {
-            Some(p) => (p.cache, p.tokens),
-            None => (KvCache::new(layers), Vec::new()),
-        };
-        // At least one token is fed, whose logits the first sample is drawn from.
-        let common = tokens
-            .iter()
-            .zip(ctx)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(ctx.len().saturating_sub(1));
-        if common == 0 {
-            cache = KvCache::new(layers);
-        } else {
-            cache.truncate(common);
-        }
+        let (cache, common) = resume(prefixes.next().flatten(), ctx, layers);
         reused_tokens += common;
         prefilled_tokens += ctx.len() - common;
         rows.push(cache);
@@ -204,6 +193,77 @@ pub fn generate_continuing<B: Backend>(
         prefilled_tokens,
         reused_tokens,
     }
+}
+
+/// A conversation's kept cache cut to the longest prefix it shares with `ctx` (a fresh cache
+/// where none is kept or nothing is shared), and that prefix's length. At least one token of
+/// `ctx` is left to feed: the first sample is drawn from its logits.
+fn resume<B: Backend>(
+    prefix: Option<PrefixCache<B>>,
+    ctx: &[u32],
+    layers: usize,
+) -> (KvCache<B>, usize) {
+    let Some(PrefixCache { tokens, mut cache }) = prefix else {
+        return (KvCache::new(layers), 0);
+    };
+    let common = tokens
+        .iter()
+        .zip(ctx)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(ctx.len().saturating_sub(1));
+    if common == 0 {
+        return (KvCache::new(layers), 0);
+    }
+    cache.truncate(common);
+    (cache, common)
+}
+
+/// Runs each row's `prompts` through the model after what `cache` holds for it (left-padded
+/// to the longest), appending their keys and values, and returns the logits after each
+/// row's last token, `[rows, vocab]`.
+fn prefill<B: Backend>(
+    lm: &CausalLm<B>,
+    arch: &Architecture<B>,
+    cache: &mut KvCache<B>,
+    prompts: &[&[u32]],
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let n = prompts.len();
+    let max_len = prompts.iter().map(|p| p.len()).max().unwrap_or(0).max(1);
+    let mut ids = Vec::with_capacity(n * max_len);
+    let mut valid = Vec::with_capacity(n * max_len);
+    for p in prompts {
+        let pad = max_len - p.len();
+        ids.extend(std::iter::repeat_n(0i32, pad).chain(p.iter().map(|&t| t as i32)));
+        valid.extend(std::iter::repeat_n(false, pad).chain(std::iter::repeat_n(true, p.len())));
+    }
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, max_len]), device);
+    let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [n, max_len]), device);
+    lm.forward_last(tokens, valid, arch, Some(cache))
+}
+
+/// Logits `[rows, vocab]` after one more token per row of `cache` (`next`, appended to it):
+/// the backend's decode step where it has one and takes the cache, else the model's forward.
+fn decode_one<B: Backend>(
+    lm: &CausalLm<B>,
+    arch: &Architecture<B>,
+    decoder: Option<&dyn DecodeStep<B>>,
+    cache: &mut KvCache<B>,
+    next: Vec<i32>,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let rows = next.len();
+    let fused = decoder.and_then(|d| {
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(next.clone(), [rows]), device);
+        d.step(ids, cache)
+    });
+    fused.unwrap_or_else(|| {
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
+        let valid =
+            Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![true; rows], [rows, 1]), device);
+        lm.forward_last(tokens, valid, arch, Some(cache))
+    })
 }
 
 /// One call's model, settings and device.
@@ -247,25 +307,11 @@ impl<B: Backend> Sampling<'_, B> {
             return (out, ended);
         }
         let mut rng = ReplayRng::new(seed);
-        let max_len = prompts.iter().map(|p| p.len()).max().unwrap_or(0).max(1);
-        let mut ids = Vec::with_capacity(n * max_len);
-        let mut valid = Vec::with_capacity(n * max_len);
-        for p in prompts {
-            let pad = max_len - p.len();
-            ids.extend(std::iter::repeat_n(0i32, pad).chain(p.iter().map(|&t| t as i32)));
-            valid.extend(std::iter::repeat_n(false, pad).chain(std::iter::repeat_n(true, p.len())));
-        }
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, max_len]), device);
-        let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [n, max_len]), device);
-        let mut last = lm.forward_last(tokens, valid, arch, Some(&mut cache));
-        let vocab = last.dims()[1];
+        let mut last = prefill(lm, arch, &mut cache, prompts, device);
         // Each later step feeds one token per row: the backend's decode step where it has one.
         let decoder = lm.decoder(arch);
         // Rows still generating, as indices into `out`.
         let mut live: Vec<usize> = (0..n).collect();
-        // Sampling from the whole distribution (PPO's default) and greedy decoding choose on the
-        // device and bring back a few numbers per row; top-k / top-p bring back whole rows.
-        let on_device = params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0);
         // Where a decode step's time goes, at debug level only: the device is synchronised
         // around each part, which costs a little and tells choosing from computing.
         let mut split = tracing::enabled!(tracing::Level::DEBUG).then(StepSplit::default);
@@ -276,24 +322,7 @@ impl<B: Backend> Sampling<'_, B> {
                 std::time::Instant::now()
             });
             let rows = live.len();
-            let picks: Vec<(usize, f32)> = if on_device {
-                let us: Vec<f64> = if params.temperature > 0.0 {
-                    (0..rows).map(|_| rng.unit_f64()).collect()
-                } else {
-                    Vec::new()
-                };
-                choose_on_device(last, params.temperature, &us)
-            } else {
-                let lp = scaled_log_probs(last, params.temperature);
-                let host: Vec<f32> = lp.into_data().convert::<f32>().to_vec().unwrap_or_default();
-                (0..rows)
-                    .map(|r| {
-                        let row = &host[r * vocab..(r + 1) * vocab];
-                        let tok = pick(row, params, &mut rng);
-                        (tok, row[tok])
-                    })
-                    .collect()
-            };
+            let picks = choose_rows(last, params, &mut Draws::Shared(&mut rng));
             if let (Some(split), Some(start)) = (split.as_mut(), choose_start) {
                 split.choose += start.elapsed();
                 split.steps += 1;
@@ -305,22 +334,7 @@ impl<B: Backend> Sampling<'_, B> {
                 g.tokens.push(tok as u32);
                 on_token(seq, tok as u32);
                 g.logprobs.push(logprob);
-                let mut done = None;
-                if params.stop_token_ids.contains(&(tok as u32)) {
-                    done = Some(FinishReason::StopToken);
-                } else if let (Some(tk), false) = (tokenizer, params.stop_strings.is_empty()) {
-                    // Only the tail can newly complete a stop string.
-                    let from = g.tokens.len().saturating_sub(32);
-                    let tail = tk.decode(&g.tokens[from..]);
-                    if params
-                        .stop_strings
-                        .iter()
-                        .any(|s| tail.contains(s.as_str()))
-                    {
-                        done = Some(FinishReason::StopString);
-                    }
-                }
-                match done {
+                match stop_reason(g, params, tokenizer) {
                     Some(reason) => g.finish = reason,
                     None => {
                         keep.push(r);
@@ -343,25 +357,8 @@ impl<B: Backend> Sampling<'_, B> {
                 cache.retain(&keep, device);
             }
             live = keep.iter().map(|&r| live[r]).collect();
-            let rows = live.len();
             let step_start = split.as_ref().map(|_| std::time::Instant::now());
-            let fused = decoder.as_ref().and_then(|d| {
-                let ids =
-                    Tensor::<B, 1, Int>::from_data(TensorData::new(next.clone(), [rows]), device);
-                d.step(ids, &mut cache)
-            });
-            last = match fused {
-                Some(logits) => logits,
-                None => {
-                    let tokens =
-                        Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), device);
-                    let valid = Tensor::<B, 2, Bool>::from_data(
-                        TensorData::new(vec![true; rows], [rows, 1]),
-                        device,
-                    );
-                    lm.forward_last(tokens, valid, arch, Some(&mut cache))
-                }
-            };
+            last = decode_one(lm, arch, decoder.as_deref(), &mut cache, next, device);
             if let (Some(split), Some(start)) = (split.as_mut(), step_start) {
                 split.queue += start.elapsed();
                 let _ = B::sync(device);
@@ -373,6 +370,78 @@ impl<B: Backend> Sampling<'_, B> {
         }
         (out, ended)
     }
+}
+
+/// Where each row's random draws come from: one generator for the whole batch (a call of
+/// [`generate`]), or one per row (conversations of a running batch, whose draws must not
+/// depend on which others share their steps).
+enum Draws<'r> {
+    Shared(&'r mut ReplayRng),
+    PerRow(&'r mut [ReplayRng]),
+}
+
+impl Draws<'_> {
+    fn rng(&mut self, row: usize) -> &mut ReplayRng {
+        match self {
+            Draws::Shared(rng) => rng,
+            Draws::PerRow(rngs) => &mut rngs[row],
+        }
+    }
+}
+
+/// The next token of each row of logits `[rows, vocab]` and its log-probability. Sampling
+/// from the whole distribution (PPO's default) and greedy decoding choose on the device and
+/// bring back a few numbers per row; top-k / top-p bring back whole rows.
+fn choose_rows<B: Backend>(
+    last: Tensor<B, 2>,
+    params: &SamplingParams,
+    draws: &mut Draws<'_>,
+) -> Vec<(usize, f32)> {
+    let [rows, vocab] = last.dims();
+    let on_device = params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0);
+    if on_device {
+        let us: Vec<f64> = if params.temperature > 0.0 {
+            (0..rows).map(|r| draws.rng(r).unit_f64()).collect()
+        } else {
+            Vec::new()
+        };
+        return choose_on_device(last, params.temperature, &us);
+    }
+    let lp = scaled_log_probs(last, params.temperature);
+    let host: Vec<f32> = lp.into_data().convert::<f32>().to_vec().unwrap_or_default();
+    host.chunks_exact(vocab.max(1))
+        .take(rows)
+        .enumerate()
+        .map(|(r, row)| {
+            let tok = pick(row, params, draws.rng(r));
+            (tok, row[tok])
+        })
+        .collect()
+}
+
+/// Why `g` ends with the token it has just taken, if it does: a stop token, or a stop string
+/// completed in its tail.
+fn stop_reason(
+    g: &Generation,
+    params: &SamplingParams,
+    tokenizer: Option<&TextTokenizer>,
+) -> Option<FinishReason> {
+    let last = *g.tokens.last()?;
+    if params.stop_token_ids.contains(&last) {
+        return Some(FinishReason::StopToken);
+    }
+    let tk = tokenizer?;
+    if params.stop_strings.is_empty() {
+        return None;
+    }
+    // Only the tail can newly complete a stop string.
+    let from = g.tokens.len().saturating_sub(32);
+    let tail = tk.decode(&g.tokens[from..]);
+    params
+        .stop_strings
+        .iter()
+        .any(|s| tail.contains(s.as_str()))
+        .then_some(FinishReason::StopString)
 }
 
 /// Log-probabilities `[rows, vocab]` of logits at a temperature (none when it is 0, greedy),

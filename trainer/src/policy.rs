@@ -9,9 +9,12 @@ use crate::config::ModelSection;
 use crate::error::{ModelError, TrainError};
 use std::collections::HashMap;
 
-use crate::generate::{generate, generate_continuing, Generation, PrefixCache, SamplingParams};
+use crate::generate::{
+    generate, generate_continuing, Generation, PrefixCache, RunningBatch, SamplingParams,
+    TurnRequest,
+};
 use crate::model::{Architecture, CausalLm, ModelConfig};
-use crate::rollout::{Generator, TurnBatch};
+use crate::rollout::{Generator, TurnBatch, TurnStart};
 use crate::tokenizer::TextTokenizer;
 
 /// A checkpoint loaded for training.
@@ -86,6 +89,8 @@ pub struct PolicyGenerator<'a, B: Backend> {
     prefixes: HashMap<usize, (u64, PrefixCache<B>)>,
     calls: u64,
     budget_tokens: usize,
+    /// Turns being sampled together (continuous batching).
+    running: Option<RunningBatch<'a, B>>,
 }
 
 impl<'a, B: Backend> PolicyGenerator<'a, B> {
@@ -109,6 +114,7 @@ impl<'a, B: Backend> PolicyGenerator<'a, B> {
             prefixes: HashMap::new(),
             calls: 0,
             budget_tokens: (kv_budget_bytes / (per_token * elem).max(1) as u64) as usize,
+            running: None,
         }
     }
 
@@ -172,6 +178,56 @@ impl<B: Backend> Generator for PolicyGenerator<'_, B> {
 
     fn end_conversation(&mut self, key: usize) {
         self.prefixes.remove(&key);
+    }
+
+    fn admit(&mut self, turns: Vec<TurnStart>, params: &SamplingParams) -> (usize, usize) {
+        // A new batch takes the settings given; a running one keeps its own until it empties.
+        let fresh = self
+            .running
+            .as_ref()
+            .is_none_or(|r| r.is_empty() && r.params() != params);
+        if fresh {
+            self.running = Some(RunningBatch::new(
+                self.lm,
+                self.arch,
+                params.clone(),
+                Some(self.tokenizer),
+                self.device.clone(),
+            ));
+        }
+        let requests = turns
+            .into_iter()
+            .map(|t| TurnRequest {
+                prefix: self.prefixes.remove(&t.key).map(|(_, p)| p),
+                key: t.key,
+                context: t.context,
+                max_new_tokens: t.max_new_tokens,
+                seed: t.seed,
+            })
+            .collect();
+        self.running.as_mut().map_or((0, 0), |r| r.admit(requests))
+    }
+
+    fn step(&mut self) -> Vec<(usize, Generation)> {
+        let Some(running) = self.running.as_mut() else {
+            return Vec::new();
+        };
+        let ended = running.step();
+        if ended.is_empty() {
+            return Vec::new();
+        }
+        self.calls += 1;
+        let mut out = Vec::with_capacity(ended.len());
+        for t in ended {
+            self.prefixes.insert(t.key, (self.calls, t.cache));
+            out.push((t.key, t.generation));
+        }
+        self.evict();
+        out
+    }
+
+    fn running(&self) -> usize {
+        self.running.as_ref().map_or(0, RunningBatch::len)
     }
 
     fn generate(

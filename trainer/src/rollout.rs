@@ -19,6 +19,8 @@ use crate::generate::{Generation, SamplingParams};
 use crate::render::Renderer;
 use crate::sample::{Outcome, Sample, TurnRecord};
 
+mod continuous;
+
 /// Samples assistant turns for a batch of token contexts.
 pub trait Generator {
     /// One continuation per prompt, seeded by `seed`.
@@ -51,6 +53,30 @@ pub trait Generator {
     fn end_conversation(&mut self, key: usize) {
         let _ = key;
     }
+
+    /// Continuous batching: `turns` join the running batch, sampled with `params` (each with
+    /// its own token limit and seed). Returns the context tokens prefilled and those reused
+    /// from kept caches.
+    fn admit(&mut self, turns: Vec<TurnStart>, params: &SamplingParams) -> (usize, usize);
+
+    /// One decode step of the running batch: the turns that ended in it, by key.
+    fn step(&mut self) -> Vec<(usize, Generation)>;
+
+    /// Turns in the running batch.
+    fn running(&self) -> usize;
+}
+
+/// A conversation's next turn, for [`Generator::admit`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnStart {
+    /// The conversation.
+    pub key: usize,
+    /// Its whole context so far.
+    pub context: Vec<u32>,
+    /// Tokens the turn may sample at most.
+    pub max_new_tokens: usize,
+    /// Seeds the turn's draws.
+    pub seed: u64,
 }
 
 /// The turns of one [`Generator::continue_conversations`] call.
@@ -151,8 +177,13 @@ pub struct RolloutStats {
     /// Context tokens taken from caches kept across turns.
     #[serde(default)]
     pub reused_tokens: usize,
-    /// Seconds spent waiting for the servers (tools and evaluations).
+    /// Seconds the generator sat waiting for the servers (tools and evaluations), with no
+    /// turn to decode.
     pub env_s: f64,
+    /// Seconds of the servers' answers to tool calls, summed over calls: with turns decoding
+    /// while calls are out, more than `env_s` (the time the two overlapped).
+    #[serde(default)]
+    pub env_requests_s: f64,
 }
 
 /// What the rollout needs from the config.
@@ -221,21 +252,6 @@ struct Round<'a> {
     settings: &'a RolloutSettings,
 }
 
-/// What differs between the multi-turn rollout and the single-turn warm-up; the loop that
-/// opens, generates, answers and closes is [`rollout`].
-trait Turns {
-    /// The opening prompt of an episode.
-    fn prompt(&self, renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError>;
-
-    /// Whether episodes stay open on the server for steps (multi-turn), or are closed as
-    /// soon as their prompt is known (the warm-up only needs the task's text).
-    fn keeps_episodes(&self) -> bool;
-
-    /// Answers the turns just generated for `rows`: ends their episodes or appends what the
-    /// environment said. Returns the seconds spent waiting for the servers.
-    fn answer(&mut self, round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64;
-}
-
 /// Runs one multi-turn episode per reset request until every one ends. `tag` makes request
 /// ids unique across steps of a run (`{tag}-{episode}-{turn}`), so retries are idempotent.
 #[allow(clippy::too_many_arguments)]
@@ -255,7 +271,7 @@ pub fn run_episodes(
         renderer,
         settings,
     };
-    rollout(&round, generator, resets, seed, &mut MultiTurn { tag })
+    continuous::rollout(&round, generator, resets, seed, tag)
 }
 
 /// The single-turn warm-up: each task's prompt (from a reset, so it is the same text the
@@ -276,73 +292,42 @@ pub fn run_single_turn(
         renderer,
         settings,
     };
-    rollout(&round, generator, resets, seed, &mut SingleTurn)
+    single_turn(&round, generator, resets, seed)
 }
 
-/// The rollout loop: reset every episode, then round by round close the conversations out of
-/// room, generate the live ones' turns in batches, let `turns` answer them, and close those
-/// at the turn or context limit (with the failure reward), until none is live.
-fn rollout(
+/// The warm-up's one round: reset (and close) every episode, generate each answer in batches,
+/// and have every answer's code block judged; a prompt with no room to answer in is closed
+/// at the context limit (with the failure reward).
+fn single_turn(
     round: &Round<'_>,
     generator: &mut dyn Generator,
     resets: &[ResetRequest],
     seed: u64,
-    turns: &mut dyn Turns,
 ) -> (Vec<Sample>, RolloutStats) {
-    let Round { rt, settings, .. } = *round;
+    let settings = round.settings;
     let mut stats = RolloutStats {
         episodes: resets.len(),
         ..Default::default()
     };
-    let mut live = open(round, resets, turns, &mut stats);
-    let mut released = vec![false; live.len()];
-    for n in 0u64.. {
-        // An ended conversation's cache goes at once, making room for the live ones.
-        for (i, l) in live.iter().enumerate() {
-            if l.done && !released[i] {
-                generator.end_conversation(i);
-                released[i] = true;
-            }
-        }
-        let active: Vec<usize> = (0..live.len()).filter(|&i| !live[i].done).collect();
-        if active.is_empty() {
-            break;
-        }
-        // Close conversations that have no room left for another turn.
-        let (full, rows): (Vec<usize>, Vec<usize>) = active
-            .into_iter()
-            .partition(|&i| live[i].sample.tokens.len() + 8 >= settings.context);
-        let mut closing: Vec<(usize, Outcome)> = full
-            .into_iter()
-            .map(|i| (i, Outcome::ContextLimit))
-            .collect();
-        let tg = Instant::now();
-        generate_turns(generator, &mut live, &rows, settings, seed, n, &mut stats);
-        stats.generate_s += tg.elapsed().as_secs_f64();
-        stats.env_s += turns.answer(round, &mut live, &rows);
-        for &i in &rows {
-            let l = &live[i];
-            if !l.done && l.sample.turns.len() as u32 >= settings.max_turns {
-                closing.push((i, Outcome::TurnLimit));
-            } else if !l.done && l.sample.tokens.len() + 8 >= settings.context {
-                closing.push((i, Outcome::ContextLimit));
-            }
-        }
-        if !closing.is_empty() {
-            if turns.keeps_episodes() {
-                let te = Instant::now();
-                rt.block_on(close_all(&live, &closing));
-                stats.env_s += te.elapsed().as_secs_f64();
-            }
-            for (i, outcome) in closing {
-                let l = &mut live[i];
-                l.sample.outcome = Some(outcome);
-                l.sample.reward = settings.failure_reward;
-                l.sample.reason = Some(format!("{outcome:?} reached by the trainer"));
-                l.done = true;
-            }
-        }
+    let mut live = open(round, resets, single_turn_prompt, false, &mut stats);
+    let (full, rows): (Vec<usize>, Vec<usize>) = (0..live.len())
+        .filter(|&i| !live[i].done)
+        .partition(|&i| live[i].sample.tokens.len() + 8 >= settings.context);
+    for i in full {
+        close_by_trainer(&mut live[i], Outcome::ContextLimit, settings.failure_reward);
     }
+    let tg = Instant::now();
+    generate_turns(generator, &mut live, &rows, settings, seed, 0, &mut stats);
+    stats.generate_s += tg.elapsed().as_secs_f64();
+    stats.env_s += evaluate_answers(round, &mut live, &rows);
+    for i in rows {
+        generator.end_conversation(i);
+    }
+    finish(live, stats)
+}
+
+/// The samples of a rollout's conversations, and its stats completed with what ended them.
+fn finish(live: Vec<Live>, mut stats: RolloutStats) -> (Vec<Sample>, RolloutStats) {
     stats.lost = live.iter().filter(|l| l.lost).count();
     stats.failed = live
         .iter()
@@ -359,17 +344,22 @@ fn rollout(
     (samples, stats)
 }
 
-/// Resets every episode and renders its prompt; an episode whose reset or prompt failed is
-/// born done (`Outcome::Failed`, left out of training).
+/// The opening prompt of an episode, from its reset.
+type Prompt = fn(&Renderer, &ResetResponse) -> Result<Vec<u32>, ModelError>;
+
+/// Resets every episode and renders its `prompt`; an episode whose reset or prompt failed is
+/// born done (`Outcome::Failed`, left out of training). Without `keep`, episodes are closed on
+/// the server at once (the warm-up only needs the task's text).
 fn open(
     round: &Round<'_>,
     resets: &[ResetRequest],
-    turns: &dyn Turns,
+    prompt: Prompt,
+    keep: bool,
     stats: &mut RolloutStats,
 ) -> Vec<Live> {
     let t0 = Instant::now();
     let opened = round.rt.block_on(reset_all(round.pool, resets));
-    if !turns.keeps_episodes() {
+    if !keep {
         let closes: Vec<(ServerHandle, String)> = opened
             .iter()
             .filter_map(|r| r.as_ref().ok())
@@ -387,13 +377,9 @@ fn open(
         .enumerate()
         .map(|(i, r)| match r {
             Ok((server, resp)) => {
-                let episode = if turns.keeps_episodes() {
-                    resp.episode_id.as_str()
-                } else {
-                    ""
-                };
+                let episode = if keep { resp.episode_id.as_str() } else { "" };
                 let mut sample = Sample::new(&resp.info.task.id, episode);
-                match turns.prompt(round.renderer, &resp) {
+                match prompt(round.renderer, &resp) {
                     Ok(p) => sample.push_context(&p),
                     Err(e) => {
                         tracing::warn!(episode = %resp.episode_id, "prompt rendering failed: {e}");
@@ -465,165 +451,157 @@ fn generate_turns(
     }
 }
 
-/// Multi-turn episodes: each turn is parsed as a tool call and sent as one `/step`.
-struct MultiTurn<'a> {
-    tag: &'a str,
+/// The opening prompt of a multi-turn episode: the task and the tools.
+fn multi_turn_prompt(renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError> {
+    renderer.prompt(&reset.observation.text, &reset.info.tools)
 }
 
-impl Turns for MultiTurn<'_> {
-    fn prompt(&self, renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError> {
-        renderer.prompt(&reset.observation.text, &reset.info.tools)
-    }
-
-    fn keeps_episodes(&self) -> bool {
-        true
-    }
-
-    fn answer(&mut self, round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64 {
-        let Round {
-            rt,
-            pool,
-            renderer,
-            settings,
-        } = *round;
-        // Parse every new turn; unparseable ones get a local error observation.
-        let mut steps = Vec::new();
-        for &i in rows {
-            let text = renderer.turn_text(&live[i].last_turn);
-            match parse_tool_call(&text) {
-                Ok(call) => steps.push((i, call.name, call.arguments)),
-                Err(e) => {
-                    let msg = e.to_string();
-                    live[i].sample.turns.push(TurnRecord {
-                        tool: None,
-                        arguments: Value::Null,
-                        parse_error: Some(msg.clone()),
-                        tool_error: true,
-                    });
-                    append_observation(renderer, &mut live[i], &msg, true, settings.context);
-                }
-            }
+/// Parses the turn just sampled for `l` as a tool call (name and arguments); one that does
+/// not parse is recorded with a local error observation, the agent's to read next turn.
+fn parse_turn(renderer: &Renderer, l: &mut Live, context: usize) -> Option<(String, Value)> {
+    let text = renderer.turn_text(&l.last_turn);
+    match parse_tool_call(&text) {
+        Ok(call) => Some((call.name, call.arguments)),
+        Err(e) => {
+            let msg = e.to_string();
+            l.sample.turns.push(TurnRecord {
+                tool: None,
+                arguments: Value::Null,
+                parse_error: Some(msg.clone()),
+                tool_error: true,
+            });
+            append_observation(renderer, l, &msg, true, context);
+            None
         }
-        let te = Instant::now();
-        let answers = rt.block_on(step_all(pool, live, &steps, self.tag));
-        let env_s = te.elapsed().as_secs_f64();
-        for ((i, name, arguments), answer) in steps.into_iter().zip(answers) {
-            let l = &mut live[i];
-            match answer {
-                Ok(resp) => {
-                    l.sample.turns.push(TurnRecord {
-                        tool: Some(name),
-                        arguments,
-                        parse_error: None,
-                        tool_error: resp.observation.is_error,
-                    });
-                    if resp.done {
-                        l.sample.reward = resp.reward as f32;
-                        l.sample.outcome = Some(Outcome::Finished);
-                        l.sample.reason = resp
-                            .info
-                            .evaluation
-                            .as_ref()
-                            .and_then(|e| e.reason.clone())
-                            .or(resp.info.truncation_reason.clone());
-                        l.done = true;
-                    } else {
-                        append_observation(
-                            renderer,
-                            l,
-                            &resp.observation.text,
-                            resp.observation.is_error,
-                            settings.context,
-                        );
-                    }
-                }
-                // The server refused the call itself (unknown tool, bad arguments): the agent
-                // sees why, as it would see a tool error.
-                Err(ClientError::Api {
-                    status: 400 | 422,
-                    code,
-                    message,
-                }) => {
-                    l.sample.turns.push(TurnRecord {
-                        tool: Some(name),
-                        arguments,
-                        parse_error: Some(format!("{code}: {message}")),
-                        tool_error: true,
-                    });
-                    append_observation(renderer, l, &message, true, settings.context);
-                }
-                Err(e) => {
-                    tracing::warn!(episode = %l.sample.episode_id, "step failed: {e}");
-                    l.lost = e.is_server_gone();
-                    l.sample.outcome = Some(Outcome::Failed);
-                    l.sample.reason = Some(e.to_string());
-                    l.done = true;
-                }
-            }
-        }
-        env_s
     }
 }
 
-/// The warm-up: one answer per task, its code block scored by `/v1/evaluate`.
-struct SingleTurn;
-
-impl Turns for SingleTurn {
-    fn prompt(&self, renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError> {
-        let text = format!("{}\n\n{SINGLE_TURN_INSTRUCTION}", reset.observation.text);
-        renderer.prompt(&text, &[])
-    }
-
-    fn keeps_episodes(&self) -> bool {
-        false
-    }
-
-    fn answer(&mut self, round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64 {
-        let jobs: Vec<(usize, EvaluateRequest)> = rows
-            .iter()
-            .map(|&i| {
-                let answer = round.renderer.turn_text(&live[i].last_turn);
-                let req = EvaluateRequest {
-                    task: TaskRef::Id(live[i].sample.task.clone()),
-                    solution: SolutionRef::Text(solution_of(&answer)),
-                    options: None,
-                };
-                (i, req)
-            })
-            .collect();
-        let te = Instant::now();
-        let results = round.rt.block_on(async {
-            let mut set = tokio::task::JoinSet::new();
-            for (k, (_, req)) in jobs.iter().enumerate() {
-                // Any server judges it (the fleet adds the idempotency key).
-                let fleet = round.pool.fleet.clone();
-                let permits = round.pool.permits.clone();
-                let req = req.clone();
-                set.spawn(async move {
-                    let _permit = permits.acquire_owned().await;
-                    (k, fleet.evaluate(&req).await.map_err(client_error))
-                });
+/// What the server answered to the tool call `name(arguments)`: the episode ends (with its
+/// reward), or its observation is appended; a call the server refused is an error the agent
+/// reads; a failed request ends the episode as failed (lost when its server went away).
+fn apply_answer(
+    renderer: &Renderer,
+    l: &mut Live,
+    name: String,
+    arguments: Value,
+    answer: Result<StepResponse, ClientError>,
+    context: usize,
+) {
+    match answer {
+        Ok(resp) => {
+            l.sample.turns.push(TurnRecord {
+                tool: Some(name),
+                arguments,
+                parse_error: None,
+                tool_error: resp.observation.is_error,
+            });
+            if resp.done {
+                l.sample.reward = resp.reward as f32;
+                l.sample.outcome = Some(Outcome::Finished);
+                l.sample.reason = resp
+                    .info
+                    .evaluation
+                    .as_ref()
+                    .and_then(|e| e.reason.clone())
+                    .or(resp.info.truncation_reason.clone());
+                l.done = true;
+            } else {
+                append_observation(
+                    renderer,
+                    l,
+                    &resp.observation.text,
+                    resp.observation.is_error,
+                    context,
+                );
             }
-            collect(set, jobs.len()).await
-        });
-        for ((i, _), r) in jobs.iter().zip(results) {
-            let l = &mut live[*i];
-            match r {
-                Ok(res) => {
-                    l.sample.reward = res.reward as f32;
-                    l.sample.outcome = Some(Outcome::Finished);
-                    l.sample.reason = res.reason;
-                }
-                Err(e) => {
-                    l.lost = e.is_server_gone();
-                    l.sample.outcome = Some(Outcome::Failed);
-                    l.sample.reason = Some(e.to_string());
-                }
-            }
+        }
+        // The server refused the call itself (unknown tool, bad arguments): the agent sees
+        // why, as it would see a tool error.
+        Err(ClientError::Api {
+            status: 400 | 422,
+            code,
+            message,
+        }) => {
+            l.sample.turns.push(TurnRecord {
+                tool: Some(name),
+                arguments,
+                parse_error: Some(format!("{code}: {message}")),
+                tool_error: true,
+            });
+            append_observation(renderer, l, &message, true, context);
+        }
+        Err(e) => {
+            tracing::warn!(episode = %l.sample.episode_id, "step failed: {e}");
+            l.lost = e.is_server_gone();
+            l.sample.outcome = Some(Outcome::Failed);
+            l.sample.reason = Some(e.to_string());
             l.done = true;
         }
-        te.elapsed().as_secs_f64()
     }
+}
+
+/// Ends `l` as the trainer closes it (turn or context limit), with the failure reward.
+fn close_by_trainer(l: &mut Live, outcome: Outcome, failure_reward: f32) {
+    l.sample.outcome = Some(outcome);
+    l.sample.reward = failure_reward;
+    l.sample.reason = Some(format!("{outcome:?} reached by the trainer"));
+    l.done = true;
+}
+
+/// The warm-up's prompt: the task, asked for the whole solution in one answer.
+fn single_turn_prompt(renderer: &Renderer, reset: &ResetResponse) -> Result<Vec<u32>, ModelError> {
+    let text = format!("{}\n\n{SINGLE_TURN_INSTRUCTION}", reset.observation.text);
+    renderer.prompt(&text, &[])
+}
+
+/// Has the answers just generated for `rows` judged (their code blocks through
+/// `/v1/evaluate`, on any server) and ends their episodes with the reward. Returns the seconds
+/// spent waiting for the servers.
+fn evaluate_answers(round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64 {
+    let jobs: Vec<(usize, EvaluateRequest)> = rows
+        .iter()
+        .map(|&i| {
+            let answer = round.renderer.turn_text(&live[i].last_turn);
+            let req = EvaluateRequest {
+                task: TaskRef::Id(live[i].sample.task.clone()),
+                solution: SolutionRef::Text(solution_of(&answer)),
+                options: None,
+            };
+            (i, req)
+        })
+        .collect();
+    let te = Instant::now();
+    let results = round.rt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for (k, (_, req)) in jobs.iter().enumerate() {
+            // Any server judges it (the fleet adds the idempotency key).
+            let fleet = round.pool.fleet.clone();
+            let permits = round.pool.permits.clone();
+            let req = req.clone();
+            set.spawn(async move {
+                let _permit = permits.acquire_owned().await;
+                (k, fleet.evaluate(&req).await.map_err(client_error))
+            });
+        }
+        collect(set, jobs.len()).await
+    });
+    for ((i, _), r) in jobs.iter().zip(results) {
+        let l = &mut live[*i];
+        match r {
+            Ok(res) => {
+                l.sample.reward = res.reward as f32;
+                l.sample.outcome = Some(Outcome::Finished);
+                l.sample.reason = res.reason;
+            }
+            Err(e) => {
+                l.lost = e.is_server_gone();
+                l.sample.outcome = Some(Outcome::Failed);
+                l.sample.reason = Some(e.to_string());
+            }
+        }
+        l.done = true;
+    }
+    te.elapsed().as_secs_f64()
 }
 
 /// What the single-turn prompt adds to the task text.
@@ -695,53 +673,6 @@ async fn reset_all(
         });
     }
     collect(set, resets.len()).await
-}
-
-async fn step_all(
-    pool: &EnvPool,
-    live: &[Live],
-    steps: &[(usize, String, Value)],
-    tag: &str,
-) -> Vec<Result<StepResponse, ClientError>> {
-    let mut set = tokio::task::JoinSet::new();
-    for (k, (i, name, args)) in steps.iter().enumerate() {
-        let l = &live[*i];
-        let Some(server) = l.server.clone() else {
-            continue;
-        };
-        let permits = pool.permits.clone();
-        let id = l.sample.episode_id.clone();
-        let request_id = format!("{tag}-{i}-{}", l.sample.turns.len());
-        let (name, args) = (name.clone(), args.clone());
-        set.spawn(async move {
-            let _permit = permits.acquire_owned().await;
-            (
-                k,
-                server
-                    .client()
-                    .step_with_id(&id, &name, args, &request_id)
-                    .await,
-            )
-        });
-    }
-    collect(set, steps.len()).await
-}
-
-async fn close_all(live: &[Live], closing: &[(usize, Outcome)]) {
-    let mut set = tokio::task::JoinSet::new();
-    for (i, _) in closing {
-        let l = &live[*i];
-        let Some(server) = l.server.clone() else {
-            continue;
-        };
-        let id = l.sample.episode_id.clone();
-        set.spawn(async move {
-            if let Err(e) = server.client().close(&id).await {
-                tracing::warn!(episode = %id, "close failed: {e}");
-            }
-        });
-    }
-    while set.join_next().await.is_some() {}
 }
 
 async fn collect<T: Send + 'static>(

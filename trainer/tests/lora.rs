@@ -723,3 +723,57 @@ fn the_ppo_step_bench_runs_the_stage_with_kept_caches() {
         assert!(step[key].as_f64().unwrap().is_finite(), "{key}: {report}");
     }
 }
+
+/// `bench-ppo --schedule continuous`: turns of different lengths join the running batch as
+/// their simulated tool calls are answered and leave it as they end; every episode still gets
+/// all its turns, each turn after the first prefills only what it added, and the update
+/// scores what was sampled with the same log-probabilities.
+#[test]
+fn the_ppo_step_bench_runs_turns_continuously() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = dir.path().join("shape.json");
+    std::fs::write(
+        &shape,
+        r#"{"model_type":"qwen2","vocab_size":512,"hidden_size":16,"intermediate_size":32,
+            "num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,
+            "max_position_embeddings":256,"tie_word_embeddings":true}"#,
+    )
+    .unwrap();
+    let (episodes, prompt, turns, new_tokens, context) = (3, 20, 4, 8, 120);
+    let out = Command::new(env!("CARGO_BIN_EXE_trainer"))
+        .args(["bench-ppo", "--device", "cpu", "--shape"])
+        .arg(&shape)
+        .args(["--lora-rank", "4", "--steps", "1"])
+        .args(["--schedule", "continuous", "--env-latency-s", "0.02"])
+        .args(["--turn-spread", "0.75"])
+        .args(["--episodes", &episodes.to_string()])
+        .args(["--prompt", &prompt.to_string()])
+        .args(["--turns", &turns.to_string()])
+        .args(["--new-tokens", &new_tokens.to_string()])
+        .args(["--context", &context.to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["schedule"], "continuous");
+    let observation = (context - prompt) / turns - new_tokens;
+    let step = &report["steps"][0];
+    let sampled = step["sampled_tokens"].as_u64().unwrap() as usize;
+    // Turns of 2..=8 tokens: shorter than the longest some of the time.
+    assert!(sampled >= episodes * turns * 2, "{report}");
+    assert!(sampled < episodes * turns * new_tokens, "{report}");
+    assert_eq!(
+        step["episode_tokens"],
+        episodes * (prompt + (turns - 1) * observation) + sampled
+    );
+    assert_eq!(
+        step["prefilled_tokens"],
+        episodes * prompt + episodes * (turns - 1) * (observation + 1)
+    );
+    let gap = step["sampling_logprob_mismatch"].as_f64().unwrap();
+    assert!(
+        gap < 1e-4,
+        "sampled and scored log-probabilities differ by {gap}"
+    );
+}

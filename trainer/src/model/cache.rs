@@ -311,6 +311,94 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+impl<B: Backend> KvCache<B> {
+    /// Batch rows: how many rows the cache holds (none while empty, whatever the batch).
+    pub fn rows(&self) -> usize {
+        self.valid.as_ref().map(|v| v.dims()[0]).unwrap_or(0)
+    }
+
+    /// Two batches side by side, `self`'s rows first, the shorter one padded on the left with
+    /// empty slots (masked out, as a left-padded prompt's are): conversations joining a batch
+    /// that is already decoding. An empty cache holds no rows, so joining one changes nothing.
+    pub fn join(self, other: KvCache<B>, device: &B::Device) -> KvCache<B> {
+        if other.is_empty() {
+            return self;
+        }
+        if self.is_empty() {
+            return other;
+        }
+        let longest = self.len().max(other.len());
+        let n_layers = self.layers.len();
+        let mut k_parts: Vec<Vec<Tensor<B, 4>>> = vec![Vec::with_capacity(2); n_layers];
+        let mut v_parts: Vec<Vec<Tensor<B, 4>>> = vec![Vec::with_capacity(2); n_layers];
+        let mut valid = Vec::with_capacity(2);
+        for part in [self, other] {
+            let (rows, len) = (part.rows(), part.len());
+            let pad = longest - len;
+            let widen = |z: Tensor<B, 4>| {
+                if pad == 0 {
+                    return z;
+                }
+                let [_, h, _, d] = z.dims();
+                let fill = z
+                    .clone()
+                    .narrow(2, 0, 1)
+                    .zeros_like()
+                    .expand([rows, h, pad, d]);
+                Tensor::cat(vec![fill, z], 2)
+            };
+            for (i, l) in part.layers.iter().enumerate() {
+                let (k, v) = l.filled();
+                // A non-empty cache has every layer filled (the model writes them together).
+                if let (Some(k), Some(v)) = (k, v) {
+                    k_parts[i].push(widen(k));
+                    v_parts[i].push(widen(v));
+                }
+            }
+            if let Some(flags) = part.valid {
+                valid.push(if pad == 0 {
+                    flags
+                } else {
+                    let none = Tensor::<B, 2, Bool>::from_data(
+                        burn::tensor::TensorData::new(vec![false; rows * pad], [rows, pad]),
+                        device,
+                    );
+                    Tensor::cat(vec![none, flags], 1)
+                });
+            }
+        }
+        KvCache {
+            layers: k_parts
+                .into_iter()
+                .zip(v_parts)
+                .map(|(k, v)| LayerCache {
+                    k: Some(Tensor::cat(k, 0)),
+                    v: Some(Tensor::cat(v, 0)),
+                    len: longest,
+                })
+                .collect(),
+            valid: Some(Tensor::cat(valid, 0)),
+        }
+    }
+
+    /// Drops the first `n` slots of every row: padding that every row has once the longest
+    /// conversations of a running batch have left it (never a real token: the caller knows
+    /// each row's length). The storage keeps no free slots, so the next write grows it.
+    pub fn trim_front(&mut self, n: usize) {
+        let len = self.len();
+        if n == 0 || n >= len {
+            return;
+        }
+        for l in &mut self.layers {
+            let (k, v) = l.filled();
+            l.k = k.map(|k| k.narrow(2, n, len - n));
+            l.v = v.map(|v| v.narrow(2, n, len - n));
+            l.len = len - n;
+        }
+        self.valid = self.valid.take().map(|v| v.narrow(1, n, len - n));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -431,5 +519,75 @@ mod tests {
             0.0
         );
         assert_eq!(max_diff(k.narrow(0, 1, 1), all.narrow(0, 0, 1)), 0.0);
+    }
+
+    /// Two batches of different lengths joined: the shorter padded on the left with masked
+    /// slots, rows in order; trimming padding every row has gives back each row's tokens.
+    #[test]
+    fn batches_join_padded_on_the_left_and_trim_back() {
+        let device = Default::default();
+        let (h, d) = (2, 4);
+        let batch = |rows: usize, t: usize| {
+            let mut c = KvCache::<B>::new(1);
+            c.extend(Tensor::<B, 2, Bool>::from_data(
+                TensorData::new(vec![true; rows * t], [rows, t]),
+                &device,
+            ));
+            let k =
+                Tensor::<B, 4>::random([rows, h, t, d], Distribution::Normal(0.0, 1.0), &device);
+            c.layers[0].append(k.clone(), k.clone() * 2.0);
+            (c, k)
+        };
+        let (long, long_k) = batch(2, 7);
+        let (short, short_k) = batch(1, 3);
+        let mut joined = long.join(short, &device);
+        assert_eq!((joined.rows(), joined.len()), (3, 7));
+        let flags: Vec<bool> = joined
+            .valid()
+            .unwrap()
+            .clone()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let mut want = vec![true; 14];
+        want.extend([false, false, false, false, true, true, true]);
+        assert_eq!(flags, want);
+        let (k, v) = joined.layers[0].filled();
+        let (k, v) = (k.unwrap(), v.unwrap());
+        assert_eq!(max_diff(k.clone().narrow(0, 0, 2), long_k.clone()), 0.0);
+        assert_eq!(
+            max_diff(k.clone().narrow(0, 2, 1).narrow(2, 4, 3), short_k.clone()),
+            0.0
+        );
+        assert_eq!(
+            k.clone()
+                .narrow(0, 2, 1)
+                .narrow(2, 0, 4)
+                .abs()
+                .max()
+                .into_scalar(),
+            0.0
+        );
+        assert_eq!(
+            max_diff(v.narrow(0, 2, 1).narrow(2, 4, 3), short_k.clone() * 2.0),
+            0.0
+        );
+        // The long rows leave; the short row's four padding slots go.
+        joined.retain(&[2], &device);
+        joined.trim_front(4);
+        assert_eq!((joined.rows(), joined.len()), (1, 3));
+        let (k, _) = joined.layers[0].filled();
+        assert_eq!(max_diff(k.unwrap(), short_k), 0.0);
+        let flags: Vec<bool> = joined
+            .valid()
+            .unwrap()
+            .clone()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        assert_eq!(flags, vec![true; 3]);
+        // Joining an empty cache changes nothing.
+        let (one, _) = batch(1, 2);
+        assert_eq!(one.join(KvCache::new(1), &device).rows(), 1);
     }
 }

@@ -15,12 +15,13 @@ use trainer::config::TrainConfig;
 use trainer::generate::SamplingParams;
 use trainer::memory::MemoryPlan;
 use trainer::model::{LoraTarget, ModelConfig};
-use trainer::rollout::Generator;
+use trainer::rollout::{Generator, TurnStart};
 use trainer::sample::{Outcome, Sample};
+use trainer::seeds::{derive, ReplayRng};
 use trainer::stage::{ppo, Learner, StageOptions};
 
 use crate::bench::QWEN25_05B;
-use crate::cli::BenchPpoArgs;
+use crate::cli::{BenchPpoArgs, Schedule};
 use crate::device::{DeviceEnv, Job};
 
 /// The benchmark, as a [`Job`].
@@ -150,41 +151,11 @@ fn bench<B: AutodiffBackend>(a: &BenchPpoArgs, device: B::Device, env: &DeviceEn
                 s
             })
             .collect();
-        let (mut prefilled, mut reused, mut sampled) = (Vec::new(), 0usize, 0usize);
-        {
+        let rolled = {
             let lm = learner.policy().valid();
             let mut generator = learner.generator(&lm);
-            let params = SamplingParams {
-                temperature: 1.0,
-                max_new_tokens: a.new_tokens,
-                ..Default::default()
-            };
-            let keys: Vec<usize> = (0..a.episodes).collect();
-            for turn in 0..a.turns {
-                let contexts: Vec<Vec<u32>> = samples.iter().map(|s| s.tokens.clone()).collect();
-                let seed = (step * a.turns + turn) as u64;
-                let out = generator.continue_conversations(&keys, &contexts, &params, seed);
-                prefilled.push(out.prefilled_tokens);
-                reused += out.reused_tokens;
-                for (e, (s, g)) in samples.iter_mut().zip(&out.generations).enumerate() {
-                    sampled += g.tokens.len();
-                    s.tokens.extend(&g.tokens);
-                    s.policy.extend(std::iter::repeat_n(true, g.tokens.len()));
-                    s.logprobs.extend(&g.logprobs);
-                    if turn + 1 < a.turns {
-                        s.tokens.extend(
-                            (0..observation)
-                                .map(|i| ((i * 104_729 + turn * 31 + e) % vocab) as u32),
-                        );
-                        s.policy.extend(std::iter::repeat_n(false, observation));
-                        s.logprobs.extend(std::iter::repeat_n(0.0, observation));
-                    }
-                }
-            }
-            for &k in &keys {
-                generator.end_conversation(k);
-            }
-        }
+            roll(&mut generator, &mut samples, a, observation, vocab, step)
+        };
         sync(&device)?;
         let rollout_s = t0.elapsed().as_secs_f64();
         sample_memory(&mut min_free);
@@ -203,9 +174,12 @@ fn bench<B: AutodiffBackend>(a: &BenchPpoArgs, device: B::Device, env: &DeviceEn
             .memory
             .zip(min_free)
             .map(|(m, free)| (m.total - free) as f64 / (1u64 << 30) as f64);
+        let sampled = rolled.sampled;
         eprintln!(
-            "step {step}: rollout {rollout_s:.2} s ({sampled} sampled, {} prefilled, {reused} reused), update {update_s:.2} s over {tokens} tokens, peak {}",
-            prefilled.iter().sum::<usize>(),
+            "step {step}: rollout {rollout_s:.2} s ({sampled} sampled, {} prefilled, {} reused, {:.2} s waiting for tool calls), update {update_s:.2} s over {tokens} tokens, peak {}",
+            rolled.prefilled,
+            rolled.reused,
+            rolled.env_wait_s,
             peak_memory_gib.map_or("unknown".into(), |g| format!("{g:.1} GiB"))
         );
         rows.push(StepRow {
@@ -213,8 +187,10 @@ fn bench<B: AutodiffBackend>(a: &BenchPpoArgs, device: B::Device, env: &DeviceEn
             rollout_s,
             sampled_tokens: sampled,
             sampled_tokens_per_s: sampled as f64 / rollout_s,
-            prefilled_per_turn: prefilled,
-            reused_tokens: reused,
+            prefilled_per_turn: rolled.prefilled_per_round,
+            prefilled_tokens: rolled.prefilled,
+            reused_tokens: rolled.reused,
+            env_wait_s: rolled.env_wait_s,
             update_s,
             episode_tokens: tokens,
             trained_tokens_per_s: (tokens * learner.cfg.ppo.epochs.max(1)) as f64 / update_s,
@@ -256,6 +232,9 @@ fn bench<B: AutodiffBackend>(a: &BenchPpoArgs, device: B::Device, env: &DeviceEn
         checkpointing: a.checkpointing,
         micro_batch: a.micro_batch.max(1),
         reference: a.reference,
+        schedule: a.schedule,
+        env_latency_s: a.env_latency_s,
+        turn_spread: a.turn_spread,
         steps: rows,
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
@@ -280,6 +259,9 @@ struct Report {
     checkpointing: bool,
     micro_batch: usize,
     reference: bool,
+    schedule: Schedule,
+    env_latency_s: f64,
+    turn_spread: f64,
     steps: Vec<StepRow>,
 }
 
@@ -291,11 +273,16 @@ struct StepRow {
     rollout_s: f64,
     sampled_tokens: usize,
     sampled_tokens_per_s: f64,
-    /// Context tokens prefilled per turn, all episodes together (after the first turn: the
-    /// last sampled token and the observation of each).
+    /// With `rounds`, context tokens prefilled per turn, all episodes together (after the
+    /// first turn: the last sampled token and the observation of each); with `continuous`,
+    /// per admission to the running batch.
     prefilled_per_turn: Vec<usize>,
+    /// Context tokens prefilled in all.
+    prefilled_tokens: usize,
     /// Context tokens taken from kept caches instead.
     reused_tokens: usize,
+    /// Seconds the generator sat idle waiting for simulated tool calls.
+    env_wait_s: f64,
     /// Scoring, GAE and the clipped updates of actor and critic.
     update_s: f64,
     /// Tokens of all episodes at their end.
@@ -309,4 +296,123 @@ struct StepRow {
     value_loss: Option<f64>,
     approx_kl: Option<f64>,
     sampling_logprob_mismatch: Option<f64>,
+}
+
+/// What one step's rollout did.
+struct Rolled {
+    /// Context tokens prefilled by each admission (a round's, with `rounds`).
+    prefilled_per_round: Vec<usize>,
+    prefilled: usize,
+    reused: usize,
+    sampled: usize,
+    /// Seconds the generator sat idle, no turn to decode, waiting for tool calls.
+    env_wait_s: f64,
+}
+
+/// Every episode's turns through `generator`, on the schedule asked for: each turn sampled at
+/// its length (see `--turn-spread`), each tool call answered by a simulated server after its
+/// latency (`--env-latency-s`), each answer a fixed synthetic observation appended.
+fn roll(
+    generator: &mut dyn Generator,
+    samples: &mut [Sample],
+    a: &BenchPpoArgs,
+    observation: usize,
+    vocab: usize,
+    step: usize,
+) -> Rolled {
+    let params = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: a.new_tokens,
+        ..Default::default()
+    };
+    let episodes = samples.len();
+    // Deterministic per (step, episode, turn): the same work on both schedules.
+    let draw = |e: usize, turn: usize, what: u64| {
+        let key = derive(step as u64, e as u64, (turn as u64) << 1 | what);
+        ReplayRng::new(key).unit_f64()
+    };
+    let turn_tokens = |e: usize, turn: usize| {
+        let cut = (a.turn_spread.clamp(0.0, 1.0) * a.new_tokens as f64 * draw(e, turn, 0)) as usize;
+        (a.new_tokens - cut).max(1)
+    };
+    let latency = |e: usize, turn: usize| {
+        std::time::Duration::from_secs_f64(
+            -a.env_latency_s.max(0.0) * (1.0 - draw(e, turn, 1)).ln(),
+        )
+    };
+    let start = |e: usize, s: &Sample, turn: usize| TurnStart {
+        key: e,
+        context: s.tokens.clone(),
+        max_new_tokens: turn_tokens(e, turn),
+        seed: derive(step as u64, e as u64, turn as u64),
+    };
+    let mut out = Rolled {
+        prefilled_per_round: Vec::new(),
+        prefilled: 0,
+        reused: 0,
+        sampled: 0,
+        env_wait_s: 0.0,
+    };
+    let mut turns_done = vec![0usize; episodes];
+    // Episodes waiting for their tool call's answer, with when it comes.
+    let mut at_server: Vec<(Instant, usize)> = Vec::new();
+    let mut ready: Vec<usize> = (0..episodes).collect();
+    loop {
+        let now = Instant::now();
+        at_server.retain(|&(at, e)| {
+            let due = at <= now;
+            if due {
+                ready.push(e);
+            }
+            !due
+        });
+        // Rounds admit a whole round at once, when every call of the last one is answered.
+        let admit_now = match a.schedule {
+            Schedule::Continuous => !ready.is_empty(),
+            Schedule::Rounds => {
+                generator.running() == 0 && at_server.is_empty() && !ready.is_empty()
+            }
+        };
+        if admit_now {
+            ready.sort_unstable();
+            let turns: Vec<TurnStart> = ready
+                .drain(..)
+                .map(|e| start(e, &samples[e], turns_done[e]))
+                .collect();
+            let (prefilled, reused) = generator.admit(turns, &params);
+            out.prefilled_per_round.push(prefilled);
+            out.prefilled += prefilled;
+            out.reused += reused;
+        }
+        if generator.running() == 0 {
+            let Some(next) = at_server.iter().map(|&(at, _)| at).min() else {
+                break;
+            };
+            let wait = next.saturating_duration_since(Instant::now());
+            std::thread::sleep(wait);
+            out.env_wait_s += wait.as_secs_f64();
+            continue;
+        }
+        for (e, g) in generator.step() {
+            let turn = turns_done[e];
+            let s = &mut samples[e];
+            out.sampled += g.tokens.len();
+            s.tokens.extend(&g.tokens);
+            s.policy.extend(std::iter::repeat_n(true, g.tokens.len()));
+            s.logprobs.extend(&g.logprobs);
+            turns_done[e] += 1;
+            if turns_done[e] < a.turns {
+                s.tokens.extend(
+                    (0..observation).map(|i| ((i * 104_729 + turn * 31 + e) % vocab) as u32),
+                );
+                s.policy.extend(std::iter::repeat_n(false, observation));
+                s.logprobs.extend(std::iter::repeat_n(0.0, observation));
+                at_server.push((Instant::now() + latency(e, turn), e));
+            }
+        }
+    }
+    for e in 0..episodes {
+        generator.end_conversation(e);
+    }
+    out
 }

@@ -267,6 +267,29 @@ pub struct BenchPpoArgs {
     /// Score a KL reference too (the base with adapters off, or a copy of the policy).
     #[arg(long)]
     pub reference: bool,
+    /// How turns share the generator: `rounds` (every episode's turn, then every tool call,
+    /// then the next round) or `continuous` (a turn joins the running batch as soon as its
+    /// tool call is answered, and leaves it as soon as it ends).
+    #[arg(long, value_enum, default_value = "rounds")]
+    pub schedule: Schedule,
+    /// Mean seconds a simulated server takes to answer a tool call (drawn per call from an
+    /// exponential distribution; 0: at once).
+    #[arg(long, default_value_t = 0.0)]
+    pub env_latency_s: f64,
+    /// Spread of turn lengths: each turn samples between (1 - spread) x --new-tokens and
+    /// --new-tokens tokens (0: all the same).
+    #[arg(long, default_value_t = 0.0)]
+    pub turn_spread: f64,
+}
+
+/// How a rollout's turns share the generator.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Round by round: each round's turns decode together, then wait for every tool call.
+    Rounds,
+    /// Continuous batching: turns join and leave the running batch between decode steps.
+    Continuous,
 }
 
 /// The stage configuration: the TOML file (or the defaults), then the flags that override it.
