@@ -54,6 +54,9 @@ pub enum TrainError {
     /// Loading or saving a model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The environment servers' addresses (`server.urls`) cannot be used.
+    #[error("server.urls")]
+    Fleet(#[source] env_client::FleetError),
     /// The environment server could not be reached or answered an error.
     #[error("environment")]
     Env(#[from] env_client::ClientError),

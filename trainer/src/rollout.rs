@@ -7,7 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use env_api::{EvaluateRequest, ResetRequest, ResetResponse, SolutionRef, StepResponse, TaskRef};
+use env_api::{
+    error_chain, ErrorChain, EvaluateRequest, ResetRequest, ResetResponse, SolutionRef,
+    StepResponse, TaskRef,
+};
 use env_client::{ClientError, Fleet, FleetConfig, FleetError, ServerHandle};
 use serde_json::Value;
 use tokio::sync::Semaphore;
@@ -114,7 +117,7 @@ impl EnvPool {
             resolve_every: Duration::from_secs_f64(section.resolve_every_s.max(0.0)),
             ..FleetConfig::default()
         })
-        .map_err(|e| TrainError::Config(format!("server.urls: {e}")))?;
+        .map_err(TrainError::Fleet)?;
         Ok(Self {
             fleet,
             sources: section.urls.len(),
@@ -382,9 +385,10 @@ fn open(
                 match prompt(round.renderer, &resp) {
                     Ok(p) => sample.push_context(&p),
                     Err(e) => {
+                        let e = error_chain(&e);
                         tracing::warn!(episode = %resp.episode_id, "prompt rendering failed: {e}");
                         sample.outcome = Some(Outcome::Failed);
-                        sample.reason = Some(e.to_string());
+                        sample.reason = Some(e);
                     }
                 }
                 Live {
@@ -396,10 +400,11 @@ fn open(
                 }
             }
             Err(e) => {
+                let e = error_chain(&e);
                 tracing::warn!(reset = i, "reset failed: {e}");
                 let mut sample = Sample::new(resets[i].task.as_deref().unwrap_or(""), "");
                 sample.outcome = Some(Outcome::Failed);
-                sample.reason = Some(e.to_string());
+                sample.reason = Some(e);
                 Live {
                     sample,
                     server: None,
@@ -531,10 +536,10 @@ fn apply_answer(
             append_observation(renderer, l, &message, true, context);
         }
         Err(e) => {
-            tracing::warn!(episode = %l.sample.episode_id, "step failed: {e}");
+            tracing::warn!(episode = %l.sample.episode_id, "step failed: {}", ErrorChain(&e));
             l.lost = e.is_server_gone();
             l.sample.outcome = Some(Outcome::Failed);
-            l.sample.reason = Some(e.to_string());
+            l.sample.reason = Some(error_chain(&e));
             l.done = true;
         }
     }
@@ -596,7 +601,7 @@ fn evaluate_answers(round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64
             Err(e) => {
                 l.lost = e.is_server_gone();
                 l.sample.outcome = Some(Outcome::Failed);
-                l.sample.reason = Some(e.to_string());
+                l.sample.reason = Some(error_chain(&e));
             }
         }
         l.done = true;
@@ -638,7 +643,7 @@ fn append_observation(
         }
         Err(e) => {
             l.sample.outcome = Some(Outcome::Failed);
-            l.sample.reason = Some(format!("observation rendering: {e}"));
+            l.sample.reason = Some(format!("observation rendering: {}", ErrorChain(&e)));
             l.done = true;
         }
     }

@@ -259,6 +259,12 @@ impl<B: Backend> KvCache<B> {
                 r.layers
                     .iter()
                     .map(|l| {
+                        #[allow(
+                            clippy::expect_used,
+                            reason = "a row with filled slots has keys and values in every layer: \
+                                      append fills both, and only a decode step takes them out \
+                                      (take_storage), putting them back before it returns"
+                        )]
                         let zero = |z: &Option<Tensor<B, 4>>| {
                             z.as_ref()
                                 .map(|z| z.clone().narrow(2, 0, 1).zeros_like())

@@ -160,7 +160,7 @@ fn release(
             let id = l.sample.episode_id.clone();
             closes.push(round.rt.spawn(async move {
                 if let Err(e) = server.client().close(&id).await {
-                    tracing::warn!(episode = %id, "close failed: {e}");
+                    tracing::warn!(episode = %id, "close failed: {}", env_api::ErrorChain(&e));
                 }
             }));
         }
