@@ -170,8 +170,7 @@ async fn a_timed_evaluation_has_its_core_and_nothing_else_reaches_it() {
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = sample(stop.clone());
     let escaping = json!({"task": "L1/2_Add", "solution": format!("{ADD_CANDIDATE}\n{ESCAPE}")});
-    let plain =
-        json!({"task": "L1/2_Add", "solution": format!("{ADD_CANDIDATE}\n# the second\n")});
+    let plain = json!({"task": "L1/2_Add", "solution": format!("{ADD_CANDIDATE}\n# the second\n")});
     let (ra, rb, rh) = tokio::join!(
         call(&s, "POST", "/v1/evaluate", Some(escaping)),
         call(&s, "POST", "/v1/evaluate", Some(plain)),
@@ -225,7 +224,10 @@ async fn a_timed_evaluation_has_its_core_and_nothing_else_reaches_it() {
             .filter(|p| p.cpus == "1")
             .map(|p| p.uid)
             .collect();
-        assert!(timed.len() <= 2, "three uids on the reserved core: {snap:?}");
+        assert!(
+            timed.len() <= 2,
+            "three uids on the reserved core: {snap:?}"
+        );
         if !timed.is_empty()
             && snap
                 .iter()

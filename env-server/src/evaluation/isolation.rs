@@ -227,6 +227,18 @@ impl TimingIsolation {
                     cpusets: Some(cpusets),
                 }
             }
+            Err(why) if !has_cap_sys_nice() => {
+                // Raising another uid's threads from SCHED_IDLE needs CAP_SYS_NICE: lowered
+                // without it, an evaluation would time at SCHED_IDLE.
+                tracing::warn!(%why, "no timing isolation: not pinned, and without CAP_SYS_NICE the server cannot raise evaluations it started lowered");
+                info.note = Some(format!(
+                    "not pinned ({why}); no priority mode without CAP_SYS_NICE"
+                ));
+                Self {
+                    info,
+                    cpusets: None,
+                }
+            }
             Err(why) => {
                 tracing::info!(%why, "timed evaluations kept apart by priority");
                 info.mode = IsolationMode::Priority;
@@ -328,28 +340,35 @@ impl Cpusets {
                 .map_err(|e| io(dir, e))?;
             std::fs::write(dir.join("cpuset.mems"), &mems).map_err(|e| io(dir, e))
         };
-        make(&root, &all)?;
-        let this = Self {
+        let mut this = Self {
             root: root.clone(),
             parent,
             timed: Vec::new(),
         };
-        let mut this = this;
-        for (i, cores) in reserved.iter().enumerate() {
-            let dir = root.join(format!("timed{i}"));
-            make(&dir, cores)?;
-            this.timed.push(dir);
+        let made = (|| {
+            make(&root, &all)?;
+            for (i, cores) in reserved.iter().enumerate() {
+                let dir = root.join(format!("timed{i}"));
+                make(&dir, cores)?;
+                this.timed.push(dir);
+            }
+            let shared_dir = root.join("shared");
+            make(&shared_dir, shared)?;
+            // The server itself, so that everything it starts from now on inherits the
+            // shared cores (moving a process moves all its threads).
+            std::fs::write(
+                shared_dir.join("cgroup.procs"),
+                std::process::id().to_string(),
+            )
+            .map_err(|e| io(&shared_dir, e))
+        })();
+        match made {
+            Ok(()) => Ok(this),
+            Err(e) => {
+                remove_tree(&root);
+                Err(e)
+            }
         }
-        let shared_dir = root.join("shared");
-        make(&shared_dir, shared)?;
-        // The server itself, so that everything it starts from now on inherits the shared
-        // cores (moving a process moves all its threads).
-        std::fs::write(
-            shared_dir.join("cgroup.procs"),
-            std::process::id().to_string(),
-        )
-        .map_err(|e| io(&shared_dir, e))?;
-        Ok(this)
     }
 
     /// Moves the server back to where it was and removes the cpusets that hold no process.
@@ -531,6 +550,22 @@ fn split_list(
         })
         .collect();
     Ok((reserved, shared))
+}
+
+/// Whether this process holds `CAP_SYS_NICE` (bit 23 of `CapEff` in its status).
+fn has_cap_sys_nice() -> bool {
+    const CAP_SYS_NICE: u32 = 23;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_string();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_NICE) != 0)
 }
 
 /// The cores this process may run on.
