@@ -233,8 +233,12 @@ pub struct Throughput {
 pub struct TimeSplit {
     /// Sampling.
     pub generate: f64,
-    /// Waiting for the servers.
+    /// Waiting for the servers with nothing to decode.
     pub env: f64,
+    /// The servers' answers to tool calls, summed over calls (with continuous batching most
+    /// of it overlaps sampling: `env_requests - env` is the overlap).
+    #[serde(default)]
+    pub env_requests: f64,
     /// The whole rollout.
     pub rollout: f64,
     /// The update.

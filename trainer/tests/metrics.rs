@@ -52,6 +52,7 @@ fn ppo_record(step: usize, entropy: f64) -> MetricsRecord {
             time_s: TimeSplit {
                 generate: 20.0,
                 env: 10.0,
+                env_requests: 25.0,
                 rollout: 31.0,
                 update: 9.0,
                 total: 40.0,

@@ -148,6 +148,7 @@ fn throughput(stats: &RolloutStats, rollout_s: f64, update_s: f64, total_s: f64)
         time_s: TimeSplit {
             generate: stats.generate_s,
             env: stats.env_s,
+            env_requests: stats.env_requests_s,
             rollout: rollout_s,
             update: update_s,
             total: total_s,
