@@ -86,6 +86,7 @@ pub fn prepare_pch(cfg: &ServerConfig) -> Result<PathBuf, StartError> {
 pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let data_dir = prepare_data_dir(&cfg.data_dir)?;
     raise_open_file_limit();
+    no_realtime_priority();
     // Before the server starts any process of its own (the precompiled headers' builds): in
     // `alone` mode a child still running would keep the server from nesting.
     agent_tools::sandbox::nest(cfg.cgroup_nesting);
@@ -429,6 +430,23 @@ fn retention_of(cfg: &ServerConfig, data_dir: &Path) -> Retention {
             in_use_window: cfg.eval_timeout * 2,
         },
         interval: cfg.retention_interval,
+    }
+}
+
+/// Sets `RLIMIT_RTPRIO` to 0, soft and hard, for the server and so for everything it starts:
+/// the sandbox fixes a command's nice ceiling but not this one, and a host that lets the
+/// server's processes take a real-time policy would let a candidate's worker run `SCHED_FIFO`
+/// above its own baselines (the reference worker at the normal policy) and above its judge.
+/// The server itself keeps what root's `CAP_SYS_NICE` allows (raising an evaluation to the
+/// normal policy needs no real-time priority).
+fn no_realtime_priority() {
+    let none = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: setrlimit with a valid struct; lowering a limit is always allowed.
+    if unsafe { libc::setrlimit(libc::RLIMIT_RTPRIO, &none) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "RLIMIT_RTPRIO left as it is");
     }
 }
 

@@ -25,8 +25,9 @@ const ADD_CANDIDATE: &str = include_str!("../../tests/cpu_add_candidate.py");
 
 /// What the candidate tries once its module is imported (after the gate, so while its
 /// evaluation holds the lease): its affinity widened to every core, other processes' affinity
-/// (its keeper, pid 1, and every pid near its own that is not a thread of its own), and its
-/// own move into the shared cpuset. It prints what came of each.
+/// (its keeper, pid 1, and every pid near its own that is not a thread of its own), its own
+/// move into the shared cpuset, a real-time policy and a nice value below 0 (either would put
+/// it above its baselines). It prints what came of each.
 const ESCAPE: &str = r#"
 import json as _json
 import os as _os
@@ -49,7 +50,9 @@ def _move():
     with open("/sys/fs/cgroup/cpuset" + _cpuset.rsplit("/", 1)[0] + "/shared/cgroup.procs", "w") as f:
         f.write(str(_me))
 _moved = _errno(_move)
-print("ISOLATION " + _json.dumps({"before": _before, "widen": _widen, "after": _after, "others": _others, "moved": _moved, "cpuset": _cpuset}), flush=True)
+_fifo = _errno(lambda: _os.sched_setscheduler(0, _os.SCHED_FIFO, _os.sched_param(1)))
+_nice = _errno(lambda: _os.setpriority(_os.PRIO_PROCESS, 0, -5))
+print("ISOLATION " + _json.dumps({"before": _before, "widen": _widen, "after": _after, "others": _others, "moved": _moved, "cpuset": _cpuset, "fifo": _fifo, "nice": _nice}), flush=True)
 "#;
 
 /// One process the sampler saw.
@@ -133,6 +136,15 @@ async fn a_timed_evaluation_has_its_core_and_nothing_else_reaches_it() {
     if cores() < 2 || unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: needs root and 2 cores");
         return;
+    }
+    // A host that allows real-time priorities, where the test may raise the limit
+    // (CAP_SYS_RESOURCE): the server takes the allowance away from everything it starts.
+    let rt = libc::rlimit {
+        rlim_cur: 10,
+        rlim_max: 10,
+    };
+    if unsafe { libc::setrlimit(libc::RLIMIT_RTPRIO, &rt) } != 0 {
+        eprintln!("RLIMIT_RTPRIO not raised: the real-time check sees the host's own limit");
     }
     let dir = tempfile::tempdir().unwrap();
     let s = state_from(ServerConfig {
@@ -273,5 +285,13 @@ async fn a_timed_evaluation_has_its_core_and_nothing_else_reaches_it() {
     assert_ne!(
         tried["moved"], "ok",
         "the candidate moved itself into another cpuset: {tried}"
+    );
+    assert_ne!(
+        tried["fifo"], "ok",
+        "the candidate took a real-time policy: {tried}"
+    );
+    assert_ne!(
+        tried["nice"], "ok",
+        "the candidate raised its priority: {tried}"
     );
 }
