@@ -84,7 +84,7 @@ def server_info(url: str, api_key: str | None) -> dict:
         return {}
 
 
-def verdict_of_run(rewards: list[int], speedups: dict, threshold: float, evals: int) -> str:
+def verdict_of_run(rewards: list[int], speedups: dict, threshold: float) -> str:
     """Whether the run meets the bar: one reward in >= 90% of the evaluations whenever every
     median speedup is at least 3% from the threshold."""
     if not rewards:
@@ -195,7 +195,7 @@ def main() -> int:
             print(f"x {k}: median {statistics.median(xs):.3f}, range {min(xs):.3f}-{max(xs):.3f}; the median is {near:.1f}% from the threshold")
     for k, xs in medians.items():
         print(f"{k} median across evaluations: {spread(xs)}")
-    print(verdict_of_run(rewards, speedups, threshold, args.evals))
+    print(verdict_of_run(rewards, speedups, threshold))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
