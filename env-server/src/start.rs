@@ -107,6 +107,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         } else {
             1
         },
+        cfg.prestart.unwrap_or(device == Device::Cuda),
         // Moving and raising other uids' processes, found by the uids leased to them.
         // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() } == 0,

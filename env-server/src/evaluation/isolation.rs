@@ -161,13 +161,20 @@ const PREFIX: &str = "cuda-agent-cpus.";
 impl TimingIsolation {
     /// No isolation (what embedders get unless they ask).
     pub fn off() -> Self {
-        Self::new(&TimingCores::Off, Device::Cpu, 1, true)
+        Self::new(&TimingCores::Off, Device::Cpu, 1, false, true)
     }
 
-    /// Sets up what `asked` asks for on `device` with `slots` device slots; `can_raise` says
-    /// whether the server may move and raise other uids' processes (root, with uids of the
-    /// pool). Never fails: what the host does not allow falls back, with a note.
-    pub fn new(asked: &TimingCores, device: Device, slots: usize, can_raise: bool) -> Self {
+    /// Sets up what `asked` asks for on `device` with `slots` device slots, evaluations
+    /// started ahead of their lease or not (`prestart`); `can_raise` says whether the server
+    /// may move and raise other uids' processes (root, with uids of the pool). Never fails:
+    /// what the host does not allow falls back, with a note.
+    pub fn new(
+        asked: &TimingCores,
+        device: Device,
+        slots: usize,
+        prestart: bool,
+        can_raise: bool,
+    ) -> Self {
         let host = allowed_cores();
         let mut info = TimingIsolationInfo {
             asked: match asked {
@@ -220,7 +227,7 @@ impl TimingIsolation {
                     "the server",
                     "builds",
                     "agent commands",
-                    "evaluations before their lease (prestart)",
+                    "evaluations before their gate",
                 ];
                 Self {
                     info,
@@ -246,8 +253,12 @@ impl TimingIsolation {
                 info.lowered = vec![
                     "builds (nice 10, low CPU weight)",
                     "agent commands (nice 10, low CPU weight)",
-                    "evaluations before their lease (prestart: SCHED_IDLE, autogroup nice 19)",
                 ];
+                if prestart {
+                    info.lowered.push(
+                        "evaluations before their lease (prestart: SCHED_IDLE, autogroup nice 19)",
+                    );
+                }
                 Self {
                     info,
                     cpusets: None,
