@@ -64,6 +64,33 @@ struct Seen {
     what: String,
 }
 
+/// Whether `pid` descends from this test process (the server runs in it): the host may run
+/// other people's servers and harnesses at the same time.
+fn ours(pid: u32) -> bool {
+    let me = std::process::id();
+    let mut p = pid;
+    for _ in 0..64 {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            return false;
+        };
+        let Some(ppid) = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u32>().ok())
+        else {
+            return false;
+        };
+        if ppid == me {
+            return true;
+        }
+        if ppid <= 1 {
+            return false;
+        }
+        p = ppid;
+    }
+    false
+}
+
 /// The harness's processes and the agent's marked command now (zombies and root's keepers
 /// left out).
 fn snapshot() -> Vec<Seen> {
@@ -102,7 +129,7 @@ fn snapshot() -> Vec<Seen> {
             .next()
             .and_then(|u| u.parse().ok())
             .unwrap_or(0);
-        if uid == 0 || field("State:").starts_with('Z') {
+        if uid == 0 || !ours(pid) || field("State:").starts_with('Z') {
             continue;
         }
         out.push(Seen {

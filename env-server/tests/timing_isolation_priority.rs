@@ -38,6 +38,33 @@ fn policy(stat: &str) -> Option<i64> {
     rest.split_whitespace().nth(38)?.parse().ok()
 }
 
+/// Whether `pid` descends from this test process (the server runs in it): the host may run
+/// other people's servers and harnesses at the same time.
+fn ours(pid: u32) -> bool {
+    let me = std::process::id();
+    let mut p = pid;
+    for _ in 0..64 {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            return false;
+        };
+        let Some(ppid) = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u32>().ok())
+        else {
+            return false;
+        };
+        if ppid == me {
+            return true;
+        }
+        if ppid <= 1 {
+            return false;
+        }
+        p = ppid;
+    }
+    false
+}
+
 /// The evaluations' judges and serving workers now (not builds, not zombies, not keepers).
 fn snapshot() -> Vec<Seen> {
     let mut out = Vec::new();
@@ -67,7 +94,7 @@ fn snapshot() -> Vec<Seen> {
         let zombie = status
             .lines()
             .any(|l| l.starts_with("State:") && l.contains('Z'));
-        if uid == 0 || zombie {
+        if uid == 0 || !ours(pid) || zombie {
             continue;
         }
         let policies: BTreeSet<i64> = std::fs::read_dir(format!("/proc/{pid}/task"))
