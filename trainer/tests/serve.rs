@@ -157,6 +157,93 @@ async fn answers_have_the_openai_shape_and_count_tokens() {
     assert_eq!(usage["total_tokens"], prompt_tokens + completion);
 }
 
+/// Requests sent at once decode together (continuous batching: of different lengths, sampling
+/// settings and `n`, one streamed) and each gets the answer it gets alone; a client that hangs
+/// up mid-stream leaves the batch without holding up the others.
+#[tokio::test]
+async fn requests_at_once_decode_together_and_answer_as_they_would_alone() {
+    let server = Server::start(&[]);
+    let bodies: Vec<Value> = vec![
+        json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "seed": 1, "top_p": 0.9}),
+        json!({"messages": [{"role": "user", "content": "a longer question here"}], "max_tokens": 40, "seed": 2, "top_p": 0.9}),
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "seed": 3, "top_p": 0.9, "n": 2}),
+        json!({"messages": [{"role": "user", "content": "greedy"}], "max_tokens": 25, "temperature": 0}),
+        json!({"messages": [{"role": "user", "content": "streamed"}], "max_tokens": 16, "seed": 5, "top_p": 0.9, "stream": true}),
+        json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "seed": 6}),
+    ];
+    let url = server.url.clone();
+    let ask = |body: Value| {
+        let url = url.clone();
+        async move {
+            let r = reqwest::Client::new()
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let raw = r.text().await.unwrap();
+            if body["stream"] == json!(true) {
+                // The deltas joined.
+                return raw
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .filter(|d| *d != "[DONE]")
+                    .filter_map(|d| {
+                        let c: Value = serde_json::from_str(d).unwrap();
+                        c["choices"][0]["delta"]["content"]
+                            .as_str()
+                            .map(String::from)
+                    })
+                    .collect::<Vec<_>>()
+                    .join("");
+            }
+            let v: Value = serde_json::from_str(&raw).unwrap();
+            v["choices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["message"]["content"].as_str().unwrap_or("").to_string())
+                .collect::<Vec<_>>()
+                .join("|")
+        }
+    };
+    let mut alone = Vec::new();
+    for b in &bodies {
+        alone.push(ask(b.clone()).await);
+    }
+    // A long stream whose client hangs up after its first text.
+    let mut dropped = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", server.url))
+        .json(
+            &json!({"messages": [{"role": "user", "content": "long"}], "max_tokens": 400,
+                      "seed": 9, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut seen = String::new();
+    while !seen.contains("\"delta\":{\"content\":\"") {
+        let chunk = dropped
+            .chunk()
+            .await
+            .unwrap()
+            .expect("a chunk before the end");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(dropped);
+    let handles: Vec<_> = bodies
+        .iter()
+        .map(|b| tokio::spawn(ask(b.clone())))
+        .collect();
+    let mut together = Vec::new();
+    for h in handles {
+        together.push(h.await.unwrap());
+    }
+    assert_eq!(together, alone);
+    assert!(alone.iter().any(|t| !t.is_empty()), "{alone:?}");
+}
+
 #[tokio::test]
 async fn a_fixed_seed_gives_the_same_answer_streamed_or_not() {
     let server = Server::start(&[]);
@@ -476,7 +563,7 @@ async fn a_stage_checkpoint_is_served_with_its_weights() {
 #[tokio::test]
 async fn a_busy_generation_thread_refuses_beyond_its_queue_and_the_server_still_answers() {
     // No room for waiting requests: while one generates, another chat request is a 429.
-    let server = Server::start(&["--max-queue", "0"]);
+    let server = Server::start(&["--max-batch", "1", "--max-queue", "0"]);
     let http = reqwest::Client::new();
     let mut long = http
         .post(format!("{}/v1/chat/completions", server.url))

@@ -6,7 +6,7 @@
 //! do not depend on which other conversations shared its steps (up to the floating-point
 //! order of a different batch shape).
 
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 use super::{
     choose_rows, decode_one, prefill, resume, stop_reason, Draws, FinishReason, Generation,
@@ -165,10 +165,18 @@ impl<'a, B: Backend> RunningBatch<'a, B> {
     /// Samples one token for every row; turns that end (a stop token or string, or their
     /// token limit) leave the batch with their caches, and the rest are fed their new token.
     pub fn step(&mut self) -> Vec<TurnDone<B>> {
+        self.step_observed(&mut |_, _| {})
+    }
+
+    /// [`Self::step`], telling `on_token` each row's new token (by key) as it is sampled.
+    pub fn step_observed(&mut self, on_token: &mut dyn FnMut(usize, u32)) -> Vec<TurnDone<B>> {
         let Some(last) = self.last.take() else {
             return Vec::new();
         };
         let picks = choose_rows(last, &self.params, &mut Draws::PerRow(&mut self.rngs));
+        for (row, &(tok, _)) in self.rows.iter().zip(&picks) {
+            on_token(row.key, tok as u32);
+        }
         let mut keep = Vec::with_capacity(self.rows.len());
         let mut next = Vec::with_capacity(self.rows.len());
         let mut ended = Vec::new();
@@ -240,6 +248,43 @@ impl<'a, B: Backend> RunningBatch<'a, B> {
             &self.device,
         ));
         out
+    }
+
+    /// Takes the rows of `keys` out of the batch unfinished (whoever asked for them went
+    /// away); the others go on as they were.
+    pub fn cancel(&mut self, keys: &[usize]) {
+        let keep: Vec<usize> = (0..self.rows.len())
+            .filter(|&r| !keys.contains(&self.rows[r].key))
+            .collect();
+        if keep.len() == self.rows.len() {
+            return;
+        }
+        if keep.is_empty() {
+            self.cache = KvCache::new(self.arch.config.num_hidden_layers);
+            self.last = None;
+            self.rows.clear();
+            self.rngs.clear();
+            return;
+        }
+        self.cache.retain(&keep, &self.device);
+        let idx = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(
+                keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+                [keep.len()],
+            ),
+            &self.device,
+        );
+        self.last = self.last.take().map(|l| l.select(0, idx));
+        let mut r = 0;
+        self.rows.retain(|_| {
+            r += 1;
+            keep.contains(&(r - 1))
+        });
+        let mut r = 0;
+        self.rngs.retain(|_| {
+            r += 1;
+            keep.contains(&(r - 1))
+        });
     }
 
     /// Drops the leading slots no row uses any more (the longest conversations left), once

@@ -357,7 +357,11 @@ pub struct ServeArgs {
     /// Choices per request at most (`n`).
     #[arg(long, default_value_t = 8)]
     pub max_n: usize,
-    /// Requests waiting for the generation thread at most; more are answered 429.
+    /// Choices decoding together at most (continuous batching: requests join and leave the
+    /// running batch between decode steps).
+    #[arg(long, default_value_t = 16)]
+    pub max_batch: usize,
+    /// Requests waiting for a place in the batch at most; more are answered 429.
     #[arg(long, default_value_t = 32)]
     pub max_queue: usize,
     /// Request body size limit in bytes.

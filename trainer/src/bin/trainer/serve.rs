@@ -44,8 +44,8 @@ fn serve<B: burn::tensor::backend::Backend>(a: &ServeArgs, device: B::Device) ->
     };
     tracing::info!(model = %settings.model_name, context = loaded.context, "model loaded");
     let renderer = loaded.model.renderer.clone();
-    let engine =
-        Engine::start(loaded.model, a.max_queue).context("starting the generation thread")?;
+    let engine = Engine::start(loaded.model, a.max_batch, a.max_queue)
+        .context("starting the generation thread")?;
     let app = router(settings, renderer, engine);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
