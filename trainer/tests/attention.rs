@@ -355,7 +355,7 @@ fn flash_attention_matches_the_decomposed_reference_on_cuda() {
     for d in [64, 128] {
         assert!(
             trainer::kernels::flash::takes_shape(d, DType::BF16),
-            "flash attention is off: run with CUDA_AGENT_ATTENTION=flash"
+            "flash attention is off (CUDA_AGENT_ATTENTION=kernels or decomposed)"
         );
     }
     let tol = 2e-2;
@@ -370,6 +370,10 @@ fn flash_attention_matches_the_decomposed_reference_on_cuda() {
         if !ok {
             failed.push((what, diffs));
         }
+    };
+    let causal = AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
     };
     for d in [64, 128] {
         for (h, kvh) in [(7, 1), (4, 2), (2, 2)] {
@@ -399,10 +403,30 @@ fn flash_attention_matches_the_decomposed_reference_on_cuda() {
             None,
             Default::default(),
         );
-        let causal = AttentionModuleOptions {
-            is_causal: true,
-            ..Default::default()
-        };
+        // One whole tile of queries and keys, ungrouped and grouped, with and without a mask.
+        for (h, kvh) in [(1, 1), (2, 2), (2, 1), (4, 4)] {
+            check(
+                format!("flash d={d} h={h} kvh={kvh}, one whole tile, no mask"),
+                [2, h, kvh, 64, 64, d],
+                None,
+                None,
+                Default::default(),
+            );
+            check(
+                format!("flash d={d} h={h} kvh={kvh}, one whole tile, causal"),
+                [2, h, kvh, 64, 64, d],
+                None,
+                None,
+                causal,
+            );
+        }
+        check(
+            format!("flash d={d} h=2 kvh=2, two whole tiles, no mask"),
+            [2, 2, 2, 128, 128, d],
+            None,
+            None,
+            Default::default(),
+        );
         check(
             format!("flash d={d}, is_causal, 70 queries on 150 keys"),
             [2, 4, 1, 70, 150, d],
