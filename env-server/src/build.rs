@@ -723,7 +723,11 @@ mod tests {
             .split_whitespace()
             .collect();
         assert_eq!(fields[19 - 3], "19", "{stat_of_child}");
-        assert_eq!(fields[41 - 3], libc::SCHED_IDLE.to_string(), "{stat_of_child}");
+        assert_eq!(
+            fields[41 - 3],
+            libc::SCHED_IDLE.to_string(),
+            "{stat_of_child}"
+        );
         let own = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
         let own: Vec<&str> = own.rsplit_once(')').unwrap().1.split_whitespace().collect();
         assert_ne!(own[41 - 3], libc::SCHED_IDLE.to_string());
