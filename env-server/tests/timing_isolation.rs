@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use common::{call, state_from, test_config};
+use common::{call, descends_from_this_process as ours, state_from, test_config};
 use env_server::evaluation::TimingCores;
 use env_server::ServerConfig;
 use serde_json::{json, Value};
@@ -62,33 +62,6 @@ struct Seen {
     uid: u32,
     cpus: String,
     what: String,
-}
-
-/// Whether `pid` descends from this test process (the server runs in it): the host may run
-/// other people's servers and harnesses at the same time.
-fn ours(pid: u32) -> bool {
-    let me = std::process::id();
-    let mut p = pid;
-    for _ in 0..64 {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            return false;
-        };
-        let Some(ppid) = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u32>().ok())
-        else {
-            return false;
-        };
-        if ppid == me {
-            return true;
-        }
-        if ppid <= 1 {
-            return false;
-        }
-        p = ppid;
-    }
-    false
 }
 
 /// The harness's processes and the agent's marked command now (zombies and root's keepers

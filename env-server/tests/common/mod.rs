@@ -151,3 +151,30 @@ pub fn bytes_under(dir: &std::path::Path) -> u64 {
         .map(|m| m.len())
         .sum()
 }
+
+/// Whether `pid` descends from this test process (the server runs in it): the host may run
+/// other people's servers and harnesses at the same time.
+pub fn descends_from_this_process(pid: u32) -> bool {
+    let me = std::process::id();
+    let mut p = pid;
+    for _ in 0..64 {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            return false;
+        };
+        let Some(ppid) = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u32>().ok())
+        else {
+            return false;
+        };
+        if ppid == me {
+            return true;
+        }
+        if ppid <= 1 {
+            return false;
+        }
+        p = ppid;
+    }
+    false
+}
