@@ -575,6 +575,17 @@ mod tests {
         )
     }
 
+    /// `jobs` waiting in `b`, in order; their answers to come.
+    fn enqueue(b: &mut Batcher<'_, B>, jobs: &[Prepared]) -> Vec<Answer> {
+        jobs.iter()
+            .map(|j| {
+                let (w, rx) = work(j.clone());
+                b.waiting.push_back(w);
+                rx
+            })
+            .collect()
+    }
+
     /// Runs `b` until it has answered everything given to it.
     fn drain(b: &mut Batcher<'_, B>) {
         while !(b.rows.is_empty() && b.waiting.is_empty()) {
@@ -615,14 +626,7 @@ mod tests {
         }
         let done = Arc::new(AtomicUsize::new(jobs.len()));
         let mut b = Batcher::new(&model, 16, done.clone());
-        let answers: Vec<Answer> = jobs
-            .iter()
-            .map(|j| {
-                let (w, rx) = work(j.clone());
-                b.waiting.push_back(w);
-                rx
-            })
-            .collect();
+        let answers = enqueue(&mut b, &jobs);
         b.admit_waiting();
         assert_eq!(b.rows.len(), 6, "every choice decodes at once");
         assert_eq!(b.batches.len(), 2, "one batch per sampling setting");
@@ -634,14 +638,7 @@ mod tests {
         // A batch of three: the first three one-choice requests start, the others wait.
         let one_choice: Vec<Prepared> = jobs.iter().filter(|j| j.n == 1).cloned().collect();
         let mut b = Batcher::new(&model, 3, Arc::new(AtomicUsize::new(one_choice.len())));
-        let answers: Vec<Answer> = one_choice
-            .iter()
-            .map(|j| {
-                let (w, rx) = work(j.clone());
-                b.waiting.push_back(w);
-                rx
-            })
-            .collect();
+        let answers = enqueue(&mut b, &one_choice);
         b.admit_waiting();
         assert_eq!((b.rows.len(), b.waiting.len()), (3, 1));
         drain(&mut b);
