@@ -55,11 +55,11 @@ pub enum SandboxError {
     )]
     Unconfined(String),
     /// A system call failed while preparing the sandbox.
-    #[error("{0} failed: {1}")]
+    #[error("{0} failed")]
     Os(&'static str, #[source] std::io::Error),
     /// The seccomp filter could not be compiled.
-    #[error("seccomp filter: {0}")]
-    Seccomp(String),
+    #[error("seccomp filter")]
+    Seccomp(#[source] seccompiler::BackendError),
     /// Every uid of the pool is leased or runs a process.
     #[error("no free uid left in {start}..{end}: every one is leased or runs a process")]
     NoFreeUid {

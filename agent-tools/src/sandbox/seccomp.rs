@@ -77,17 +77,15 @@ const CLONE_NS_FLAGS: &[u64] = &[
 ];
 
 fn arch() -> Result<TargetArch, SandboxError> {
-    TargetArch::try_from(std::env::consts::ARCH)
-        .map_err(|e| SandboxError::Seccomp(format!("unsupported architecture: {e}")))
+    TargetArch::try_from(std::env::consts::ARCH).map_err(SandboxError::Seccomp)
 }
 
 fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, SandboxError> {
-    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)
-        .map_err(|e| SandboxError::Seccomp(e.to_string()))
+    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value).map_err(SandboxError::Seccomp)
 }
 
 fn rule(conds: Vec<SeccompCondition>) -> Result<SeccompRule, SandboxError> {
-    SeccompRule::new(conds).map_err(|e| SandboxError::Seccomp(e.to_string()))
+    SeccompRule::new(conds).map_err(SandboxError::Seccomp)
 }
 
 /// The syscall numbers of the names the filters govern (`socket`, `clone3`, `ptrace`, ...),
@@ -183,7 +181,7 @@ pub fn compile(
         SeccompAction::Errno(libc::EPERM as u32),
         arch()?,
     )
-    .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
+    .map_err(SandboxError::Seccomp)?;
 
     // clone3 passes its flags in memory a filter cannot read: answer ENOSYS so that libc
     // falls back to clone, whose flags the first filter checks.
@@ -196,7 +194,7 @@ pub fn compile(
 
     [deny, clone3, connect]
         .into_iter()
-        .map(|f| BpfProgram::try_from(f).map_err(|e| SandboxError::Seccomp(e.to_string())))
+        .map(|f| BpfProgram::try_from(f).map_err(SandboxError::Seccomp))
         .collect()
 }
 
@@ -217,7 +215,7 @@ fn refuse_with(
         SeccompAction::Errno(errno as u32),
         arch()?,
     )
-    .map_err(|e| SandboxError::Seccomp(e.to_string()))
+    .map_err(SandboxError::Seccomp)
 }
 
 /// Installs one compiled filter on the calling thread. Async-signal-safe: only a syscall.
