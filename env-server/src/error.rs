@@ -102,7 +102,8 @@ impl From<FieldTooLong> for ApiError {
 
 impl From<EvalError> for ApiError {
     fn from(e: EvalError) -> Self {
-        let msg = e.to_string();
+        // The client gets the error with its causes: they are sources, not in the message.
+        let msg = error_chain(&e);
         match e {
             EvalError::BadSolution(_) => Self::new(StatusCode::BAD_REQUEST, "bad_solution", msg),
             EvalError::QueueFull(_) => Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", msg),

@@ -29,7 +29,7 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum ObserveError {
     /// The kernel refused a sampling event (no permission, no perf support, a seccomp filter).
-    #[error("perf_event_open on cpu {cpu}: {source}")]
+    #[error("perf_event_open on cpu {cpu}")]
     Open {
         /// The CPU.
         cpu: usize,
@@ -38,13 +38,13 @@ pub enum ObserveError {
         source: std::io::Error,
     },
     /// Mapping or redirecting a ring buffer failed.
-    #[error("perf ring buffer: {0}")]
+    #[error("perf ring buffer")]
     Ring(#[source] std::io::Error),
     /// The tree's root is gone.
     #[error("process {0} is gone")]
     Gone(u32),
     /// The probe's own process could not start.
-    #[error("starting the probe's process: {0}")]
+    #[error("starting the probe's process")]
     Probe(#[source] std::io::Error),
 }
 

@@ -40,7 +40,7 @@ pub enum StartError {
     #[error(transparent)]
     Pch(#[from] build::PchError),
     /// The data directory.
-    #[error("data directory {0}: {1}")]
+    #[error("data directory {0}")]
     DataDir(PathBuf, #[source] std::io::Error),
     /// The data directory lies under a path that every sandboxed process may read.
     #[error("data directory {data_dir} is readable by sandboxed processes: it lies under {root}, which every sandbox may read, so agents could read each other's trajectories and builds; choose a --data-dir outside {root}")]
@@ -276,7 +276,9 @@ fn toolchain(
                 toolchain_dirs.push(pch.dir.clone());
                 build::spawn_pch_builds(pch, variants.to_vec(), tool_path.clone());
             }
-            Err(e) => tracing::warn!(error = %e, "building without precompiled headers"),
+            Err(e) => {
+                tracing::warn!(error = %env_api::ErrorChain(&e), "building without precompiled headers")
+            }
         }
     }
     (toolchain, toolchain_dirs)
@@ -323,7 +325,7 @@ fn confine(
 /// evaluation.
 fn probe_observer(asked: bool) -> Result<(), String> {
     let observer = if asked {
-        observe::probe().map_err(|e| e.to_string())
+        observe::probe().map_err(|e| env_api::error_chain(&e))
     } else {
         Ok(())
     };

@@ -442,7 +442,7 @@ impl EpisodeManager {
         {
             Ok(r) => r,
             Err(e) => reward::failed(
-                format!("evaluation_error: {e}"),
+                format!("evaluation_error: {}", error_chain(&e)),
                 EvaluationDetails {
                     task: task.id.clone(),
                     server_error: true,

@@ -125,7 +125,7 @@ pub struct EnterReport {
 #[derive(Debug, thiserror::Error)]
 pub enum IsolationError {
     /// A cgroup or `/proc` file could not be written.
-    #[error("timing isolation: {path}: {source}")]
+    #[error("timing isolation: {path}")]
     Io {
         /// The file.
         path: PathBuf,

@@ -308,7 +308,7 @@ async fn start_observing(
                 uid: None,
             },
         ])
-        .map_err(|e| e.to_string())
+        .map_err(|e| env_api::error_chain(&e))
     })
     .await
     .map_err(|e| EvalError::Harness(format!("observer: {e}")))

@@ -70,7 +70,7 @@ pub enum EvalError {
     #[error("evaluation harness failed: {0}")]
     Harness(String),
     /// A file operation on the evaluation's own directories.
-    #[error("evaluation harness failed: {path}: {source}")]
+    #[error("evaluation harness failed: {path}")]
     Io {
         /// The path.
         path: PathBuf,
@@ -79,7 +79,7 @@ pub enum EvalError {
         source: std::io::Error,
     },
     /// The sandbox refused (no uids, no ruleset).
-    #[error("evaluation harness failed: {context}: {source}")]
+    #[error("evaluation harness failed: {context}")]
     Sandbox {
         /// What was being done.
         context: &'static str,
@@ -88,7 +88,7 @@ pub enum EvalError {
         source: agent_tools::SandboxError,
     },
     /// A process could not be started.
-    #[error("evaluation harness failed: spawn {what}: {source}")]
+    #[error("evaluation harness failed: spawn {what}")]
     Spawn {
         /// Which process.
         what: &'static str,
@@ -97,17 +97,17 @@ pub enum EvalError {
         source: std::io::Error,
     },
     /// Blocking work on the runtime's pool panicked or was cancelled.
-    #[error("evaluation harness failed: {0}")]
+    #[error("evaluation harness failed")]
     Join(#[from] tokio::task::JoinError),
     /// A device lease could not be taken (the evaluator is shutting down).
-    #[error("evaluation harness failed: device lease: {0}")]
+    #[error("evaluation harness failed: device lease")]
     Lease(#[from] tokio::sync::AcquireError),
     /// The timed evaluation's processes could not be moved onto their cores or raised.
-    #[error("evaluation harness failed: {0}")]
+    #[error("evaluation harness failed")]
     Isolation(#[from] isolation::IsolationError),
     /// Room for the evaluation's volume in the memory budget could not be waited for (the
     /// evaluator is shutting down).
-    #[error("evaluation harness failed: volume memory: {source}")]
+    #[error("evaluation harness failed: volume memory")]
     VolumeBudget {
         /// The error.
         #[source]
