@@ -4,6 +4,8 @@
 //! recomputes the probabilities (vendor/burn-autodiff); this keeps that honest on the CPU
 //! and, with `--features cuda -- --ignored`, on a GPU.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use burn::backend::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::{attention, attention_fallback};
