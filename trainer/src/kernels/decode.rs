@@ -22,6 +22,7 @@ use burn_cubecl::FloatElement;
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 use cubecl_cuda::external;
+use env_api::ErrorChain;
 
 use super::module::{self, Source};
 use super::stream::{enabled, Cube, Cuda, CudaTensor, FusionTensor, Handles, Runtime};
@@ -100,7 +101,10 @@ pub fn install() -> bool {
     }
     for source in [&super::norm::SOURCE, &super::swiglu::SOURCE] {
         if let Err(e) = module::check(source) {
-            tracing::warn!("{e}; the decode step: burn operations instead");
+            tracing::warn!(
+                "{}; the decode step: burn operations instead",
+                ErrorChain(&e)
+            );
             return false;
         }
     }
@@ -843,7 +847,7 @@ impl Queued<'_> {
         let blocks = u32::try_from(blocks)
             .map_err(|_| format!("decode step: {blocks} blocks do not fit a grid"))?;
         module::launch(source, kernel, blocks, threads, self.stream, args)
-            .map_err(|e| e.to_string())
+            .map_err(|e| ErrorChain(&e).to_string())
     }
 
     fn gemm(&self, g: RawGemm) -> Result<(), String> {

@@ -5,12 +5,13 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as driver, sys as cuda};
 use cudarc::nvrtc::result as nvrtc;
+use env_api::ErrorChain;
 
 /// Why a source's kernels could not be compiled, loaded or launched.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum KernelError {
     /// A driver call failed.
-    #[error("{call}: {source}")]
+    #[error("{call} failed")]
     Driver {
         /// The call.
         call: String,
@@ -19,7 +20,7 @@ pub(crate) enum KernelError {
         source: driver::DriverError,
     },
     /// NVRTC failed outside compilation (creating the program, reading its PTX).
-    #[error("NVRTC, {name}: {source}")]
+    #[error("NVRTC, {name}")]
     Nvrtc {
         /// The source.
         name: &'static str,
@@ -28,7 +29,7 @@ pub(crate) enum KernelError {
         source: nvrtc::NvrtcError,
     },
     /// The source does not compile.
-    #[error("NVRTC could not compile {name}: {source}\n{log}")]
+    #[error("NVRTC could not compile {name}:\n{log}")]
     Compile {
         /// The source.
         name: &'static str,
@@ -39,7 +40,7 @@ pub(crate) enum KernelError {
         source: nvrtc::NvrtcError,
     },
     /// A source or its name holds a NUL byte.
-    #[error("{name}: {source}")]
+    #[error("{name} holds a NUL byte")]
     Nul {
         /// The source.
         name: &'static str,
@@ -181,11 +182,12 @@ fn load(source: &Source, device: i32) -> Result<Loaded, KernelError> {
             .kernels
             .iter()
             .map(|k| {
-                driver::module::get_function(
-                    module,
-                    CString::new(*k).expect("kernel names have no NUL"),
-                )
-                .map_err(driver_error(format!("cuModuleGetFunction {k}")))
+                let name = CString::new(*k).map_err(|e| KernelError::Nul {
+                    name: source.name,
+                    source: e,
+                })?;
+                driver::module::get_function(module, name)
+                    .map_err(driver_error(format!("cuModuleGetFunction {k}")))
             })
             .collect::<Result<Vec<_>, _>>()
             .map(Loaded)
@@ -231,18 +233,19 @@ pub(crate) fn launch_shared(
     let function = {
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
         let key = (source.name, device);
-        if !loaded.iter().any(|(k, _)| *k == key) {
-            let module = load(source, device).map_err(Arc::new);
-            if let Err(e) = &module {
-                tracing::error!("{e}");
+        let at = match loaded.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                let module = load(source, device).map_err(Arc::new);
+                if let Err(e) = &module {
+                    tracing::error!("{}", ErrorChain(e.as_ref()));
+                }
+                loaded.push((key, module));
+                loaded.len() - 1
             }
-            loaded.push((key, module));
-        }
-        let (_, module) = loaded
-            .iter()
-            .find(|(k, _)| *k == key)
-            .expect("inserted above");
-        let module = module
+        };
+        let module = loaded[at]
+            .1
             .as_ref()
             .map_err(|e| KernelError::Cached(e.clone()))?;
         *module.0.get(kernel).ok_or(KernelError::NoKernel {

@@ -133,8 +133,14 @@ fn backward<F: FloatElement>(
     let mut out = client
         .register(streams, OperationIr::Custom(desc), op)
         .into_iter();
-    let dx = out.next().expect("two outputs registered");
-    let dw = out.next().expect("two outputs registered");
+    #[allow(
+        clippy::expect_used,
+        reason = "the fusion client returns one tensor per output the description names: two"
+    )]
+    let (dx, dw) = (
+        out.next().expect("two outputs registered"),
+        out.next().expect("two outputs registered"),
+    );
     (dx, dw)
 }
 

@@ -128,6 +128,10 @@ impl<F: FloatElement> Backward<Cuda<F>, 1> for RopeBackward<F> {
         let [parent] = ops.parents;
         if let Some(parent) = parent {
             let (cos, sin) = ops.state;
+            #[allow(
+                clippy::expect_used,
+                reason = "the gradient has the forward's shape and dtype, which `rotate` took"
+            )]
             let dx = rotate::<F>(&grad, &cos, &sin, true).expect("the forward's shapes and dtypes");
             grads.register::<Cuda<F>>(parent.id, dx);
         }

@@ -11,6 +11,7 @@ use burn_fusion::Fusion;
 use burn_ir::HandleContainer;
 use cubecl_cuda::{external, CudaRuntime};
 use cubecl_runtime::server::Binding;
+use env_api::ErrorChain;
 
 use super::module::{self, Source};
 
@@ -58,7 +59,7 @@ pub(crate) fn enabled(source: &Source, env: &str, what: &str) -> bool {
     match module::check(source) {
         Ok(()) => true,
         Err(e) => {
-            tracing::warn!("{e}; {what}: burn operations instead");
+            tracing::warn!("{}; {what}: burn operations instead", ErrorChain(&e));
             false
         }
     }
@@ -109,6 +110,10 @@ pub(crate) fn queue_shared(
     nulls: usize,
     scalars: &[u64],
 ) {
+    #[allow(
+        clippy::expect_used,
+        reason = "every source this module queues is in `sources`, a fixed list beside it"
+    )]
     let number = sources()
         .iter()
         .position(|s| std::ptr::eq(*s, source))
@@ -156,5 +161,5 @@ fn run(call: external::ExternalCall<'_>) -> Result<(), String> {
         call.stream,
         &args,
     )
-    .map_err(|e| e.to_string())
+    .map_err(|e| ErrorChain(&e).to_string())
 }

@@ -101,10 +101,15 @@ fn gate_backward<F: FloatElement>(gu: &Tensor, grad: &Tensor) -> Tensor {
         desc: desc.clone(),
         _f: PhantomData,
     };
-    client
+    #[allow(
+        clippy::expect_used,
+        reason = "the fusion client returns one tensor per output the description names: one"
+    )]
+    let out = client
         .register(streams, OperationIr::Custom(desc), op)
         .pop()
-        .expect("one output registered")
+        .expect("one output registered");
+    out
 }
 
 /// The tracked operation on the autodiff backend.

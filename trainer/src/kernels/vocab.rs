@@ -127,10 +127,15 @@ fn backward(
         temperature,
         backward: true,
     };
-    client
+    #[allow(
+        clippy::expect_used,
+        reason = "the fusion client returns one tensor per output the description names: one"
+    )]
+    let out = client
         .register(streams, OperationIr::Custom(desc), op)
         .pop()
-        .expect("one output registered")
+        .expect("one output registered");
+    out
 }
 
 /// The tracked operation on the autodiff backend.
