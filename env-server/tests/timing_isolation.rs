@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use common::{call, descends_from_this_process as ours, state_from, test_config};
+use common::{call, descends_from_this_process as ours, processes, state_from, test_config};
 use env_server::evaluation::TimingCores;
 use env_server::ServerConfig;
 use serde_json::{json, Value};
@@ -68,14 +68,7 @@ struct Seen {
 /// left out).
 fn snapshot() -> Vec<Seen> {
     let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+    for (pid, cmd) in processes() {
         let what = if cmd.contains("evaluate.py") {
             "judge"
         } else if cmd.contains("cuda_agent_worker.py") && cmd.contains(" build") {

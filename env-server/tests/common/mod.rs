@@ -178,3 +178,18 @@ pub fn descends_from_this_process(pid: u32) -> bool {
     }
     false
 }
+
+/// Every process now, as its pid and its command line with spaces for the NULs (processes
+/// gone while read are left out).
+pub fn processes() -> Vec<(u32, String)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            Some((pid, String::from_utf8_lossy(&cmd).replace('\0', " ")))
+        })
+        .collect()
+}
