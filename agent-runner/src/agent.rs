@@ -46,7 +46,8 @@ pub const FIRST_PROMPT_SHARE: f64 = 1.0 / 3.0;
 
 /// Tokens per character assumed for a prompt before the model has reported any. JSON
 /// schemas tokenize densely: the full first prompt of an L1 task, 11.7 KB (9.8 KB of it the
-/// tools' schemas), measured 7,623 tokens, 0.65 a character.
+/// tools' schemas, before they were compacted to 7 KB), measured 7,623 tokens, 0.65 a
+/// character.
 pub const TOKENS_PER_CHAR_GUESS: f64 = 0.65;
 
 /// Which first prompt an episode starts with.

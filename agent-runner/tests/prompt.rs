@@ -46,7 +46,9 @@ fn the_compact_prompt_fits_a_third_of_an_8k_context_where_the_full_one_does_not(
         !full_prompt_too_long(full, 128_000),
         "a large context takes the full prompt"
     );
-    assert!(compact * 3 < full, "compact {compact} chars, full {full}");
+    // The full prompt's schemas are compacted too (8.9 KB with an L1 task's prompt), so the
+    // compact one is under half of it, not a third as before.
+    assert!(compact * 2 < full, "compact {compact} chars, full {full}");
     eprintln!("first prompt: full {full} chars, compact {compact} chars");
     assert_eq!(compact_tools.len(), COMPACT_TOOLS.len());
 }

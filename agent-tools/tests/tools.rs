@@ -379,9 +379,25 @@ fn schemas_are_openai_function_tools() {
     }
     let bash = &schemas[0]["function"]["parameters"];
     assert_eq!(bash["required"], json!(["command"]));
+    // Optional by not being required: no `null` type, no `default: null`, no `$defs`.
+    assert_eq!(bash["properties"]["timeout"]["type"], json!("integer"));
+    assert!(bash["properties"]["timeout"].get("default").is_none());
+    for s in &schemas {
+        let text = s.to_string();
+        assert!(
+            !text.contains("$ref") && !text.contains("\"null\"") && !text.contains("\"format\""),
+            "{text}"
+        );
+    }
+    let grep = &schemas[7]["function"]["parameters"];
     assert_eq!(
-        bash["properties"]["timeout"]["type"],
-        json!(["integer", "null"])
+        grep["properties"]["output_mode"]["enum"],
+        json!(["content", "files_with_matches", "count"])
+    );
+    let todo = &schemas[3]["function"]["parameters"];
+    assert_eq!(
+        todo["properties"]["todos"]["items"]["properties"]["status"]["enum"],
+        json!(["pending", "in_progress", "completed"])
     );
     let edit = &schemas[2]["function"]["parameters"];
     assert_eq!(edit["required"], json!(["file_path", "edits"]));

@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BashArgs {
-    /// The command to run with bash in the workspace. The working directory persists between calls.
+    /// The command to run with bash in the workspace.
     pub command: String,
     /// Timeout in milliseconds (default 120000, at most 600000, and never past the episode's tool time left).
     #[serde(default)]
@@ -63,7 +63,7 @@ pub struct GrepArgs {
     /// Only search files of this type: `py`, `cpp` (C and C++ sources and headers), `cuda`, `md`, `txt`, `json`, `sh`.
     #[serde(default, rename = "type")]
     pub file_type: Option<String>,
-    /// `content` (matching lines), `files_with_matches` (paths, the default) or `count`.
+    /// Matching lines, the paths of matching files (the default) or counts per file.
     #[serde(default)]
     pub output_mode: Option<GrepOutputMode>,
     /// Case-insensitive search.
@@ -95,11 +95,11 @@ pub struct GrepArgs {
 pub struct EditArgs {
     /// The file to edit (relative to the workspace root, or absolute inside it).
     pub file_path: String,
-    /// The exact text to replace (empty to create a file that does not exist yet).
+    /// The exact text to replace.
     pub old_string: String,
     /// The text to put in its place.
     pub new_string: String,
-    /// Replace every occurrence instead of requiring exactly one.
+    /// Replace every occurrence.
     #[serde(default)]
     pub replace_all: bool,
 }
@@ -108,11 +108,11 @@ pub struct EditArgs {
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Edit {
-    /// The exact text to replace (empty, in the first edit, to create a new file).
+    /// The exact text to replace.
     pub old_string: String,
     /// The text to put in its place.
     pub new_string: String,
-    /// Replace every occurrence instead of requiring exactly one.
+    /// Replace every occurrence.
     #[serde(default)]
     pub replace_all: bool,
 }
@@ -123,7 +123,7 @@ pub struct Edit {
 pub struct MultiEditArgs {
     /// The file to edit (relative to the workspace root, or absolute inside it).
     pub file_path: String,
-    /// Edits applied in order; all of them or none are written.
+    /// The replacements, in order.
     pub edits: Vec<Edit>,
 }
 

@@ -7,6 +7,7 @@ mod files;
 mod glob;
 mod grep;
 mod nearest;
+mod schema;
 mod todo;
 
 use std::path::{Path, PathBuf};
@@ -210,7 +211,7 @@ const TOOLS: &[ToolSpec] = &[
     },
     ToolSpec {
         name: "Grep",
-        description: "Search file contents in the workspace with a regular expression (ripgrep syntax). output_mode: files_with_matches (paths, the default), content (matching lines, with -n line numbers, -A/-B/-C context), count. Filter files with glob (`*.cpp`) or type (`py`, `cpp`, `cuda`); -i ignores case; multiline lets a match span lines; head_limit keeps the first N lines or entries. Hidden files and binary files are skipped.",
+        description: "Search file contents in the workspace with a regular expression (ripgrep syntax); hidden and binary files are skipped.",
         schema: || schemars::schema_for!(GrepArgs),
     },
     ToolSpec {
@@ -230,7 +231,8 @@ pub fn tool_schemas() -> Vec<Value> {
     TOOLS
         .iter()
         .map(|t| {
-            let mut params = serde_json::to_value((t.schema)()).unwrap_or(Value::Null);
+            let params = serde_json::to_value((t.schema)()).unwrap_or(Value::Null);
+            let mut params = schema::compact(params);
             if let Some(obj) = params.as_object_mut() {
                 obj.remove("$schema");
                 obj.remove("title");
