@@ -1857,14 +1857,22 @@ def milestone(correct: bool, candidate_ms: float | None, eager_ms: float | None,
     return 3 if beats(candidate_ms, compile_ms) else 2
 
 
+def milestone_rule() -> str:
+    """The reward's rule in words, from the margin beats uses: SKILL.md states it word for word
+    and profile.py prints it (tests/python/test_skill_pages.py holds the page to it)."""
+    keep = 1.0 - MILESTONE_MARGIN
+    return (f"A baseline is beaten when your median time is more than {MILESTONE_MARGIN:.0%} below its median "
+            f"(a speedup above 1/{keep:g} = {1.0 / keep:.3f}); the noise band decides nothing.")
+
+
 def milestone_note(candidate_ms: float, baseline_ms: float, band: tuple[float, float] | None) -> str:
     """What the candidate's time against one baseline means for the reward (decided by beats,
     the rule itself), and whether the speedup's band says another evaluation could land on
     the other side of the threshold."""
     threshold = 1.0 / (1.0 - MILESTONE_MARGIN)
     reached = beats(candidate_ms, baseline_ms)
-    text = ("more than 5% faster on the medians: milestone reached" if reached
-            else "not more than 5% faster on the medians: no milestone")
+    text = (f"more than {MILESTONE_MARGIN:.0%} faster on the medians: milestone reached" if reached
+            else f"not more than {MILESTONE_MARGIN:.0%} faster on the medians: no milestone")
     if band is not None and band[0] <= threshold < band[1]:
         text += f" (the band straddles {threshold:.3f}: another evaluation may {'not reach it' if reached else 'reach it'})"
     return text

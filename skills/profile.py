@@ -102,6 +102,7 @@ def main() -> int:
     reward = judge.milestone(True, t.get("candidate"), t.get("eager"), t.get("compile"))
     skipped = " (torch.compile not timed: run --compare eager compile for 3)" if t.get("compile") is None and reward == 2 else ""
     print(f"reward by the final evaluation's rule, were it to measure these medians: {reward}{skipped}")
+    print(f"the rule: {judge.milestone_rule()}")
     print(written)
     return 0
 

@@ -65,6 +65,32 @@ async fn an_episode_with_every_tool_then_submit() {
         "{}",
         s.observation.text
     );
+    // SKILL.md's detail is a workspace file, laid out for the device and read-only.
+    let s = c
+        .step(&id, "Read", json!({"file_path": "SKILL_REFERENCE.md"}))
+        .await
+        .unwrap();
+    assert!(
+        s.observation.text.contains("(this server's device)"),
+        "{}",
+        s.observation.text
+    );
+    let s = c
+        .step(
+            &id,
+            "Write",
+            json!({"file_path": "SKILL_REFERENCE.md", "content": "nothing"}),
+        )
+        .await
+        .unwrap();
+    assert!(
+        s.observation.is_error
+            && s.observation
+                .text
+                .contains("SKILL_REFERENCE.md is read-only"),
+        "{}",
+        s.observation.text
+    );
     let s = c.step(&id, "Write", json!({"file_path": "model_new.py", "content": ADD_CANDIDATE.replace("pa[i] + pb[i]", "pa[i] - pb[i]")})).await.unwrap();
     assert!(!s.observation.is_error, "{}", s.observation.text);
     let s = c.step(&id, "MultiEdit", json!({"file_path": "model_new.py", "edits": [{"old_string": "pa[i] - pb[i]", "new_string": "pa[i] + pb[i]"}]})).await.unwrap();
@@ -97,7 +123,10 @@ async fn an_episode_with_every_tool_then_submit() {
     let kinds: Vec<&str> = t.records.iter().map(|r| r.kind()).collect();
     assert_eq!(
         kinds,
-        ["reset", "step", "step", "step", "step", "step", "step", "step", "final"]
+        [
+            "reset", "step", "step", "step", "step", "step", "step", "step", "step", "step",
+            "final"
+        ]
     );
     let tools: Vec<&str> = t
         .records
@@ -113,6 +142,8 @@ async fn an_episode_with_every_tool_then_submit() {
             "TodoWrite",
             "Glob",
             "Read",
+            "Read",
+            "Write",
             "Write",
             "MultiEdit",
             "Bash",

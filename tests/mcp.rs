@@ -117,7 +117,8 @@ async fn mcp_sessions_are_episodes() {
         uris,
         [
             "cuda-agent://episode/prompt",
-            "cuda-agent://episode/SKILL.md"
+            "cuda-agent://episode/SKILL.md",
+            "cuda-agent://episode/SKILL_REFERENCE.md"
         ]
     );
     let read = |uri: &str| {
@@ -138,6 +139,14 @@ async fn mcp_sessions_are_episodes() {
     assert!(prompt.starts_with("Task L1/2_Add:"), "{prompt}");
     let skill = read("cuda-agent://episode/SKILL.md").await;
     assert!(skill.contains("(this server's device)"), "{skill}");
+    // The first page leaves the other device's section to the reference, which has both.
+    assert!(!skill.contains("(not this server's device"), "{skill}");
+    let reference = read("cuda-agent://episode/SKILL_REFERENCE.md").await;
+    assert!(
+        reference.contains("(this server's device)")
+            && reference.contains("(not this server's device"),
+        "{reference}"
+    );
     assert!(a
         .read_resource(ReadResourceRequestParams::new("cuda-agent://nothing"))
         .await
@@ -223,10 +232,16 @@ async fn mcp_sessions_are_episodes() {
     let early = call(&b, "Glob", json!({"pattern": "*"})).await;
     assert_eq!(early.is_error, Some(true));
     assert!(text(&early).contains("reset"), "{early:?}");
-    // No prompt before the episode starts; SKILL.md is there all along.
+    // No prompt before the episode starts; SKILL.md and its reference are there all along.
     let listed = b.list_all_resources().await.unwrap();
-    assert_eq!(listed.len(), 1, "{listed:?}");
-    assert_eq!(listed[0].uri, "cuda-agent://episode/SKILL.md");
+    let uris: Vec<&str> = listed.iter().map(|r| r.uri.as_str()).collect();
+    assert_eq!(
+        uris,
+        [
+            "cuda-agent://episode/SKILL.md",
+            "cuda-agent://episode/SKILL_REFERENCE.md"
+        ]
+    );
     assert!(b
         .read_resource(ReadResourceRequestParams::new(
             "cuda-agent://episode/prompt"

@@ -12,7 +12,8 @@
 //! tool that does not exist, is an error result the model reads and takes no turn, as a 4xx
 //! does over HTTP. A session opened with a task in its URL gets the task prompt in the
 //! `initialize` answer's instructions (clients put those before the model); the prompt and
-//! the workspace's `SKILL.md` are also resources ([`PROMPT_URI`], [`SKILL_URI`]). A `reset` in a session that already has an episode
+//! the workspace's `SKILL.md` and `SKILL_REFERENCE.md` are also resources ([`PROMPT_URI`],
+//! [`SKILL_URI`], [`REFERENCE_URI`]). A `reset` in a session that already has an episode
 //! closes that one first if it is still running; a session that ends (DELETE, or idle past the
 //! server's idle timeout) closes its episode if it is still running.
 //!
@@ -61,9 +62,13 @@ pub const PROMPT_URI: &str = "cuda-agent://episode/prompt";
 /// The resource holding the workspace's `SKILL.md` (as laid out for this server's device).
 pub const SKILL_URI: &str = "cuda-agent://episode/SKILL.md";
 
+/// The resource holding the workspace's `SKILL_REFERENCE.md` (as laid out for this server's
+/// device): the detail `SKILL.md` points to.
+pub const REFERENCE_URI: &str = "cuda-agent://episode/SKILL_REFERENCE.md";
+
 /// What every session is told at `initialize`; a session opened with a task in its URL gets
 /// the task prompt after it, since that prompt is otherwise never shown to the model.
-const INSTRUCTIONS: &str = "One session is one episode of writing a faster ModelNew. Open the session at /mcp?task=ID or call `reset`, then use the tools; Submit ends the episode and its result carries the reward. The task prompt is also the resource cuda-agent://episode/prompt, and SKILL.md the resource cuda-agent://episode/SKILL.md.";
+const INSTRUCTIONS: &str = "One session is one episode of writing a faster ModelNew. Open the session at /mcp?task=ID or call `reset`, then use the tools; Submit ends the episode and its result carries the reward. The task prompt is also the resource cuda-agent://episode/prompt, SKILL.md the resource cuda-agent://episode/SKILL.md (its detail in cuda-agent://episode/SKILL_REFERENCE.md).";
 
 /// The newest protocol revision served: the last with the `initialize` handshake, which
 /// sessions (and so episodes) rest on.
@@ -482,6 +487,11 @@ impl ServerHandler for EpisodeSession {
                 .with_description("The loop (profile, implement, verify, tune), how the evaluation judges, the rules and the reward")
                 .with_mime_type("text/markdown"),
         );
+        out.push(
+            Resource::new(REFERENCE_URI, "SKILL_REFERENCE.md")
+                .with_description("SKILL.md's detail: measured build times, examples, what verify.py and profile.py print, the other device's advice")
+                .with_mime_type("text/markdown"),
+        );
         Ok(ListResourcesResult::with_all_items(out))
     }
 
@@ -498,14 +508,15 @@ impl ServerHandler for EpisodeSession {
                 )
             })?,
             SKILL_URI => self.inner.state.episodes.skill_md(),
+            REFERENCE_URI => self.inner.state.episodes.skill_reference_md(),
             other => {
                 return Err(ErrorData::resource_not_found(
-                    format!("no resource {other:?}; the resources are {PROMPT_URI} and {SKILL_URI}"),
+                    format!("no resource {other:?}; the resources are {PROMPT_URI}, {SKILL_URI} and {REFERENCE_URI}"),
                     None,
                 ))
             }
         };
-        let mime = if request.uri == SKILL_URI {
+        let mime = if request.uri == SKILL_URI || request.uri == REFERENCE_URI {
             "text/markdown"
         } else {
             "text/plain"
@@ -566,6 +577,19 @@ mod tests {
                 schema["function"]["parameters"]
             );
         }
+    }
+
+    /// `tools/list` is in every MCP episode's first prompt: 10,403 bytes before the schemas
+    /// were compacted (agent_tools' `schema::compact`) and their repeated prose cut, 8,081
+    /// after (JSON with a space after each separator; 7,692 without).
+    #[test]
+    fn the_tools_list_stays_compact() {
+        let text = serde_json::to_string(&tools()).unwrap();
+        assert!(text.len() < 8_500, "tools/list is {} bytes", text.len());
+        assert!(
+            !text.contains("$defs") && !text.contains("Arguments of"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 /// The harness files, compiled into the server so that its copy cannot be tampered with.
 pub const HARNESS_FILES: &[(&str, &str)] = &[
     ("SKILL.md", include_str!("../../skills/SKILL.md")),
+    (
+        "SKILL_REFERENCE.md",
+        include_str!("../../skills/SKILL_REFERENCE.md"),
+    ),
     ("verify.py", include_str!("../../skills/verify.py")),
     ("profile.py", include_str!("../../skills/profile.py")),
     (
@@ -32,6 +36,7 @@ pub const HARNESS_FILES: &[(&str, &str)] = &[
 /// The files laid read-only into every workspace (evaluate.py is the server's alone).
 pub const WORKSPACE_FILES: &[&str] = &[
     "SKILL.md",
+    "SKILL_REFERENCE.md",
     "verify.py",
     "profile.py",
     "cuda_agent_harness.py",
@@ -278,22 +283,58 @@ pub fn check_cuda_ipc(python: &Path, harness_dir: &Path) -> Result<(), RuntimeEr
     Err(RuntimeError::NoCudaIpc(why.to_string()))
 }
 
-/// Where a device's section of `SKILL.md` starts: `<!-- device: cpu -->` or
-/// `<!-- device: cuda -->`, its first line a `## ` heading.
+/// Where a device's section of `SKILL.md` or `SKILL_REFERENCE.md` starts:
+/// `<!-- device: cpu -->` or `<!-- device: cuda -->`, its first line a `## ` heading.
 const SECTION_START: &str = "<!-- device: ";
 /// Where a device's section ends.
 const SECTION_END: &str = "<!-- end device -->";
 
-/// `SKILL.md` as the workspace of a `device` server holds it: that device's section where
-/// the source keeps the device sections (before the loop), its heading marked as this
-/// server's, and the other device's section moved to the end, marked as not this server's.
-/// An agent reads the page from the top: on a CPU server GPU advice first cost episodes.
-/// A source without the markers is returned as it is.
-pub fn render_skill(device: Device) -> String {
-    render_skill_from(include_str!("../../skills/SKILL.md"), device)
+/// What a laid-out page does with the sections of the devices other than the server's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OtherDevices {
+    /// Moved to the end, marked as not this server's (the reference file).
+    AtTheEnd,
+    /// Left out (`SKILL.md`: its reader is the agent, whose every token counts; the
+    /// reference file keeps them).
+    LeftOut,
 }
 
-fn render_skill_from(source: &str, device: Device) -> String {
+/// `SKILL.md` as the workspace of a `device` server holds it: that device's section where
+/// the source keeps the device sections (before the loop), its heading marked as this
+/// server's; the other device's section is left out (it is in `SKILL_REFERENCE.md`). An
+/// agent reads the page from the top: on a CPU server GPU advice first cost episodes, and
+/// the whole page read every episode was most of what its observations held.
+pub fn render_skill(device: Device) -> String {
+    render_from(
+        include_str!("../../skills/SKILL.md"),
+        device,
+        OtherDevices::LeftOut,
+    )
+}
+
+/// `SKILL_REFERENCE.md` as the workspace of a `device` server holds it: that device's
+/// section where the source keeps the device sections, the other device's at the end,
+/// marked as not this server's.
+pub fn render_skill_reference(device: Device) -> String {
+    render_from(
+        include_str!("../../skills/SKILL_REFERENCE.md"),
+        device,
+        OtherDevices::AtTheEnd,
+    )
+}
+
+/// A harness file's text as the workspace of a `device` server holds it: the two pages laid
+/// out for the device, every other file as it is.
+pub fn workspace_text(name: &str, text: &str, device: Device) -> String {
+    match name {
+        "SKILL.md" => render_skill(device),
+        "SKILL_REFERENCE.md" => render_skill_reference(device),
+        _ => text.to_string(),
+    }
+}
+
+/// A source without the markers is returned as it is.
+fn render_from(source: &str, device: Device, others_go: OtherDevices) -> String {
     let mut rest = String::new();
     let mut own = None;
     let mut others = Vec::new();
@@ -303,7 +344,13 @@ fn render_skill_from(source: &str, device: Device) -> String {
         let Some(len) = at[start..].find(SECTION_END) else {
             break;
         };
-        rest.push_str(&at[..start]);
+        let before = &at[..start];
+        // A left-out section takes its blank line with it.
+        if place.is_some() && before.trim().is_empty() {
+            rest.push_str(before.trim_start_matches('\n'));
+        } else {
+            rest.push_str(before);
+        }
         place.get_or_insert(rest.len());
         let block = &at[start..start + len];
         let (marker, body) = block.split_once('\n').unwrap_or((block, ""));
@@ -323,10 +370,12 @@ fn render_skill_from(source: &str, device: Device) -> String {
         at = &at[start + len + SECTION_END.len()..];
         at = at.strip_prefix('\n').unwrap_or(at);
     }
-    rest.push_str(at);
     let Some(place) = place else {
         return source.to_string();
     };
+    // The text after the sections starts on a line of its own.
+    let tail = at.trim_start_matches('\n');
+    rest.push_str(tail);
     let mut out = String::with_capacity(source.len() + 128);
     out.push_str(&rest[..place]);
     if let Some(own) = own {
@@ -334,12 +383,14 @@ fn render_skill_from(source: &str, device: Device) -> String {
         out.push_str("\n\n");
     }
     out.push_str(&rest[place..]);
-    for other in others {
-        if !out.ends_with("\n\n") {
+    if others_go == OtherDevices::AtTheEnd {
+        for other in others {
+            if !out.ends_with("\n\n") {
+                out.push('\n');
+            }
+            out.push_str(&other);
             out.push('\n');
         }
-        out.push_str(&other);
-        out.push('\n');
     }
     out
 }
@@ -353,7 +404,7 @@ fn mark_heading(body: &str, note: &str) -> String {
 }
 
 /// Writes the pristine harness into `dir` (read-only), replacing whatever was there;
-/// `SKILL.md` as [`render_skill`] lays it out for `device`.
+/// `SKILL.md` and `SKILL_REFERENCE.md` as [`workspace_text`] lays them out for `device`.
 pub fn install_harness(dir: &Path, device: Device) -> Result<(), RuntimeError> {
     use std::os::unix::fs::PermissionsExt;
     let io = |p: &Path, e| RuntimeError::Io(p.to_path_buf(), e);
@@ -366,14 +417,7 @@ pub fn install_harness(dir: &Path, device: Device) -> Result<(), RuntimeError> {
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     for (name, text) in HARNESS_FILES {
         let p = dir.join(name);
-        let rendered;
-        let text = if *name == "SKILL.md" {
-            rendered = render_skill(device);
-            rendered.as_str()
-        } else {
-            text
-        };
-        std::fs::write(&p, text).map_err(|e| io(&p, e))?;
+        std::fs::write(&p, workspace_text(name, text, device)).map_err(|e| io(&p, e))?;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444))
             .map_err(|e| io(&p, e))?;
     }
@@ -389,8 +433,8 @@ mod skill_tests {
     const SOURCE: &str = "# Title\nintro\n\n<!-- device: cpu -->\n## On a CPU\ncpu text\n<!-- end device -->\n\n<!-- device: cuda -->\n## On a GPU\ngpu text\n<!-- end device -->\n\n## Loop\nloop text\n";
 
     #[test]
-    fn each_device_reads_its_own_section_first_and_the_other_last() {
-        let cpu = render_skill_from(SOURCE, Device::Cpu);
+    fn the_reference_puts_the_devices_own_section_first_and_the_other_last() {
+        let cpu = render_from(SOURCE, Device::Cpu, OtherDevices::AtTheEnd);
         let own = cpu.find("## On a CPU (this server's device)").expect(&cpu);
         let other = cpu
             .find("## On a GPU (not this server's device: for reference)")
@@ -398,7 +442,7 @@ mod skill_tests {
         let lp = cpu.find("## Loop").unwrap();
         assert!(own < lp && lp < other, "{cpu}");
         assert!(!cpu.contains("<!--"), "{cpu}");
-        let gpu = render_skill_from(SOURCE, Device::Cuda);
+        let gpu = render_from(SOURCE, Device::Cuda, OtherDevices::AtTheEnd);
         let own = gpu.find("## On a GPU (this server's device)").expect(&gpu);
         let other = gpu
             .find("## On a CPU (not this server's device")
@@ -407,17 +451,104 @@ mod skill_tests {
     }
 
     #[test]
-    fn the_bundled_page_has_both_sections() {
+    fn skill_md_holds_the_devices_own_section_alone() {
+        let cpu = render_from(SOURCE, Device::Cpu, OtherDevices::LeftOut);
+        assert_eq!(
+            cpu,
+            "# Title\nintro\n\n## On a CPU (this server's device)\ncpu text\n\n## Loop\nloop text\n"
+        );
+        let gpu = render_from(SOURCE, Device::Cuda, OtherDevices::LeftOut);
+        assert_eq!(
+            gpu,
+            "# Title\nintro\n\n## On a GPU (this server's device)\ngpu text\n\n## Loop\nloop text\n"
+        );
+    }
+
+    #[test]
+    fn the_bundled_pages_lay_out_each_device() {
         for device in [Device::Cpu, Device::Cuda] {
             let page = render_skill(device);
             assert!(page.contains("(this server's device)"), "{device:?}");
-            assert!(page.contains("(not this server's device"), "{device:?}");
+            assert!(!page.contains("(not this server's device"), "{device:?}");
             assert!(!page.contains(SECTION_START), "{device:?}");
+            let reference = render_skill_reference(device);
+            let own = reference
+                .find("(this server's device)")
+                .expect("own section");
+            let other = reference
+                .find("(not this server's device")
+                .expect("other section");
+            assert!(own < other, "{device:?}");
+            assert!(!reference.contains(SECTION_START), "{device:?}");
+        }
+    }
+
+    /// What the agent reads whole in every episode: the first page stays short (it was
+    /// 22,890 characters, most of an episode's observations); the detail is in the reference.
+    #[test]
+    fn skill_md_stays_a_short_first_page() {
+        for device in [Device::Cpu, Device::Cuda] {
+            let n = render_skill(device).chars().count();
+            assert!(
+                n <= 9_500,
+                "{device:?}: SKILL.md is {n} characters; move detail to SKILL_REFERENCE.md"
+            );
+        }
+    }
+
+    /// Each `SKILL_REFERENCE.md, "Section"` that SKILL.md points to is a heading there.
+    #[test]
+    fn skill_md_points_to_sections_the_reference_has() {
+        let skill = include_str!("../../skills/SKILL.md");
+        let reference = include_str!("../../skills/SKILL_REFERENCE.md");
+        let mut pointers = 0;
+        for (at, _) in skill.match_indices("SKILL_REFERENCE.md, \"") {
+            let rest = &skill[at + "SKILL_REFERENCE.md, \"".len()..];
+            let name = rest.split('"').next().unwrap_or_default();
+            assert!(
+                reference.contains(&format!("\n## {name}\n")),
+                "SKILL.md points to {name:?}, which SKILL_REFERENCE.md lacks"
+            );
+            pointers += 1;
+        }
+        assert!(pointers > 0);
+    }
+
+    #[test]
+    fn the_workspace_gets_both_pages_laid_out() {
+        for name in ["SKILL.md", "SKILL_REFERENCE.md"] {
+            assert!(WORKSPACE_FILES.contains(&name), "{name}");
+            assert!(HARNESS_FILES.iter().any(|(n, _)| *n == name), "{name}");
+            let text = workspace_text(name, "", Device::Cpu);
+            assert!(text.contains("(this server's device)"), "{name}");
+        }
+        assert_eq!(workspace_text("verify.py", "x", Device::Cpu), "x");
+    }
+
+    #[test]
+    fn the_installed_pages_are_read_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let harness = dir.path().join("harness");
+        install_harness(&harness, Device::Cuda).unwrap();
+        for name in ["SKILL.md", "SKILL_REFERENCE.md"] {
+            let meta = std::fs::metadata(harness.join(name)).unwrap();
+            assert_eq!(meta.permissions().mode() & 0o777, 0o444, "{name}");
+            let text = std::fs::read_to_string(harness.join(name)).unwrap();
+            assert!(
+                text.contains("## On a GPU (this server's device)"),
+                "{name}"
+            );
         }
     }
 
     #[test]
     fn a_page_without_markers_is_left_as_it_is() {
-        assert_eq!(render_skill_from("# x\ntext\n", Device::Cpu), "# x\ntext\n");
+        for others in [OtherDevices::AtTheEnd, OtherDevices::LeftOut] {
+            assert_eq!(
+                render_from("# x\ntext\n", Device::Cpu, others),
+                "# x\ntext\n"
+            );
+        }
     }
 }

@@ -820,6 +820,11 @@ impl EpisodeManager {
         crate::runtime::render_skill(self.setup.device)
     }
 
+    /// The workspaces' `SKILL_REFERENCE.md`, as laid out for this server's device.
+    pub fn skill_reference_md(&self) -> String {
+        crate::runtime::render_skill_reference(self.setup.device)
+    }
+
     fn cfg(&self) -> &EpisodeConfig {
         &self.setup.cfg
     }
