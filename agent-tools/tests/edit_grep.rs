@@ -361,3 +361,51 @@ async fn grep_refuses_bad_patterns_and_never_leaves_the_workspace() {
         .await;
     assert!(out.is_error, "{}", out.text);
 }
+
+/// A file tool aimed at a protected file names the file and where the agent's code goes;
+/// the same tools on the agent's own file work.
+#[tokio::test]
+async fn a_write_to_a_protected_file_names_it_and_where_code_goes() {
+    let mut f = fixture();
+    for (tool, args) in [
+        (
+            "Write",
+            json!({"file_path": "verify.py", "content": "print('PASS')"}),
+        ),
+        (
+            "Edit",
+            json!({"file_path": "verify.py", "old_string": "pristine", "new_string": "PASS"}),
+        ),
+        (
+            "MultiEdit",
+            json!({"file_path": "./model.py", "edits": [{"old_string": "pass", "new_string": "x = 1"}]}),
+        ),
+    ] {
+        let out = f.call(tool, args).await;
+        assert!(out.is_error, "{tool}: {}", out.text);
+        assert!(
+            out.text.contains("is read-only")
+                && out
+                    .text
+                    .contains("your code goes in model_new.py and kernels/"),
+            "{tool}: {}",
+            out.text
+        );
+        assert!(
+            out.text.contains("verify.py") || out.text.contains("model.py"),
+            "{tool}: {}",
+            out.text
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(f.root.join("verify.py")).unwrap(),
+        "print('pristine verify')\n"
+    );
+    let out = f
+        .call(
+            "Write",
+            json!({"file_path": "model_new.py", "content": "class ModelNew: pass\n"}),
+        )
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+}

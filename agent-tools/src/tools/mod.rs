@@ -38,7 +38,7 @@ pub enum ToolError {
     #[error("path is outside the workspace: {0}")]
     OutsideWorkspace(String),
     /// A protected file would change.
-    #[error("{0} is read-only: the harness files and the reference model cannot be changed")]
+    #[error("{0} is read-only: the harness files, SKILL.md and its reference and the reference model cannot be changed; your code goes in model_new.py and kernels/ (or a file of your own)")]
     ReadOnly(String),
     /// A file could not be read or written. The I/O error is told in the message, in the
     /// words the agent reads ([`io_reason`]), so it is not also a source.

@@ -300,7 +300,23 @@ fn task_info(t: &Task) -> TaskInfo {
     }
 }
 
-fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
+/// What the reset's prompt says of the tool-time budget beside its seconds: whether it is
+/// this device's default (sized for about ten verify/profile iterations with a build in each,
+/// [`crate::config::default_time_budget`]) or set for the episode, with the default beside.
+fn budget_note(limits: &EpisodeLimits, device: Device) -> String {
+    let default = crate::config::default_time_budget(device).as_secs_f64();
+    let server = match device {
+        Device::Cpu => "a CPU server",
+        Device::Cuda => "a GPU server",
+    };
+    if (limits.time_budget_s - default).abs() < 0.5 {
+        format!("the default on {server}: about ten verify/profile iterations with a build in each")
+    } else {
+        format!("set for this episode; the default on {server} is {default:.0} s")
+    }
+}
+
+fn prompt(task: &Task, limits: &EpisodeLimits, device: Device) -> String {
     if !task.is_kernel() {
         return format!(
             "Task {}: {} Limits: {} tool calls.",
@@ -311,12 +327,14 @@ fn prompt(task: &Task, limits: &EpisodeLimits, device: &str) -> String {
         "Task {id}: write ModelNew in model_new.py, a faster drop-in replacement for Model in model.py, using your own {lang} kernels (device: {device}).\n\
          Read SKILL.md first: it describes the loop (profile, implement, verify, tune), the rules and the reward.\n\
          Check with `python verify.py`, time with `python profile.py --compare eager compile`, then call Submit.\n\
-         Budget: {turns} tool calls and {secs:.0} s of tool time (the time your commands and file tools run). \
+         Budget: {turns} tool calls and {secs:.0} s of tool time ({note}; the time your commands and file tools run). \
          Every observation ends with what is left. When either runs out, the running command is cut (it says so) \
          and model_new.py is submitted as it is: the episode ends with its evaluation.\n\n--- model.py ---\n{source}\n\
          [{turns} of {turns} tool calls left; {secs:.0} s of {secs:.0} s tool time left]",
         id = task.id,
-        lang = if device == "cuda" { "CUDA" } else { "C++" },
+        device = device.as_str(),
+        lang = if device == Device::Cuda { "CUDA" } else { "C++" },
+        note = budget_note(limits, device),
         turns = limits.max_turns,
         secs = limits.time_budget_s,
         source = task.source
@@ -661,7 +679,7 @@ impl Setup {
             .and_then(|(toolbox, listing, volume)| {
                 let device = self.device.as_str().to_string();
                 let observation = Observation {
-                    text: prompt(task, limits, &device),
+                    text: prompt(task, limits, self.device),
                     tool: None,
                     is_error: false,
                     data: ToolData::Reset(ResetData { files: listing }).into(),
@@ -1422,6 +1440,62 @@ impl EpisodeManager {
         let n = before - map.len();
         self.counters.evicted.fetch_add(n as u64, Ordering::Relaxed);
         n
+    }
+}
+
+#[cfg(test)]
+mod prompt_tests {
+    use super::*;
+
+    fn limits(secs: f64) -> EpisodeLimits {
+        EpisodeLimits {
+            max_turns: 50,
+            time_budget_s: secs,
+            max_output_chars: 16_000,
+            disk_quota_bytes: 1 << 30,
+        }
+    }
+
+    fn task() -> Task {
+        Task {
+            id: "L1/2_Add".into(),
+            level: 1,
+            name: "2_Add".into(),
+            source: "class Model: ...".into(),
+            hash: String::new(),
+            kind: kernelbench::TaskKind::Kernel,
+        }
+    }
+
+    #[test]
+    fn the_prompt_says_the_budget_is_the_devices_default() {
+        let gpu = prompt(&task(), &limits(1200.0), Device::Cuda);
+        assert!(gpu.contains("1200 s of tool time (the default on a GPU server: about ten verify/profile iterations"), "{gpu}");
+        assert!(
+            gpu.contains("your own CUDA kernels (device: cuda)"),
+            "{gpu}"
+        );
+        let cpu = prompt(&task(), &limits(900.0), Device::Cpu);
+        assert!(
+            cpu.contains("900 s of tool time (the default on a CPU server"),
+            "{cpu}"
+        );
+    }
+
+    #[test]
+    fn a_budget_set_for_the_episode_says_so_with_the_default_beside() {
+        let short = prompt(&task(), &limits(60.0), Device::Cuda);
+        assert!(
+            short.contains(
+                "60 s of tool time (set for this episode; the default on a GPU server is 1200 s"
+            ),
+            "{short}"
+        );
+        // The last line is the budget, as in every observation.
+        assert!(
+            short.ends_with("[50 of 50 tool calls left; 60 s of 60 s tool time left]"),
+            "{short}"
+        );
     }
 }
 
