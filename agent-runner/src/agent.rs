@@ -295,7 +295,12 @@ pub fn middle_cut(text: &str, max: usize) -> String {
     let keep = max / 2;
     let head: String = text.chars().take(keep).collect();
     let tail: String = text.chars().skip(n - keep).collect();
-    format!("{head}\n[... {} characters cut ...]\n{tail}", n - 2 * keep)
+    // The model reads what was cut and how to get it: a file read whole into a small context
+    // (SKILL.md's rules sit in its middle) is read again in parts.
+    format!(
+        "{head}\n[... {} characters cut to fit the context: Read with offset and limit, or Bash with sed -n or grep, shows a part ...]\n{tail}",
+        n - 2 * keep
+    )
 }
 
 /// The conversation, with what it takes to fit it into the model's context.
@@ -702,6 +707,7 @@ mod tests {
         let cut = middle_cut(&t, 100);
         assert!(cut.starts_with(&"a".repeat(50)) && cut.ends_with(&"c".repeat(50)));
         assert!(cut.contains("100 characters cut"), "{cut}");
+        assert!(cut.contains("Read with offset and limit"), "{cut}");
         assert_eq!(middle_cut("short", 100), "short");
     }
 
