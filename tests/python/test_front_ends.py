@@ -134,6 +134,9 @@ def test_profile_json_keeps_stdout_one_document_and_writes_the_file(tmp_path, ex
     table = run("profile.py", ws, ext_dir, "--compare", "eager", "--budget-s", "0.2", "--quiet")
     assert table.returncode == 0, table.stdout + table.stderr
     assert "speedup vs eager:" in table.stdout and "full verdict (JSON" in table.stdout, table.stdout
+    # The reward's rule in the judge's words, as SKILL.md states it.
+    import cuda_agent_judge
+    assert f"the rule: {cuda_agent_judge.milestone_rule()}" in table.stdout, table.stdout
 
 
 def test_a_passing_max_rel_error_is_explained():
