@@ -41,7 +41,8 @@ pub const COMPACT_TOOLS: &[&str] = &["Bash", "Read", "Write", "Edit", "Submit"];
 
 /// Share of the model's context the first prompt may take: the rest, two thirds, is the
 /// episode's work. Past it (where the context is known) the compact prompt is used: an L1
-/// task's compact prompt fits a third of 8k tokens, its full prompt (7,623 tokens) does not.
+/// task's compact prompt fits a third of 8k tokens, its full prompt (7,623 tokens measured
+/// before the tools' schemas were compacted, 8.9 KB of text since) does not.
 pub const FIRST_PROMPT_SHARE: f64 = 1.0 / 3.0;
 
 /// Tokens per character assumed for a prompt before the model has reported any. JSON
