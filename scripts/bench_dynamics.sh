@@ -5,7 +5,11 @@
 # reward before and after PPO and draws every run's PPO curves (reward, entropy, KL, clip
 # fraction, explained variance, ...) on one figure.
 #
-#   scripts/bench_dynamics.sh [OUT_DIR]     (STEPS=150 SEEDS="0 1 2" VARIANTS="recipe no_rft no_value")
+#   scripts/bench_dynamics.sh [OUT_DIR]     (STEPS=150 SEEDS="0 1 2" VARIANTS="recipe no_rft no_value" FAMILY=tiny)
+#
+# FAMILY picks the tasks: `tiny` (the word in the prompt; RFT alone solves it) or `clue` (the
+# word in the workspace's clue.txt, demonstrations of half the tasks: RFT leaves PPO work to
+# do, so the variants can differ in how fast PPO learns; docs/BENCHMARKS.md).
 #
 # Needs the release trainer (cargo build --release -p trainer, or CUDA_AGENT_TRAINER_BIN) and
 # the test venv (scripts/python-env.sh). A PPO step of the tiny policy takes a few seconds on
@@ -17,7 +21,7 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 # shellcheck source=scripts/learning-env.sh
 . scripts/learning-env.sh
-DYNAMICS_OUT="$out" DYNAMICS_STEPS="${STEPS:-150}" DYNAMICS_SEEDS="${SEEDS:-0 1 2}" \
+DYNAMICS_OUT="$out" DYNAMICS_FAMILY="${FAMILY:-tiny}" DYNAMICS_STEPS="${STEPS:-150}" DYNAMICS_SEEDS="${SEEDS:-0 1 2}" \
   DYNAMICS_VARIANTS="${VARIANTS:-recipe no_rft no_value}" \
   cargo test --locked -p e2e-tests --test learning -- --ignored --exact training_dynamics --nocapture \
   > "$out/run.log" 2>&1 || { echo "the runs failed (see $out/run.log)" >&2; tail -20 "$out/run.log" >&2; }

@@ -416,7 +416,10 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
 /// `DYNAMICS_OUT` (required) receives each run's `ppo/metrics.jsonl` as
 /// `<variant>-seed<k>.jsonl` and a `summary.jsonl` line per run (mean reward before and after
 /// PPO); `DYNAMICS_STEPS` (150), `DYNAMICS_SEEDS` ("0 1 2") and `DYNAMICS_VARIANTS` choose the
-/// runs. The recipe's claims are read off the curves, so nothing here asserts them.
+/// runs, `DYNAMICS_FAMILY` the task family: `tiny` (the default; RFT alone solves it) or
+/// `clue` (the word is in the workspace's clue.txt, and the demonstrations cover half the
+/// tasks: see [`clue_demonstrations`]). The recipe's claims are read off the curves, so
+/// nothing here asserts them.
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "a benchmark of many minutes: scripts/bench_dynamics.sh"]
 async fn training_dynamics() {
@@ -426,10 +429,15 @@ async fn training_dynamics() {
     let steps = var("DYNAMICS_STEPS", "150");
     let seeds = var("DYNAMICS_SEEDS", "0 1 2");
     let variants = var("DYNAMICS_VARIANTS", "recipe no_rft no_value");
+    let family = var("DYNAMICS_FAMILY", "tiny");
     let bin = trainer_release();
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
-    demonstrations(&server.client()).await;
+    match family.as_str() {
+        "tiny" => drop(demonstrations(&server.client()).await),
+        "clue" => clue_demonstrations(&server.client()).await,
+        other => panic!("DYNAMICS_FAMILY is tiny or clue, not {other}"),
+    }
     let model = tiny_model(dir.path());
     // The demonstrations alone: every later run's episodes are logged beside them, and RFT
     // and value pre-training must see the same data in every run.
@@ -443,6 +451,9 @@ async fn training_dynamics() {
             let run_dir = dir.path().join(&name);
             std::fs::create_dir_all(&run_dir).unwrap();
             let cfg = config(&run_dir, &server.url, &model, seed.parse().unwrap(), 0);
+            let text = std::fs::read_to_string(&cfg).unwrap();
+            let text = text.replace("split = \"tiny\"", &format!("split = \"{family}\""));
+            std::fs::write(&cfg, text).unwrap();
             let cfg = cfg.to_str().unwrap().to_string();
             let runs = run_dir.join("runs");
             let final_of = |stage: &str| runs.join(stage).join("final").display().to_string();
@@ -499,6 +510,50 @@ async fn training_dynamics() {
             eprintln!("{line}");
             summary.push_str(&format!("{line}\n"));
             std::fs::write(out.join("summary.jsonl"), &summary).unwrap();
+        }
+    }
+}
+
+/// Demonstrations of the `clue` family, on its first half only (tasks `clue/0` to `clue/7`,
+/// six episodes each as in [`demonstrations`]: Read clue.txt, Write the word, Submit; one with
+/// a wrong word, one reading twice). Each prompt is the same but for the id, so a policy that
+/// memorises id -> word solves the demonstrated half alone; the other half needs the word
+/// copied from the Read output, which is what PPO has to make reliable.
+async fn clue_demonstrations(c: &env_client::EnvClient) {
+    // The clue family's first eight words are these (kernelbench::CLUE_WORDS).
+    for (i, word) in WORDS.iter().enumerate() {
+        for k in 0..6 {
+            let options = Some(ResetOptions {
+                max_turns: Some(MAX_TURNS),
+                time_budget_s: None,
+            });
+            let r = c
+                .reset(&ResetRequest {
+                    task: Some(format!("clue/{i}")),
+                    options,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            let id = r.episode_id;
+            let read = json!({"file_path": "clue.txt"});
+            c.step(&id, "Read", read.clone()).await.unwrap();
+            if k == 5 {
+                c.step(&id, "Read", read).await.unwrap();
+            }
+            let answer = match k {
+                4 => WORDS[(i + 1) % WORDS.len()],
+                _ => word,
+            };
+            c.step(
+                &id,
+                "Write",
+                json!({"file_path": "answer.txt", "content": answer}),
+            )
+            .await
+            .unwrap();
+            let s = c.step(&id, "Submit", json!({})).await.unwrap();
+            assert!(s.done);
         }
     }
 }

@@ -76,12 +76,21 @@ pub enum TaskKind {
         file: String,
         /// The exact text expected in it (surrounding whitespace ignored).
         value: String,
+        /// Files placed in the workspace before the first turn (name, text): the `clue`
+        /// family's `clue.txt`, which holds the word the prompt does not name.
+        given: Vec<(String, String)>,
     },
 }
 
 /// Words of the tiny family; task `tiny/{i}_{word}` asks for word `i`.
 pub const TINY_WORDS: [&str; 8] = [
     "red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl",
+];
+
+/// Words of the `clue` family: task `clue/{i}` hides word `i` in `clue.txt`.
+pub const CLUE_WORDS: [&str; 16] = [
+    "red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl", "coral", "ivory", "lilac",
+    "mauve", "ochre", "sepia", "teal", "umber",
 ];
 
 /// Checks that a source defines the three pieces of a task. This is a textual check (the
@@ -164,6 +173,31 @@ impl Task {
             kind: TaskKind::Recall {
                 file: "answer.txt".into(),
                 value: word.into(),
+                given: Vec::new(),
+            },
+        }
+    }
+
+    /// Task `i` of the `clue` family: a two-step recall. The word is not in the prompt (which
+    /// is the same for every task but the id) but in the workspace's `clue.txt`, so a policy
+    /// must read it with a tool and copy it from the tool's output into `answer.txt`. Unlike
+    /// the `tiny` family, demonstrations of some tasks do not solve the others by rote: RFT
+    /// teaches the call sequence, and what PPO adds is measurable (docs/BENCHMARKS.md).
+    pub fn clue(i: usize) -> Self {
+        let word = CLUE_WORDS[i % CLUE_WORDS.len()];
+        let name = i.to_string();
+        let source =
+            "Read clue.txt, write the word it holds into answer.txt, then call Submit.".to_string();
+        Self {
+            id: format!("clue/{name}"),
+            level: 0,
+            name,
+            hash: sha256_hex(&format!("{source}\n{word}")),
+            source,
+            kind: TaskKind::Recall {
+                file: "answer.txt".into(),
+                value: word.into(),
+                given: vec![("clue.txt".into(), format!("{word}\n"))],
             },
         }
     }
@@ -266,21 +300,24 @@ impl TaskSet {
             .ok_or_else(|| TaskError::Unknown(id.into()))
     }
 
-    /// Adds the tiny family's tasks (split `tiny`, never part of `all`).
+    /// Adds the tiny families' tasks (splits `tiny` and `clue`, never part of `all`).
     pub fn with_tiny_family(mut self) -> Self {
-        for i in 0..TINY_WORDS.len() {
-            let t = Task::tiny(i);
+        let tasks = (0..TINY_WORDS.len())
+            .map(Task::tiny)
+            .chain((0..CLUE_WORDS.len()).map(Task::clue));
+        for t in tasks {
             self.tasks.insert(t.id.clone(), t);
         }
         self
     }
 
-    /// Tasks of a split: `all` (every kernel task), `level1`, `level2`, `level3`, or `tiny`.
+    /// Tasks of a split: `all` (every kernel task), `level1`, `level2`, `level3`, `tiny` or
+    /// `clue` (the two recall families, told apart by their ids' prefixes).
     pub fn split(&self, name: &str) -> Vec<&Task> {
         self.tasks
             .values()
             .filter(|t| match name {
-                "tiny" => !t.is_kernel(),
+                "tiny" | "clue" => !t.is_kernel() && t.id.starts_with(&format!("{name}/")),
                 "all" => t.is_kernel(),
                 _ => t.is_kernel() && level_of(name) == Some(t.level),
             })
@@ -300,8 +337,15 @@ impl TaskSet {
         let mut out: Vec<String> = std::iter::once("all".to_string())
             .chain(levels.into_iter().map(|l| format!("level{l}")))
             .collect();
-        if self.tasks.values().any(|t| !t.is_kernel()) {
-            out.push("tiny".into());
+        for family in ["tiny", "clue"] {
+            let prefix = format!("{family}/");
+            if self
+                .tasks
+                .values()
+                .any(|t| !t.is_kernel() && t.id.starts_with(&prefix))
+            {
+                out.push(family.into());
+            }
         }
         out
     }

@@ -44,3 +44,22 @@ fn kernelbench_layout_and_broken_files() {
         "{err}"
     );
 }
+
+/// The `clue` family: the word is only in the workspace's clue.txt, never in the prompt, and
+/// the two recall families are separate splits.
+#[test]
+fn clue_family_hides_the_word_in_a_given_file() {
+    let set = kernelbench::TaskSet::default().with_tiny_family();
+    assert_eq!(set.splits(), ["all", "tiny", "clue"]);
+    assert_eq!(set.split("tiny").len(), kernelbench::TINY_WORDS.len());
+    let clue = set.split("clue");
+    assert_eq!(clue.len(), kernelbench::CLUE_WORDS.len());
+    for t in clue {
+        let kernelbench::TaskKind::Recall { value, given, .. } = &t.kind else {
+            panic!("{} is not a recall task", t.id);
+        };
+        assert!(!t.source.contains(value.as_str()), "{}", t.source);
+        assert!(!t.id.contains(value.as_str()), "{}", t.id);
+        assert_eq!(given, &vec![("clue.txt".to_string(), format!("{value}\n"))]);
+    }
+}

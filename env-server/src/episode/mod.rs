@@ -766,6 +766,15 @@ impl Setup {
             listing.extend(WORKSPACE_FILES.iter().map(|s| s.to_string()));
             listing.extend(["model.py".to_string(), "model_new.py".to_string()]);
         }
+        // A recall task's given files (the `clue` family's clue.txt): read-only, so the
+        // answer cannot be planted by rewriting the clue.
+        if let kernelbench::TaskKind::Recall { given, .. } = &task.kind {
+            for (name, text) in given {
+                ws.add_protected(name, text.as_bytes())
+                    .map_err(|e| internal(format!("writing {name}"), e))?;
+                listing.push(name.clone());
+            }
+        }
         let mut env = self.cfg.extra_env.clone();
         if self.cfg.gpus > 0 {
             env.push((

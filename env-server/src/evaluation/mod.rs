@@ -332,7 +332,7 @@ impl Evaluator {
         files: &BTreeMap<String, String>,
         tolerance: Option<f64>,
     ) -> Result<EvaluationResult, EvalError> {
-        if let kernelbench::TaskKind::Recall { file, value } = &task.kind {
+        if let kernelbench::TaskKind::Recall { file, value, .. } = &task.kind {
             check_size(files)?;
             self.finished.fetch_add(1, Ordering::Relaxed);
             return Ok(crate::reward::judge_recall(&task.id, file, value, files));
