@@ -6,9 +6,10 @@
 //! pre-training; multi-turn PPO then trains on the policy's own rollouts; the single-turn
 //! warm-up runs too. The policy's mean reward is measured before and after.
 //!
-//! The trainer runs as a release binary (ML code is 40-55x slower in debug), which this test
+//! The trainer runs as an optimised binary (ML code is 40-55x slower in debug), which this test
 //! does not build: `CUDA_AGENT_TRAINER_BIN` names it, as scripts/test.sh sets it after
-//! `cargo build --release -p trainer`. The server binary is the test profile's.
+//! `cargo build --profile learning -p trainer` (release at opt-level 1; a release build does
+//! too). The server binary is the test profile's.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -28,14 +29,15 @@ const WORDS: [&str; 8] = [
     "red", "blue", "green", "amber", "violet", "cyan", "olive", "pearl",
 ];
 
-/// The release trainer binary scripts/test.sh built before the tests.
+/// The optimised trainer binary scripts/test.sh built before the tests.
 fn trainer_release() -> PathBuf {
     let bin = std::env::var_os("CUDA_AGENT_TRAINER_BIN").map(PathBuf::from);
     match bin {
         Some(bin) if bin.is_file() => bin,
         _ => panic!(
-            "CUDA_AGENT_TRAINER_BIN must name a release trainer binary (scripts/test.sh builds \
-             one: cargo build --release -p trainer, then target/release/trainer); got {bin:?}"
+            "CUDA_AGENT_TRAINER_BIN must name an optimised trainer binary (scripts/test.sh builds \
+             one: cargo build --profile learning -p trainer, then target/learning/trainer); got \
+             {bin:?}"
         ),
     }
 }
