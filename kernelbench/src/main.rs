@@ -159,6 +159,12 @@ struct LlmArgs {
     /// Longest the filters may take over one proposal, seconds (then it is rejected).
     #[arg(long, default_value_t = 600)]
     judge_timeout_s: u64,
+    /// Memory a proposal's run in the sandbox may hold, MiB (past it, it is rejected).
+    #[arg(long, default_value_t = 4096)]
+    judge_memory_mb: u64,
+    /// Processes (threads included) a proposal's run may have at once.
+    #[arg(long, default_value_t = 128)]
+    judge_processes: u64,
 }
 
 fn load_tasks(dir: &Option<PathBuf>) -> anyhow::Result<TaskSet> {
@@ -486,6 +492,11 @@ async fn synth_llm(
             args: filter_args,
             timeout: Duration::from_secs(llm.judge_timeout_s),
             start_timeout: Duration::from_secs(300),
+            limits: kernelbench::synth::worker::RunLimits {
+                memory_bytes: llm.judge_memory_mb << 20,
+                processes: llm.judge_processes,
+                ..Default::default()
+            },
         },
     };
     let bar = indicatif::ProgressBar::new(count as u64);

@@ -10,21 +10,28 @@ only those that pass the filters of the CUDA Agent recipe:
 Prints one JSON object per line (seeds, each candidate's verdict, done) for the caller's
 progress bar; writes tasks to OUT/level2/ and the manifest to OUT/manifest.jsonl.
 
-With --judge it composes nothing: it prints the seed operators, then reads task sources
-proposed by a model (one JSON object per line on stdin: {"id", "source"}) and answers each
-with its verdict ({"event": "verdict", "id", "reason", "eager_ms"}); the caller writes the
-tasks. A proposed source is screened first (imports, calls and attributes a task has no use
-for): a guard against a model's mistakes, not a sandbox.
+With --judge it composes nothing and runs no proposed code: it prints the seed operators,
+then answers requests on stdin, one JSON object per line: {"op": "screen", "id", "source"}
+(a static screen of imports, calls and attributes a task has no use for: a guard against a
+model's mistakes, not a sandbox) with {"event": "screened", "id", "reason"}, and
+{"op": "check", "id", "results"} with the verdict computed from a run's results file
+({"event": "verdict", "id", "reason", "eager_ms"}). The caller runs each proposal with
+--run DIR inside the sandbox (kernelbench/src/synth/worker.rs): the proposal's code runs
+there and nowhere else, and what it prints or writes can only reject it.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import errno
 import hashlib
+import io
 import os
 import json
 import random
+import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -255,13 +262,35 @@ def time_ms(model, inputs, device, trials=5):
     return ts[len(ts) // 2]
 
 
-def verdict(source, device, small, args):
-    """(None, eager ms) if the task passes every filter, else (the reason, None).
+class Refused(Exception):
+    """A candidate's run ended in a rejection; its argument is the reason."""
 
-    It runs on five input sets, as the final evaluation does (seeds 1-5), so an operator that
-    fails or overflows on some random inputs (a singular matrix for `cholesky_inverse`, say)
-    is rejected here rather than breaking the evaluation of every candidate for the task."""
-    import os
+
+def refusal(stage, e):
+    """The reason for an exception a candidate's run raised at `stage` (eager, alt_shape,
+    compile): what the sandbox refused (a file, a socket, a process, memory) is named with
+    its message, anything else by its type alone."""
+    cause = e
+    if isinstance(getattr(e, "reason", None), OSError):
+        cause = e.reason  # urllib's URLError wraps the socket's error
+    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM, errno.EAGAIN, errno.ENOMEM):
+        return f"sandbox_denied: {type(cause).__name__}: {str(cause)[:160]}"
+    # torch's file functions raise RuntimeError with the system's message inside.
+    for denied in ("Permission denied", "Operation not permitted"):
+        if denied in str(e):
+            return f"sandbox_denied: {type(e).__name__}: {denied}: {str(e)[:120]}"
+    if isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "not enough memory" in str(e):
+        return f"memory_limit: {type(e).__name__}: {str(e)[:160]}"
+    return f"{stage}_error: {type(e).__name__}"
+
+
+def run_candidate(source, device, small, args, timed=True):
+    """Runs a candidate as the filters need it, in this process: its outputs on the five input
+    sets (seeds 1-5, as the final evaluation), the first again, the second shape's output,
+    torch.compile's output on the first set, and its eager time. Raises Refused.
+
+    For a proposed source this runs in `--run` mode, inside the sandbox: its results are data
+    for `check` in the filters' worker, never a verdict."""
     os.environ["CUDA_AGENT_TASK_SIZE"] = "small" if small else "full"
     try:
         ns = load_source(source, "candidate")
@@ -275,40 +304,237 @@ def verdict(source, device, small, args):
             ys = [model(*x) for x in xs]
             y1b = model(*xs[0])
     except Exception as e:  # noqa: BLE001
-        return f"eager_error: {type(e).__name__}", None
+        raise Refused(refusal("eager", e)) from None
     try:  # the judge checks the second shape too: it must run and give another shape
         torch.manual_seed(6)
         with torch.no_grad():
             alt = model(*[t.to(device) for t in ns["get_inputs_alt"]()])
-        if alt.shape == ys[0].shape or not torch.isfinite(alt).all():
-            return "alt_shape", None
     except Exception as e:  # noqa: BLE001
-        return f"alt_shape_error: {type(e).__name__}", None
-    y1, y2 = ys[0], ys[1]
-    if not all(torch.isfinite(y).all() for y in ys):
-        return "non_finite", None
-    if not torch.equal(y1, y1b):
-        return "nondeterministic", None
-    if torch.allclose(y1, y2):
-        return "constant_output", None
-    if y1.abs().max() == 0:
-        return "constant_output", None
+        raise Refused(refusal("alt_shape", e)) from None
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=args.compile_backend)
         with torch.no_grad():
             yc = compiled(*xs[0])
-        if not torch.allclose(yc, y1, atol=1e-3, rtol=1e-3):
-            return "compile_mismatch", None
     except Exception as e:  # noqa: BLE001
-        return f"compile_error: {type(e).__name__}", None
+        raise Refused(refusal("compile", e)) from None
+    if not timed:  # timed by the caller, from outside this process
+        def run():
+            with torch.no_grad():
+                model(*xs[0])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return {"ys": ys, "y1b": y1b, "alt": alt, "yc": yc, "run": run}
     try:
         ms = time_ms(model, xs[0], device)
     except Exception as e:  # noqa: BLE001
-        return f"eager_error: {type(e).__name__}", None
+        raise Refused(refusal("eager", e)) from None
+    return {"ys": ys, "y1b": y1b, "alt": alt, "yc": yc, "ms": float(ms)}
+
+
+def check(res, args):
+    """(None, eager ms) if a candidate's results pass every filter, else (the reason, None).
+    Computed here from the results alone, whoever produced them."""
+    tensors = [*res.get("ys", []), res.get("y1b"), res.get("alt"), res.get("yc")]
+    if len(res.get("ys", [])) != 5 or not all(type(t) is torch.Tensor for t in tensors):
+        return "malformed_results", None
+    if not isinstance(res.get("ms"), float):
+        return "malformed_results", None
+    ys, y1b, alt, yc, ms = res["ys"], res["y1b"], res["alt"], res["yc"], res["ms"]
+    if alt.shape == ys[0].shape or not bool(torch.isfinite(alt).all()):
+        return "alt_shape", None
+    y1, y2 = ys[0], ys[1]
+    if not all(bool(torch.isfinite(y).all()) for y in ys):
+        return "non_finite", None
+    if y1.shape != y1b.shape or not torch.equal(y1, y1b):
+        return "nondeterministic", None
+    if y1.shape == y2.shape and torch.allclose(y1, y2):
+        return "constant_output", None
+    if y1.numel() == 0 or y1.abs().max() == 0:
+        return "constant_output", None
+    if yc.shape != y1.shape or not torch.allclose(yc, y1, atol=1e-3, rtol=1e-3):
+        return "compile_mismatch", None
     if not (args.min_ms <= ms <= args.max_ms):
         return f"runtime_window: {ms:.3f} ms", None
     return None, ms
+
+
+def verdict(source, device, small, args):
+    """(None, eager ms) if our own composition passes every filter, else (the reason, None):
+    the random synthesis runs and checks its own sources in one process."""
+    try:
+        res = run_candidate(source, device, small, args)
+    except Refused as r:
+        return r.args[0], None
+    return check(res, args)
+
+
+# The largest results file `check` reads: the outputs of small sizes are kilobytes; a full-size
+# task's five outputs are at most a few hundred MB.
+MAX_RESULTS_BYTES = 2 << 30
+
+
+def send_frame(out, header, payload=b""):
+    """One message of the run's inner protocol: a JSON header line, then `len` bytes."""
+    out.write((json.dumps({**header, "len": len(payload)}) + "\n").encode() + payload)
+    out.flush()
+
+
+def read_frame(inp, limit):
+    """(header, payload) of one message, or (None, b"") at the end or on a malformed one."""
+    line = inp.readline(4096)
+    try:
+        header = json.loads(line)
+        n = int(header.get("len", 0))
+    except (ValueError, TypeError, AttributeError):
+        return None, b""
+    if not 0 <= n <= limit:
+        return None, b""
+    payload = inp.read(n)
+    return (header, payload) if len(payload) == n else (None, b"")
+
+
+def serve_candidate(scratch, device, small, args):
+    """`--candidate DIR`: the proposal's own process (started by `run_proposal`, inside the
+    sandbox). Sends its outputs, then runs the forward on request so that `run_proposal`
+    can time it from outside."""
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    source = (Path(scratch) / "candidate.py").read_text()
+    try:
+        res = run_candidate(source, device, small, args, timed=False)
+    except Refused as r:
+        send_frame(replies, {"kind": "refused", "reason": r.args[0]})
+        return 0
+    buf = io.BytesIO()
+    torch.save({k: ([t.detach().cpu() for t in v] if k == "ys" else v.detach().cpu()) for k, v in res.items()
+                if k != "run"}, buf)
+    send_frame(replies, {"kind": "results"}, buf.getvalue())
+    for line in sys.stdin:
+        if line.strip() != "time":
+            break
+        try:
+            res["run"]()
+        except Exception as e:  # noqa: BLE001
+            send_frame(replies, {"kind": "refused", "reason": refusal("eager", e)})
+            return 0
+        send_frame(replies, {"kind": "done"})
+    return 0
+
+
+def others_alive():
+    """Pids of this namespace's other processes of this uid (the proposal's leftovers)."""
+    me, uid = os.getpid(), os.getuid()
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me:
+            try:
+                if os.stat(f"/proc/{d}").st_uid == uid:
+                    pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def run_proposal(scratch, device, small, args):
+    """`--run DIR`: our side of a proposal's run, inside the sandbox. The proposal runs in a
+    child process (`--candidate`); this one receives its outputs, times its forward from
+    outside (round trips on a pipe), makes sure nothing of it is left, and only then writes
+    DIR/results.pt (or DIR/reason.txt). The proposal never holds the pen: results it wrote
+    itself are overwritten, and a run it ended early or killed is rejected by its status.
+    With --isolated (its own pid namespace and uid, which the caller checked), every other
+    process of the uid is the proposal's, and is killed before the results are written."""
+    scratch = Path(scratch)
+    for name in ("results.pt", "reason.txt"):
+        (scratch / name).unlink(missing_ok=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--candidate", str(scratch), "--device", args.device,
+           "--compile-backend", args.compile_backend] + (["--size", args.size] if args.size else [])
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=scratch)
+
+    def finish(reason=None, results=None):
+        try:
+            child.stdin.close()
+        except OSError:
+            pass
+        try:
+            status = child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            status = child.wait()
+        if reason is None and status != 0:
+            reason = f"worker_died: exit status: {status}" if status > 0 else f"worker_died: signal: {-status}"
+        if reason is None and results is None:
+            reason = "malformed_results: no results"
+        if args.isolated:
+            left = others_alive()
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if left and reason is None:
+                reason = f"left_processes: {len(left)} still running when the run ended"
+        # A name the proposal may have made a link is replaced, not written through.
+        tmp = scratch / f".{os.getpid()}.tmp"
+        if reason is not None:
+            tmp.write_text(reason)
+            os.replace(tmp, scratch / "reason.txt")
+        else:
+            torch.save(results, tmp)
+            os.replace(tmp, scratch / "results.pt")
+        return 0
+
+    header, payload = read_frame(child.stdout, MAX_RESULTS_BYTES)
+    if header is None:
+        return finish()  # its status says why (or, exited 0 without results: below)
+    if header.get("kind") == "refused":
+        return finish(str(header.get("reason", "eager_error: refused"))[:200])
+    if header.get("kind") != "results":
+        return finish("malformed_results")
+    try:
+        res = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        return finish(f"malformed_results: {type(e).__name__}")
+    if not isinstance(res, dict):
+        return finish("malformed_results")
+    times = []
+    for trial in range(6):
+        t = time.perf_counter()
+        try:
+            child.stdin.write(b"time\n")
+            child.stdin.flush()
+        except OSError:
+            return finish()
+        header, _ = read_frame(child.stdout, 0)
+        if header is None:
+            return finish()
+        if header.get("kind") != "done":
+            return finish(str(header.get("reason", "eager_error: refused"))[:200])
+        if trial:  # the first is a warm-up
+            times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    res["ms"] = times[len(times) // 2]
+    return finish(None, res)
+
+
+def check_results(path, args):
+    """The verdict on a sandboxed run's results file (written by code we do not trust: read
+    with torch's weights-only unpickler, bounded in size)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "malformed_results: no results", None
+    if size > MAX_RESULTS_BYTES:
+        return f"malformed_results: {size} bytes", None
+    try:
+        res = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        return f"malformed_results: {type(e).__name__}", None
+    if not isinstance(res, dict):
+        return "malformed_results", None
+    return check(res, args)
 
 
 # What a proposed task may import (top-level modules) and may not call or touch.
@@ -363,16 +589,22 @@ def judge(args, device, small):
         proto.flush()
 
     seeds = mine(device, small)
-    send({"event": "seeds", "count": len(seeds), "ops": [{"name": s.name, "family": s.family} for s in seeds]})
+    # Python's prefixes: the sandbox must let each run read them.
+    prefixes = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))})
+    send({"event": "seeds", "count": len(seeds), "ops": [{"name": s.name, "family": s.family} for s in seeds],
+          "prefixes": prefixes})
+    # No proposed code ever runs here: `screen` parses it, and `check` reads the results of its
+    # run in the sandbox (`--run`), which the caller started.
     for line in sys.stdin:
         try:
             req = json.loads(line)
         except ValueError:
             continue
-        reason, eager_ms = screen(req["source"]), None
-        if reason is None:
-            reason, eager_ms = verdict(req["source"], device, small, args)
-        send({"event": "verdict", "id": req["id"], "reason": reason, "eager_ms": eager_ms})
+        if req.get("op") == "screen":
+            send({"event": "screened", "id": req["id"], "reason": screen(req["source"])})
+        elif req.get("op") == "check":
+            reason, eager_ms = check_results(req["results"], args)
+            send({"event": "verdict", "id": req["id"], "reason": reason, "eager_ms": eager_ms})
 
 
 def main():
@@ -387,10 +619,17 @@ def main():
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the filter (inductor, or eager to only trace)")
     p.add_argument("--max-attempts", type=int, default=0, help="give up after this many candidates (default 20 x count)")
     p.add_argument("--plant-bad", action="store_true", help="also test a known non-deterministic and a constant composition")
-    p.add_argument("--judge", action="store_true", help="judge proposed sources from stdin instead of composing")
+    p.add_argument("--judge", action="store_true", help="screen proposed sources and check their runs' results (stdin)")
+    p.add_argument("--run", metavar="DIR", help="run DIR/candidate.py for the filters (in the sandbox), write DIR/results.pt")
+    p.add_argument("--candidate", metavar="DIR", help=argparse.SUPPRESS)  # --run's child: the proposal's process
+    p.add_argument("--isolated", action="store_true", help="--run has a pid namespace and uid of its own")
     args = p.parse_args()
     device = torch.device(args.device)
     small = (args.size or ("small" if device.type == "cpu" else "full")) == "small"
+    if args.candidate:
+        return serve_candidate(args.candidate, device, small, args)
+    if args.run:
+        return run_proposal(args.run, device, small, args)
     if args.judge:
         return judge(args, device, small)
     if not args.out or args.count <= 0:

@@ -486,9 +486,11 @@ async fn the_worker_outlives_candidates_that_kill_or_hang_it() {
         ]
         .map(String::from)
         .to_vec(),
-        // Long enough for a good candidate on a busy machine; the hang costs this much.
-        timeout: Duration::from_secs(10),
+        // Long enough for a good candidate on a busy machine (each run imports torch twice:
+        // its driver and the proposal's process); the hang costs this much.
+        timeout: Duration::from_secs(30),
         start_timeout: Duration::from_secs(300),
+        limits: kernelbench::synth::worker::RunLimits::default(),
     })
     .await
     .unwrap();
@@ -499,7 +501,7 @@ async fn the_worker_outlives_candidates_that_kill_or_hang_it() {
     assert_eq!(v.reason.as_deref(), Some("worker_died: exit status: 3"));
     let hangs = GOOD.replace(forward, "while True:\n            y = y + 1");
     let v = worker.judge(&hangs).await.unwrap();
-    assert_eq!(v.reason.as_deref(), Some("judge_timeout: 10 s"));
+    assert_eq!(v.reason.as_deref(), Some("judge_timeout: 30 s"));
     let imports = GOOD.replace("import os\n", "import os\nimport subprocess\n");
     let v = worker.judge(&imports).await.unwrap();
     assert_eq!(v.reason.as_deref(), Some("forbidden_import: subprocess"));

@@ -14,7 +14,7 @@ use sha2::{Digest as _, Sha256};
 
 use super::chat::{CallFailed, ChatClient, ChatError, Completion, Message, TokenUsage};
 use super::propose::{extract_code, prompt, sample_ops};
-use super::worker::{JudgeWorker, WorkerConfig, WorkerError};
+use super::worker::{JudgeWorker, SandboxReport, WorkerConfig, WorkerError};
 use crate::similarity::{op_sequence, SimilarityIndex};
 use crate::{validate_source, TaskSet};
 use env_api::ErrorChain;
@@ -134,6 +134,9 @@ pub struct LogRecord {
     pub file: Option<String>,
     /// Eager runtime, ms, when accepted.
     pub eager_ms: Option<f64>,
+    /// The sandbox layers this host lacked when the proposal ran (empty: all in force).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sandbox_missing: Vec<String>,
 }
 
 /// One line of `manifest.jsonl` for a judged candidate (random synthesis writes its own).
@@ -159,6 +162,9 @@ pub struct ManifestRecord {
     pub eager_ms: Option<f64>,
     /// Tokens of the call that proposed it.
     pub usage: TokenUsage,
+    /// The sandbox layers this host lacked when it ran (empty: all in force).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sandbox_missing: Vec<String>,
 }
 
 /// What a run cost and gave.
@@ -182,6 +188,9 @@ pub struct CostReport {
     pub prompt_tokens_per_accepted: Option<f64>,
     /// Completion tokens per accepted task.
     pub completion_tokens_per_accepted: Option<f64>,
+    /// The confinement the proposals ran under on this host.
+    #[serde(default)]
+    pub sandbox: Option<SandboxReport>,
 }
 
 impl CostReport {
@@ -301,7 +310,6 @@ impl Judge {
             Err(e) => return Err(io_err(&manifest_path)(e)),
         };
         Ok(Self {
-            worker,
             out: cfg.out.clone(),
             reference: SimilarityIndex::of_tasks(&cfg.reference),
             accepted,
@@ -311,8 +319,10 @@ impl Judge {
             manifest: append(&manifest_path)?,
             report: CostReport {
                 model: model.to_string(),
+                sandbox: Some(worker.sandbox_report().clone()),
                 ..CostReport::default()
             },
+            worker,
         })
     }
 
@@ -335,6 +345,7 @@ impl Judge {
             hash: None,
             file: None,
             eager_ms: None,
+            sandbox_missing: self.worker.sandbox_report().missing.clone(),
         };
         let mut in_manifest = false;
         match a.result {
@@ -364,6 +375,7 @@ impl Judge {
                 file: rec.file.clone(),
                 eager_ms: rec.eager_ms,
                 usage: rec.usage,
+                sandbox_missing: rec.sandbox_missing.clone(),
             };
             write_line(&mut self.manifest, &m, &self.out.join("manifest.jsonl"))?;
         }
