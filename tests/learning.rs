@@ -434,7 +434,18 @@ async fn training_dynamics() {
     let family = var("DYNAMICS_FAMILY", "tiny");
     let bin = trainer_release();
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    // Room for a whole batch of episodes at once: each reserves its 1 GiB volume quota in the
+    // admission budget (tmpfs holds only what is written, a few bytes here), and with the
+    // default budget of a small host half the batch's resets were refused (host_busy) and
+    // PPO trained on the other half.
+    let server = Server::start(
+        &dir.path().join("data"),
+        &[
+            "--skip-compile",
+            "--volume-memory-bytes",
+            &(40u64 << 30).to_string(),
+        ],
+    );
     match family.as_str() {
         "tiny" => drop(demonstrations(&server.client()).await),
         "clue" => clue_demonstrations(&server.client()).await,
