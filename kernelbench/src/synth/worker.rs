@@ -9,11 +9,19 @@
 //!   directory as the only place it may write, no network (socket() is refused), and time,
 //!   memory and process limits. It writes its outputs (`results.pt`) or why it failed.
 //!
-//! What the run prints, its exit status and what it writes can only reject a proposal: the
-//! verdict is the worker's, from the results file (read with torch's weights-only unpickler)
-//! and the sandbox's own account of the run (time, limits hit, processes left behind). A
-//! layer this host lacks is logged and named in [`SandboxReport::missing`], which the run's
-//! log, manifest and cost report carry.
+//! Inside the run, the proposal's code runs in a child process (`--candidate`) of our driver:
+//! the driver receives its outputs, times its forward from outside (round trips on a pipe),
+//! kills whatever of it is left, and only then writes the results file. What the proposal
+//! prints, its exit status and the files it writes can only reject it: the verdict is the
+//! worker's, from the driver's results file (read with torch's weights-only unpickler) and
+//! the sandbox's own account of the run (time, limits hit, processes left behind). A layer
+//! this host lacks is logged and named in [`SandboxReport::missing`], which the run's log,
+//! manifest and cost report carry.
+//!
+//! What is left: the outputs the driver checks are what the proposal's process answered. Code
+//! that speaks the driver's pipe protocol itself could answer with outputs its forward does
+//! not compute (cached, or faster than it runs); it gains a task file that is then evaluated
+//! for real, and nothing of the host.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
