@@ -1561,7 +1561,7 @@ class Judge:
 
     # -- the evaluation -----------------------------------------------------------------
 
-    def fresh_pair(self, seed: int, make, key: str, cand_dir: Path, ref_dir: Path) -> list:
+    def fresh_pair(self, seed: int, make, key: str, cand_dir: Path, ref_dir: Path, trace: bool = False) -> list:
         """A new model pair under `seed` and a new input set from `make`; returns the
         reference's outputs on it (the candidate's run is the caller's)."""
         for link, kind in ((self.ref, "eager"), (self.cand, "candidate")):
@@ -1571,7 +1571,11 @@ class Judge:
         inputs = h.seeded_inputs(make, self.rng.getrandbits(62), self.device)
         self.give_inputs(inputs, key, cand_dir, ref_dir)
         del inputs
-        return self.outputs(self.ref, "check", self.ref.request({"op": "run", "model": "check"}, self.call_timeout))
+        # Traced as the candidate's check is (the verdict ignores it): the trace starts
+        # PyTorch's profiler, which leaves state behind in its process, and both workers must
+        # carry the same into the timed rounds.
+        reply = self.ref.request({"op": "run", "model": "check", "trace": trace}, self.call_timeout)
+        return self.outputs(self.ref, "check", reply)
 
     def check(self, seeds: list[int], cand_dir: Path, ref_dir: Path, trace: bool = True) -> dict:
         """Correctness on fresh models and input sets, one per seed; the candidate's forward is
@@ -1581,7 +1585,7 @@ class Judge:
             label = f"input set {i + 1} of {len(seeds)}"
             self.set_stage("check")
             self.note(f"checking {label}")
-            want = self.fresh_pair(seed, self.task.get_inputs, "main", cand_dir, ref_dir)
+            want = self.fresh_pair(seed, self.task.get_inputs, "main", cand_dir, ref_dir, trace)
             try:
                 reply = self.cand.request({"op": "run", "model": "check", "trace": trace}, self.call_timeout)
             except h.RuleBreak as e:
