@@ -30,6 +30,19 @@ pytestmark = pytest.mark.redteam
 
 CASES = load_cases()
 
+# The cases' own wall times in seconds (`case_seconds`), two at a time on the 2-core CI
+# machine, for those over 9 s: the order the runner starts them in.
+LONGEST = {
+    "hang_in_forward": 22, "aten_cpu_direct_obfuscated": 31, "lazy_tensor_subclass_obfuscated": 26,
+    "legit_kernels_helper_module": 22, "dilute_hidden_compute": 20, "hidden_compute_in_cpp_thread": 19,
+    "cache_by_object_identity": 19, "cache_by_sampled_hash": 19, "legit_kernels_dir": 18,
+    "flood_observer_rings": 18, "tamper_trace_method_obfuscated": 17, "legit_slow_correct": 14,
+    "call_interval_detector": 14, "tamper_perf_counter_obfuscated": 13, "cache_by_data_ptr": 13,
+    "tamper_main_rebind_obfuscated": 12, "infinity_saturated": 11, "legit_exp_overflow": 10,
+    "cpu_burner_thread": 10, "constant_after_n_calls": 10, "legit_thread_pool_joined": 10,
+    "legit_model_style_main_guard": 9, "process_spawn_storm": 9, "hard_coded_length": 9,
+}
+
 
 @pytest.fixture(scope="session")
 def ext_dir(tmp_path_factory):
@@ -55,14 +68,17 @@ def has_cuda():
 @pytest.fixture(scope="session")
 def outcomes(request, ext_dir, has_cuda, tmp_path_factory):
     """Every selected case's evaluation, queued at the first case's test and run REDTEAM_JOBS
-    at a time in the order the tests run; each test waits for its own."""
+    at a time, the longest first (LONGEST); each test waits for its own."""
     server = os.environ.get("REDTEAM_SERVER")
 
     def run(case, work):
         return run_case_server(case, server) if server else run_case(case, work, ext_dir)
 
     pool = Pool()
-    for case in selected_params(request.session, "test_case", "case"):
+    # The longest cases first (a stable sort: the rest in test order), so that none of them
+    # ends the phase alone with the other slots idle.
+    cases = sorted(selected_params(request.session, "test_case", "case"), key=lambda c: -LONGEST.get(c.name, 0))
+    for case in cases:
         if case.device == "cpu" or has_cuda:
             pool.submit(case.name, run, case, tmp_path_factory.mktemp(case.name))
     yield pool
