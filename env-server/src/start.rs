@@ -99,19 +99,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     let device = Device::choose(cfg.device, &python)?;
     // Before the server starts any process of its own: pinned, the server moves into the
     // shared cores, and what it starts later inherits them.
-    let isolation = Arc::new(TimingIsolation::new(
-        &cfg.timing_cores,
-        device,
-        if device == Device::Cuda {
-            python.gpus.max(1)
-        } else {
-            1
-        },
-        cfg.prestart.unwrap_or(device == Device::Cuda),
-        // Moving and raising other uids' processes, found by the uids leased to them.
-        // SAFETY: geteuid has no preconditions.
-        unsafe { libc::geteuid() } == 0,
-    ));
+    let isolation = timing_isolation(&cfg, device, &python);
     let variants = cfg.pch_variants_on(device);
     let (toolchain, toolchain_dirs) = toolchain(&cfg, &data_dir, &python, device, &variants);
     let (sandbox, status, admission) = confine(&cfg, toolchain_dirs)?;
@@ -128,19 +116,16 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
     if device == Device::Cuda {
         runtime::check_cuda_ipc(&cfg.python, &harness_dir)?;
     }
-    let tasks = Arc::new(
-        match &cfg.tasks_dir {
-            Some(d) => TaskSet::load_dir(d)?,
-            None => TaskSet::bundled(),
-        }
-        .with_tiny_family(),
-    );
+    let tasks = load_tasks(&cfg)?;
     let task_size = cfg.task_size.unwrap_or(TaskSize::for_device(device));
-    let mut extra_env = vec![(
+    // What every agent command and evaluation of this server sees.
+    let extra_env: Vec<(String, String)> = [(
         "CUDA_AGENT_TASK_SIZE".to_string(),
         task_size.as_str().to_string(),
-    )];
-    extra_env.extend(toolchain.env());
+    )]
+    .into_iter()
+    .chain(toolchain.env())
+    .collect();
     let gpus = if device == Device::Cuda {
         python.gpus
     } else {
@@ -174,20 +159,7 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
         evaluator.clone(),
         drain.clone(),
     );
-    let interrupted = episodes.recover()?;
-    // Nothing is live before the first request: what is under episodes/ and evals/ was left
-    // by a crash.
-    let swept = retention::sweep_leftovers(&data_dir);
-    let retention = retention_of(&cfg, &data_dir);
-    retention.run(&episodes.live_ids());
-    tracing::info!(
-        interrupted,
-        swept = swept.entries,
-        swept_bytes = swept.bytes,
-        tasks = tasks.len(),
-        device = device.as_str(),
-        "server state ready"
-    );
+    let retention = recover(&cfg, &data_dir, &episodes, tasks.len(), device)?;
     let info = ServerInfo::new(
         &cfg,
         Probed {
@@ -225,6 +197,64 @@ pub fn build_state(cfg: ServerConfig) -> Result<Arc<AppState>, StartError> {
             env_api::caps::EVALUATION_KEYS,
         )),
     }))
+}
+
+/// The served tasks (`--tasks DIR`, else the bundled suite) and the tiny family.
+fn load_tasks(cfg: &ServerConfig) -> Result<Arc<TaskSet>, StartError> {
+    let tasks = match &cfg.tasks_dir {
+        Some(d) => TaskSet::load_dir(d)?,
+        None => TaskSet::bundled(),
+    };
+    Ok(Arc::new(tasks.with_tiny_family()))
+}
+
+/// The timed evaluations' CPU isolation (`--timing-cores`): a slot per GPU on a CUDA server,
+/// one on a CPU server.
+fn timing_isolation(
+    cfg: &ServerConfig,
+    device: Device,
+    python: &PythonInfo,
+) -> Arc<TimingIsolation> {
+    let slots = if device == Device::Cuda {
+        python.gpus.max(1)
+    } else {
+        1
+    };
+    Arc::new(TimingIsolation::new(
+        &cfg.timing_cores,
+        device,
+        slots,
+        cfg.prestart.unwrap_or(device == Device::Cuda),
+        // Moving and raising other uids' processes, found by the uids leased to them.
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() } == 0,
+    ))
+}
+
+/// What a previous run left: its episodes recovered (or ended as interrupted), leftovers
+/// swept, retention applied to what is live. Returns the retention policy the server keeps.
+fn recover(
+    cfg: &ServerConfig,
+    data_dir: &Path,
+    episodes: &EpisodeManager,
+    tasks: usize,
+    device: Device,
+) -> Result<Retention, StartError> {
+    let interrupted = episodes.recover()?;
+    // Nothing is live before the first request: what is under episodes/ and evals/ was left
+    // by a crash.
+    let swept = retention::sweep_leftovers(data_dir);
+    let retention = retention_of(cfg, data_dir);
+    retention.run(&episodes.live_ids());
+    tracing::info!(
+        interrupted,
+        swept = swept.entries,
+        swept_bytes = swept.bytes,
+        tasks,
+        device = device.as_str(),
+        "server state ready"
+    );
+    Ok(retention)
 }
 
 /// Creates the data directory and its parts with their modes; returns its canonical path.
