@@ -8,25 +8,11 @@ of the candidate's worker and none of the reference's."""
 import sys
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2] / "skills"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.append(str(ROOT / "skills"))
 import cuda_agent_judge as judge  # noqa: E402
 
-TASK = '''import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, a, b):
-        return a + b
-
-
-def get_inputs():
-    return [torch.randn(1000), torch.randn(1000)]
-
-
-def get_init_inputs():
-    return []
-'''
+TASK = ROOT / "kernelbench" / "tasks" / "level1" / "2_Add.py"
 
 # Computes with PyTorch: the trace of its first checked call refuses it, after the reference's
 # own checked call for that input set has run.
@@ -34,7 +20,7 @@ CANDIDATE = "import torch.nn as nn\n\n\nclass ModelNew(nn.Module):\n    def forw
 
 
 def test_the_reference_check_is_traced_as_the_candidates_is(tmp_path, monkeypatch):
-    (tmp_path / "task.py").write_text(TASK)
+    monkeypatch.setenv("CUDA_AGENT_TASK_SIZE", "small")
     cand = tmp_path / "cand"
     cand.mkdir()
     (cand / "model_new.py").write_text(CANDIDATE)
@@ -49,7 +35,7 @@ def test_the_reference_check_is_traced_as_the_candidates_is(tmp_path, monkeypatc
 
     monkeypatch.setattr(judge.WorkerLink, "request", noting)
     opts = judge.Options(device="cpu", time=False, compile=False, seeds=[1], setup_timeout=120, call_timeout=60)
-    result = judge.evaluate(tmp_path / "task.py", cand, opts, workdir=tmp_path / "work")
+    result = judge.evaluate(TASK, cand, opts, workdir=tmp_path / "work")
     assert result["rule"] == "pytorch_compute", result
     assert ("candidate", True) in runs, runs
     assert ("reference", True) in runs, f"only the candidate's check was traced: {runs}"
