@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -97,8 +98,87 @@ def last_json_object(text: str) -> dict | None:
     return None
 
 
-def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = None) -> Outcome:
-    """Copies the case into `work`/candidate and runs the final evaluation on it."""
+def case_env(ext_dir: Path) -> dict:
+    """The environment every case's evaluation runs in."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small", PYTHONUNBUFFERED="1")
+    env["PATH"] = str(Path(python()).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+# What a case that reads its parent process (the judge: its command line, memory or pid) or
+# hides what it calls (`_obfuscated`) spells: such a case gets a judge started afresh, exactly
+# as env-server starts one, never a copy of the warm judge (JudgeZygote).
+LOOKS_AT_ITS_PARENT = re.compile(r"getppid|/proc|cmdline|argv|psutil|os\.kill|PPid")
+
+
+def needs_fresh_judge(case: Case) -> bool:
+    if "obfuscated" in case.name:
+        return True
+    return any(LOOKS_AT_ITS_PARENT.search(p.read_text(errors="replace")) for p in case.dir.rglob("*") if p.is_file())
+
+
+class JudgeZygote:
+    """A warm judge process (judge_zygote.py) that forks a fresh judge per case: the torch
+    import the judge pays in every case is paid once. Used by one runner's threads at once."""
+
+    def __init__(self, env: dict) -> None:
+        import threading
+
+        self._env = env
+        self._proc = subprocess.Popen([python(), str(HERE / "judge_zygote.py"), str(EVALUATE)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+        self._cond = threading.Condition()
+        self._pids: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
+        self._next = 0
+        self._dead = False
+        threading.Thread(target=self._read, name="judge-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            msg = json.loads(line)
+            with self._cond:
+                if "pid" in msg:
+                    self._pids[msg["id"]] = msg["pid"]
+                else:
+                    self._exits[msg["exit"]] = msg["status"]
+                self._cond.notify_all()
+        with self._cond:
+            self._dead = True
+            self._cond.notify_all()
+
+    def start(self, argv: list[str], cwd: Path, stdout: Path, stderr: Path) -> int:
+        assert self._proc.stdin is not None
+        with self._cond:
+            rid = self._next
+            self._next += 1
+            self._proc.stdin.write(json.dumps({"id": rid, "argv": argv, "cwd": str(cwd), "env": self._env,
+                                               "stdout": str(stdout), "stderr": str(stderr)}) + "\n")
+            self._proc.stdin.flush()
+            if not self._cond.wait_for(lambda: rid in self._pids or self._dead, timeout=120) or self._dead:
+                raise RuntimeError("the judge zygote did not start a judge")
+            return self._pids.pop(rid)
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """The judge's exit status, or None if it runs past `timeout`."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: pid in self._exits or self._dead, timeout=timeout) or pid not in self._exits:
+                return None
+            return self._exits.pop(pid)
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = None, zygote: JudgeZygote | None = None) -> Outcome:
+    """Copies the case into `work`/candidate and runs the final evaluation on it; its judge
+    forked from `zygote` where given, unless the case needs a fresh one."""
     import time
 
     cand = work / "candidate"
@@ -108,19 +188,21 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
     cwd = work / "cwd"
     cwd.mkdir(exist_ok=True)
     seeds = seeds or random.SystemRandom().sample(range(1, 1 << 30), 5)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), CUDA_AGENT_TASK_SIZE="small", PYTHONUNBUFFERED="1")
-    env["PATH"] = str(Path(python()).parent) + os.pathsep + env.get("PATH", "")
-    cmd = [python(), "-c", WRAPPER, python(), str(EVALUATE), "candidate", "--task", str(ROOT / case.task),
-           "--candidate", str(cand), "--device", case.device, "--seeds", ",".join(map(str, seeds))]
+    env = case_env(ext_dir)
+    args = ["candidate", "--task", str(ROOT / case.task),
+            "--candidate", str(cand), "--device", case.device, "--seeds", ",".join(map(str, seeds))]
     if case.call_timeout_s is not None:
-        cmd += ["--call-timeout", str(case.call_timeout_s)]
+        args += ["--call-timeout", str(case.call_timeout_s)]
     if os.environ.get("REDTEAM_NO_COMPILE"):
-        cmd.append("--no-compile")  # no torch.compile baseline: faster, the verdict is the same
+        args.append("--no-compile")  # no torch.compile baseline: faster, the verdict is the same
     if os.environ.get("CUDA_AGENT_TIMING_BUDGET_S"):
         # The judge's timing budget, as env-server passes it (`--timing-budget-s`, which reads
         # the same variable): the suite's runner shortens the loop, about half a case's time;
         # the judge still times its minimum of rounds.
-        cmd += ["--budget-s", os.environ["CUDA_AGENT_TIMING_BUDGET_S"]]
+        args += ["--budget-s", os.environ["CUDA_AGENT_TIMING_BUDGET_S"]]
+    if zygote is not None and not needs_fresh_judge(case):
+        return _run_forked(case, zygote, args, work, cwd)
+    cmd = [python(), "-c", WRAPPER, python(), str(EVALUATE), *args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -140,6 +222,36 @@ def run_case(case: Case, work: Path, ext_dir: Path, seeds: list[int] | None = No
     verdict = last_json_object(out)
     if verdict is None:
         verdict = {"correct": None, "rule": "no_verdict", "reason": f"exit status {proc.returncode}, no JSON line on stdout"}
+    return Outcome(verdict, seconds, err[-2000:])
+
+
+def _run_forked(case: Case, zygote: JudgeZygote, args: list[str], work: Path, cwd: Path) -> Outcome:
+    """run_case's evaluation with a judge forked from the zygote, in a process group of its
+    own, killed with whatever is left in it, as run_case does with a judge it starts."""
+    import time
+
+    out_path, err_path = work / "judge.stdout", work / "judge.stderr"
+    start = time.monotonic()
+    pid = zygote.start(args, cwd, out_path, err_path)
+    try:
+        status = zygote.wait(pid, case.timeout_s)
+        if status is None:
+            os.killpg(pid, signal.SIGKILL)
+            zygote.wait(pid, 60)
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    seconds = time.monotonic() - start
+    out = out_path.read_text(errors="replace") if out_path.exists() else ""
+    err = err_path.read_text(errors="replace") if err_path.exists() else ""
+    if status is None:
+        return Outcome({"correct": None, "rule": "runner_timeout", "reason": f"no verdict within {case.timeout_s} s"},
+                       seconds, err[-2000:])
+    verdict = last_json_object(out)
+    if verdict is None:
+        verdict = {"correct": None, "rule": "no_verdict", "reason": f"exit status {status}, no JSON line on stdout"}
     return Outcome(verdict, seconds, err[-2000:])
 
 

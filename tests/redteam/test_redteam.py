@@ -4,12 +4,14 @@ Adversarial cases must fail with one of the rules cases.toml lists for them (or,
 says so, be judged correct only at an honest time); legitimate ones must pass. CUDA cases are
 skipped without a GPU. Cases run REDTEAM_JOBS at a time (default: one per CPU), each in its own
 directory and process group, and share one TORCH_EXTENSIONS_DIR, so the shared extension is
-built once (torch's build lock makes the others wait for it).
+built once (torch's build lock makes the others wait for it). Their judges are forked from a
+warm one (README.md says which are not).
 
     python -m pytest tests/redteam            # the whole corpus
     python -m pytest tests/redteam -k legit   # only the legitimate candidates
     python -m pytest tests/redteam/test_redteam.py --one-per-class   # one case of each class
     REDTEAM_JOBS=1 python -m pytest tests/redteam   # one case at a time
+    REDTEAM_ZYGOTE=0 python -m pytest tests/redteam   # every judge started afresh
     REDTEAM_EXT_DIR=DIR python -m pytest tests/redteam   # keep the extensions' builds in DIR
     REDTEAM_SERVER=http://127.0.0.1:8099 python -m pytest tests/redteam   # through env-server
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from corpus import HERE, cuda_available, judge, load_cases, run_case, run_case_server
+from corpus import HERE, JudgeZygote, case_env, cuda_available, judge, load_cases, run_case, run_case_server
 from pool import Pool, selected_params
 
 pytestmark = pytest.mark.redteam
@@ -70,9 +72,12 @@ def outcomes(request, ext_dir, has_cuda, tmp_path_factory):
     """Every selected case's evaluation, queued at the first case's test and run REDTEAM_JOBS
     at a time, the longest first (LONGEST); each test waits for its own."""
     server = os.environ.get("REDTEAM_SERVER")
+    # One warm judge the cases' judges are forked from (corpus.JudgeZygote; REDTEAM_ZYGOTE=0:
+    # each judge started afresh, as for the cases that look at their parent anyway).
+    zygote = None if server or os.environ.get("REDTEAM_ZYGOTE") == "0" else JudgeZygote(case_env(ext_dir))
 
     def run(case, work):
-        return run_case_server(case, server) if server else run_case(case, work, ext_dir)
+        return run_case_server(case, server) if server else run_case(case, work, ext_dir, zygote=zygote)
 
     pool = Pool()
     # The longest cases first (a stable sort: the rest in test order), so that none of them
@@ -83,6 +88,8 @@ def outcomes(request, ext_dir, has_cuda, tmp_path_factory):
             pool.submit(case.name, run, case, tmp_path_factory.mktemp(case.name))
     yield pool
     pool.close()
+    if zygote is not None:
+        zygote.close()
 
 
 def test_the_corpus_is_complete_and_consistent():
