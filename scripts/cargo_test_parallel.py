@@ -59,13 +59,15 @@ JUDGE = {
 }
 # At normal priority too, beside anything but ALONE: they check the nice value their sandboxes'
 # commands start with, or wait on bounds a starved process could miss (a drained server's exit,
-# a fleet client's timeout, a proposed task's 100 ms runtime window).
+# a fleet client's timeout, a proposed task's 100 ms runtime window, the sandboxed proposals'
+# time limits).
 FOREGROUND = {
     "agent-tools tests/redteam_sandbox.rs",
     "agent-tools tests/sandbox.rs",
     "env-server tests/drain.rs",
     "env-client tests/fleet.rs",
     "kernelbench tests/synth_llm.rs",
+    "kernelbench tests/synth_redteam.rs",
 }
 # Every other binary (doc tests included) runs at the candidates' build priority (nice 10 in a
 # session of its own, so in an autogroup of its own at nice 10): beside a judging binary, its
@@ -84,6 +86,7 @@ TYPICAL_S = {
     "env-server tests/lifecycle.rs": 98,
     "env-server tests/prestart.rs": 68,
     "env-server tests/drain.rs": 56,
+    "kernelbench tests/synth_redteam.rs": 100,
     "e2e-tests observations.rs": 50,
     "env-client tests/fleet.rs": 44,
     "e2e-tests runner.rs": 35,
