@@ -1,9 +1,9 @@
 """Both workers reach the timed rounds in the same state. Each contestant's time is measured in
 its own worker process, so whatever one worker was asked to do before the rounds and the other
 was not is a bias between them. The checked calls are traced (PyTorch's profiler and a dispatch
-mode): on a GPU host, PyTorch's profiler leaves CUPTI set up in its process after it ends
-(pytorch/pytorch#144455), so a trace on the candidate's side alone would slow every later call
-of the candidate's worker and none of the reference's."""
+mode): on a GPU host, PyTorch's profiler sets up Kineto and CUPTI in its process, and what it
+leaves behind has slowed later work (pytorch/pytorch#144455), so a trace on the candidate's side
+alone could slow every later call of the candidate's worker and none of the reference's."""
 
 import sys
 from pathlib import Path
