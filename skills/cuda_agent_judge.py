@@ -866,8 +866,8 @@ class WorkerLink:
     stage: str = ""
     # The candidate worker's own account of the weights it took (advisory: shown, never believed).
     weights: dict | None = None
-    # Every forward asked of this worker: (model, sent, replied) in CLOCK_MONOTONIC ns, the
-    # clock of the server's outside observation of the worker's CPU.
+    # Every forward asked of this worker: (model, traced, sent, replied), the times in
+    # CLOCK_MONOTONIC ns, the clock of the server's outside observation of the worker's CPU.
     runs: list = field(default_factory=list)
     # The evaluation's device type ("cpu", "cuda"): where announced outputs must be.
     device_type: str = "cpu"
@@ -948,7 +948,7 @@ class WorkerLink:
             reply = self.channel.recv(timeout=max(1.0, deadline - time.monotonic()))
             self.replied_at = time.perf_counter()
             if msg["op"] == "run":
-                self.runs.append((msg.get("model"), run_started, time.monotonic_ns()))
+                self.runs.append((msg.get("model"), bool(msg.get("trace")), run_started, time.monotonic_ns()))
         except h.ChannelClosed as e:
             if self.popen is not None:
                 try:  # a worker that just crashed: let it be reaped, so its signal is known
@@ -2042,10 +2042,12 @@ def evaluate(task_path: Path, candidate_dir: Path, opts: Options, attach=None, w
                 raise h.RuleBreak("impossible_time", f"median {st['candidate']['median_ms']:.4f} ms is below the {floor:.4f} ms it takes to read the inputs at peak bandwidth")
         details["memory"] = judge.memory()
         # For the server's outside observation: when each worker ran a forward of the
-        # candidate, or of the eager reference.
+        # candidate (every one), or of the eager reference as it runs untraced (a traced
+        # forward spends most of its time in the trace's Python, which is no measure of where
+        # the reference's own compute lies).
         result["run_windows"] = {
-            "candidate": [[a, b] for _, a, b in judge.cand.runs],
-            "reference": [[a, b] for m, a, b in judge.ref.runs if m in ("check", "eager")],
+            "candidate": [[a, b] for _, _, a, b in judge.cand.runs],
+            "reference": [[a, b] for m, traced, a, b in judge.ref.runs if m in ("check", "eager") and not traced],
         }
     except h.RuleBreak as e:
         result = {"correct": False, "rule": e.rule, "reason": f"{e.rule}: {e}"}
