@@ -9,6 +9,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::io::BufRead as _;
 use std::path::Path;
@@ -162,10 +164,6 @@ async fn scripted_server(script: Shared) -> String {
     format!("http://{addr}/v1")
 }
 
-fn python() -> String {
-    std::env::var("CUDA_AGENT_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 /// `kernelbench synth` with the CPU filters kept cheap (any runtime, compile only traced).
 fn synth(url: &str, out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kernelbench"));
@@ -178,7 +176,13 @@ fn synth(url: &str, out: &Path, extra: &[&str]) -> Command {
         "--min-ms",
         "0",
     ])
-    .args(["--compile-backend", "eager", "--python", &python(), "--out"])
+    .args([
+        "--compile-backend",
+        "eager",
+        "--python",
+        &common::python(),
+        "--out",
+    ])
     .arg(out)
     .args(extra);
     c
@@ -468,32 +472,14 @@ fn trainer_serve_answers_are_judged() {
 /// are rejected, and the restarted worker judges the next one; a forbidden import never runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_worker_outlives_candidates_that_kill_or_hang_it() {
-    use kernelbench::synth::worker::{JudgeWorker, WorkerConfig};
     use std::time::Duration;
-    let dir = tempfile::tempdir().unwrap();
-    let script = dir.path().join("synth.py");
-    std::fs::write(&script, kernelbench::synth::SYNTH_PY).unwrap();
-    let mut worker = JudgeWorker::start(WorkerConfig {
-        python: python().into(),
-        script,
-        args: [
-            "--device",
-            "cpu",
-            "--min-ms",
-            "0",
-            "--compile-backend",
-            "eager",
-        ]
-        .map(String::from)
-        .to_vec(),
-        // Long enough for a good candidate on a busy machine (each run imports torch twice:
-        // its driver and the proposal's process); the hang costs this much.
-        timeout: Duration::from_secs(30),
-        start_timeout: Duration::from_secs(300),
-        limits: kernelbench::synth::worker::RunLimits::default(),
-    })
-    .await
-    .unwrap();
+    // Long enough for a good candidate on a busy machine (each run imports torch twice: its
+    // driver and the proposal's process); the hang costs this much.
+    let (_dir, mut worker) = common::cpu_worker(
+        Duration::from_secs(30),
+        kernelbench::synth::worker::RunLimits::default(),
+    )
+    .await;
     assert!(worker.seeds().len() >= 200);
     let forward = "return F.softmax(F.logsigmoid(y) * torch.cos(x), dim=1)";
     let exits = GOOD.replace(forward, "raise SystemExit(3)");

@@ -16,7 +16,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kernelbench::synth::worker::{FilterVerdict, JudgeWorker, RunLimits, WorkerConfig};
+use kernelbench::synth::worker::{FilterVerdict, JudgeWorker, RunLimits};
+
+mod common;
 
 const ATTACKS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/synth_attacks");
 
@@ -25,10 +27,6 @@ const MEMORY_BOUND: u64 = 2 << 30;
 /// The process bound of a run here, and how many processes the fork attack starts at once.
 const PROCESS_BOUND: u64 = 128;
 const FORKS: u64 = 300;
-
-fn python() -> String {
-    std::env::var("CUDA_AGENT_PYTHON").unwrap_or_else(|_| "python3".into())
-}
 
 /// Where an attack aims, outside every scratch directory.
 struct Targets {
@@ -82,34 +80,13 @@ impl Targets {
 }
 
 async fn worker() -> (tempfile::TempDir, JudgeWorker) {
-    let dir = tempfile::tempdir().unwrap();
-    let script = dir.path().join("synth.py");
-    std::fs::write(&script, kernelbench::synth::SYNTH_PY).unwrap();
-    let w = JudgeWorker::start(WorkerConfig {
-        python: python().into(),
-        script,
-        args: [
-            "--device",
-            "cpu",
-            "--min-ms",
-            "0",
-            "--compile-backend",
-            "eager",
-        ]
-        .map(String::from)
-        .to_vec(),
-        // A run imports torch afresh: long enough for that on a busy machine.
-        timeout: Duration::from_secs(60),
-        start_timeout: Duration::from_secs(300),
-        limits: RunLimits {
-            memory_bytes: MEMORY_BOUND,
-            processes: PROCESS_BOUND,
-            ..RunLimits::default()
-        },
-    })
-    .await
-    .unwrap();
-    (dir, w)
+    // A run imports torch afresh: long enough for that on a busy machine.
+    let limits = RunLimits {
+        memory_bytes: MEMORY_BOUND,
+        processes: PROCESS_BOUND,
+        ..RunLimits::default()
+    };
+    common::cpu_worker(Duration::from_secs(60), limits).await
 }
 
 fn reason(v: &FilterVerdict) -> &str {
