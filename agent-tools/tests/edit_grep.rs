@@ -8,7 +8,7 @@ mod common;
 use std::os::unix::fs::symlink;
 
 use agent_tools::{CallError, ToolCall};
-use common::fixture;
+use common::{fixture, grep_data};
 use serde_json::json;
 
 #[tokio::test]
@@ -408,4 +408,53 @@ async fn a_write_to_a_protected_file_names_it_and_where_code_goes() {
         )
         .await;
     assert!(!out.is_error, "{}", out.text);
+}
+
+/// Output past the cap is cut at a whole line and says how many lines it left out; the details
+/// say the answer is incomplete only then.
+#[tokio::test]
+async fn grep_output_over_the_cap_ends_at_a_whole_line_and_says_so() {
+    let mut f = fixture();
+    let line = "x".repeat(39);
+    let many: String = (0..4000).map(|i| format!("{line}{i:05}\n")).collect();
+    std::fs::write(f.root.join("big.txt"), many).unwrap();
+    std::fs::write(f.root.join("small.txt"), "one x\n").unwrap();
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "x", "output_mode": "content", "path": "big.txt"}),
+        )
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    let lines: Vec<&str> = out.text.lines().collect();
+    let note = lines.last().unwrap();
+    assert!(note.contains("more lines not shown (output cap)"), "{note}");
+    let shown = &lines[..lines.len() - 1];
+    assert!(shown.len() < 4000 && !shown.is_empty());
+    for (i, l) in shown.iter().enumerate() {
+        assert_eq!(
+            *l,
+            format!("big.txt:{}:{line}{i:05}", i + 1),
+            "a line cut or out of order"
+        );
+    }
+    let left: usize = note
+        .trim_start_matches('[')
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(shown.len() + left, 4000, "{note}");
+    let d = grep_data(&out);
+    assert!(!d.complete);
+    assert_eq!((d.matching_files, d.matching_lines), (1, 4000));
+    let out = f
+        .call(
+            "Grep",
+            json!({"pattern": "x", "output_mode": "count", "path": "small.txt"}),
+        )
+        .await;
+    assert_eq!(out.text, "small.txt:1\n[1 matching lines in 1 files]");
+    assert!(grep_data(&out).complete);
 }

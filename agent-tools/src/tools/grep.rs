@@ -272,26 +272,60 @@ pub(super) fn run(
     args: &GrepArgs,
     limits: &ToolLimits,
 ) -> Result<ToolOutput, ToolError> {
-    if args.pattern.is_empty() {
-        return Err(ToolError::InvalidArgument("pattern is empty".into()));
-    }
-    if args.pattern.len() > limits.max_glob_pattern_len {
-        return Err(ToolError::InvalidArgument(format!(
-            "the pattern is {} bytes long, over the limit of {}",
-            args.pattern.len(),
-            limits.max_glob_pattern_len
-        )));
-    }
+    check_pattern(&args.pattern, limits)?;
     let mode = args.output_mode.unwrap_or_default();
     let multiline = args.multiline.unwrap_or(false);
     let matcher = matcher(args, multiline)?;
     let filter = Filter::new(args, limits)?;
+    let (files, walked) = files_to_search(ws, args, limits, &filter, mode)?;
+    let mut searcher = searcher(args, mode, multiline);
+    let tally = search(ws, args, limits, mode, &matcher, &mut searcher, &files);
+    let notes = notes(&tally, args, limits, &walked);
+    let text = render(&tally, mode, limits.max_output_chars, &notes);
+    Ok(ToolOutput::ok(
+        text,
+        ToolData::Grep(GrepData {
+            complete: notes.is_empty(),
+            files_searched: files.len(),
+            matching_files: tally.matching_files,
+            matching_lines: tally.matching_lines,
+        }),
+    ))
+}
+
+fn check_pattern(pattern: &str, limits: &ToolLimits) -> Result<(), ToolError> {
+    if pattern.is_empty() {
+        return Err(ToolError::InvalidArgument("pattern is empty".into()));
+    }
+    if pattern.len() > limits.max_glob_pattern_len {
+        return Err(ToolError::InvalidArgument(format!(
+            "the pattern is {} bytes long, over the limit of {}",
+            pattern.len(),
+            limits.max_glob_pattern_len
+        )));
+    }
+    Ok(())
+}
+
+/// How the walk ended, for the notes.
+struct Walked {
+    too_deep: bool,
+    stopped: bool,
+}
+
+/// The files to search: `path` itself when it is a file (whatever the filter says), else those
+/// the walk below it finds and the filter keeps; newest first when only names are listed.
+fn files_to_search(
+    ws: &Workspace,
+    args: &GrepArgs,
+    limits: &ToolLimits,
+    filter: &Filter,
+    mode: GrepOutputMode,
+) -> Result<(Vec<Found>, Walked), ToolError> {
     let base = match &args.path {
         Some(p) => ws.rel_path(p)?,
         None => PathBuf::new(),
     };
-
-    // The files to search: the base itself when it is a file, else a walk below it.
     let mut walk = Walk {
         ws,
         limits,
@@ -313,6 +347,10 @@ pub(super) fn run(
         Err(e) => return Err(e),
     }
     let single_file = walk.files.len() == 1 && walk.entries == 0;
+    let walked = Walked {
+        too_deep: walk.too_deep,
+        stopped: walk.stopped,
+    };
     let mut files: Vec<Found> = walk
         .files
         .into_iter()
@@ -322,31 +360,71 @@ pub(super) fn run(
         // Newest first, as Glob lists them.
         files.sort_by(|a, b| b.mtime.cmp(&a.mtime).then_with(|| a.rel.cmp(&b.rel)));
     }
+    Ok((files, walked))
+}
 
+/// ripgrep's searcher with the call's context (in content mode only) and line numbers.
+fn searcher(args: &GrepArgs, mode: GrepOutputMode, multiline: bool) -> Searcher {
     let context = args.context.unwrap_or(0).min(MAX_CONTEXT);
     let before = args.before.unwrap_or(context).min(MAX_CONTEXT);
     let after = args.after.unwrap_or(context).min(MAX_CONTEXT);
     let content = mode == GrepOutputMode::Content;
-    let mut searcher = SearcherBuilder::new()
+    SearcherBuilder::new()
         .line_number(true)
         .multi_line(multiline)
         .before_context(if content { before } else { 0 })
         .after_context(if content { after } else { 0 })
         .binary_detection(BinaryDetection::quit(0))
-        .build();
+        .build()
+}
 
+/// What the search found: the output lines, the counts, and why it stopped early, if it did.
+#[derive(Default)]
+struct Tally {
+    out: Vec<String>,
+    matching_files: usize,
+    matching_lines: u64,
+    skipped_large: usize,
+    budget_hit: bool,
+    limited: bool,
+}
+
+impl Tally {
+    /// Output lines past the output cap (whole lines only are shown).
+    fn cut_lines(&self, cap: usize) -> usize {
+        let mut len = 0;
+        for (k, line) in self.out.iter().enumerate() {
+            if len + line.len() + 1 > cap {
+                return self.out.len() - k;
+            }
+            len += line.len() + 1;
+        }
+        0
+    }
+}
+
+/// Searches `files` in order until `head_limit` lines (or names) are out or the read budget
+/// is spent; files over the read cap are skipped and counted.
+fn search(
+    ws: &Workspace,
+    args: &GrepArgs,
+    limits: &ToolLimits,
+    mode: GrepOutputMode,
+    matcher: &RegexMatcher,
+    searcher: &mut Searcher,
+    files: &[Found],
+) -> Tally {
     let head_limit = args.head_limit.filter(|&n| n > 0);
     let mut room = head_limit.unwrap_or(usize::MAX);
-    let mut out: Vec<String> = Vec::new();
-    let (mut read_total, mut matching_files, mut matching_lines) = (0u64, 0usize, 0u64);
-    let (mut skipped_large, mut budget_hit, mut limited) = (0usize, false, false);
-    for f in &files {
+    let mut t = Tally::default();
+    let mut read_total = 0u64;
+    for f in files {
         if room == 0 {
-            limited = true;
+            t.limited = true;
             break;
         }
         if read_total >= MAX_TOTAL_BYTES {
-            budget_hit = true;
+            t.budget_hit = true;
             break;
         }
         let capped = match ws.read_capped(&f.rel, limits.max_read_bytes) {
@@ -355,119 +433,112 @@ pub(super) fn run(
             Ok(None) | Err(_) => continue,
         };
         if capped.truncated {
-            skipped_large += 1;
+            t.skipped_large += 1;
             continue;
         }
         read_total += capped.bytes.len() as u64;
         let shown = ws.display(&f.rel);
-        match mode {
-            GrepOutputMode::Content => {
-                let mut sink = Lines {
-                    path: &shown,
-                    numbers: args.line_numbers.unwrap_or(true),
-                    out: &mut out,
-                    room: &mut room,
-                    matched: 0,
-                    last_line: None,
-                };
-                let _ = searcher.search_slice(&matcher, &capped.bytes, &mut sink);
-                let n = sink.matched;
-                if n > 0 {
-                    matching_files += 1;
-                    matching_lines += n as u64;
-                }
+        if mode == GrepOutputMode::Content {
+            let mut sink = Lines {
+                path: &shown,
+                numbers: args.line_numbers.unwrap_or(true),
+                out: &mut t.out,
+                room: &mut room,
+                matched: 0,
+                last_line: None,
+            };
+            let _ = searcher.search_slice(matcher, &capped.bytes, &mut sink);
+            let n = sink.matched;
+            if n > 0 {
+                t.matching_files += 1;
+                t.matching_lines += n as u64;
             }
-            GrepOutputMode::FilesWithMatches | GrepOutputMode::Count => {
-                let mut sink = Count {
-                    n: 0,
-                    first_only: mode == GrepOutputMode::FilesWithMatches,
-                };
-                let _ = searcher.search_slice(&matcher, &capped.bytes, &mut sink);
-                if sink.n > 0 {
-                    matching_files += 1;
-                    matching_lines += sink.n;
-                    out.push(if mode == GrepOutputMode::Count {
-                        format!("{shown}:{}", sink.n)
-                    } else {
-                        shown
-                    });
-                    room -= 1;
-                }
+        } else {
+            let mut sink = Count {
+                n: 0,
+                first_only: mode == GrepOutputMode::FilesWithMatches,
+            };
+            let _ = searcher.search_slice(matcher, &capped.bytes, &mut sink);
+            if sink.n > 0 {
+                t.matching_files += 1;
+                t.matching_lines += sink.n;
+                t.out.push(if mode == GrepOutputMode::Count {
+                    format!("{shown}:{}", sink.n)
+                } else {
+                    shown
+                });
+                room -= 1;
             }
         }
     }
     if head_limit.is_some() && room == 0 {
-        limited = true;
+        t.limited = true;
     }
+    t
+}
 
-    // The output stays within the tool output cap (whole lines only).
-    let cap = limits.max_output_chars;
-    let mut text = String::new();
-    let mut cut_lines = 0usize;
-    for (k, line) in out.iter().enumerate() {
-        if text.len() + line.len() + 1 > cap {
-            cut_lines = out.len() - k;
-            break;
-        }
-        text.push_str(line);
-        text.push('\n');
-    }
-    if out.is_empty() {
-        text = "No matches found\n".into();
-    } else if mode == GrepOutputMode::Count {
-        text.push_str(&format!(
-            "[{matching_lines} matching lines in {matching_files} files]\n"
-        ));
-    } else if mode == GrepOutputMode::FilesWithMatches {
-        text.insert_str(0, &format!("Found {matching_files} files\n"));
-    }
+/// Why the output is not the whole answer, one line each.
+fn notes(t: &Tally, args: &GrepArgs, limits: &ToolLimits, walked: &Walked) -> Vec<String> {
     let mut notes = Vec::new();
+    let cut_lines = t.cut_lines(limits.max_output_chars);
     if cut_lines > 0 {
         notes.push(format!(
             "[{cut_lines} more lines not shown (output cap); narrow the search or use head_limit]"
         ));
     }
-    if limited {
+    if t.limited {
         notes.push(format!(
             "[stopped at head_limit {}]",
-            head_limit.unwrap_or(0)
+            args.head_limit.unwrap_or(0)
         ));
     }
-    if skipped_large > 0 {
+    if t.skipped_large > 0 {
         notes.push(format!(
-            "[{skipped_large} files over {} bytes were not searched; use Bash (rg, grep) for them]",
-            limits.max_read_bytes
+            "[{} files over {} bytes were not searched; use Bash (rg, grep) for them]",
+            t.skipped_large, limits.max_read_bytes
         ));
     }
-    if budget_hit {
+    if t.budget_hit {
         notes.push(format!(
             "[the search stopped after reading {MAX_TOTAL_BYTES} bytes; narrow the path or glob]"
         ));
     }
-    if walk.too_deep {
+    if walked.too_deep {
         notes.push(format!(
             "[directories deeper than {} levels were not searched]",
             limits.max_glob_depth
         ));
     }
-    if walk.stopped {
+    if walked.stopped {
         notes.push(format!(
             "[the walk stopped after {} entries; narrow the path]",
             limits.max_glob_entries
         ));
     }
-    for n in &notes {
+    notes
+}
+
+/// The observation: whole lines within the output cap, the mode's header or footer, the notes.
+fn render(t: &Tally, mode: GrepOutputMode, cap: usize, notes: &[String]) -> String {
+    let shown = t.out.len() - t.cut_lines(cap);
+    let mut text = String::new();
+    for line in &t.out[..shown] {
+        text.push_str(line);
+        text.push('\n');
+    }
+    if t.out.is_empty() {
+        text = "No matches found\n".into();
+    } else if mode == GrepOutputMode::Count {
+        text.push_str(&format!(
+            "[{} matching lines in {} files]\n",
+            t.matching_lines, t.matching_files
+        ));
+    } else if mode == GrepOutputMode::FilesWithMatches {
+        text.insert_str(0, &format!("Found {} files\n", t.matching_files));
+    }
+    for n in notes {
         text.push_str(n);
         text.push('\n');
     }
-    let text = text.trim_end().to_string();
-    Ok(ToolOutput::ok(
-        text,
-        ToolData::Grep(GrepData {
-            complete: notes.is_empty(),
-            files_searched: files.len(),
-            matching_files,
-            matching_lines,
-        }),
-    ))
+    text.trim_end().to_string()
 }

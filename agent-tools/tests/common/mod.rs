@@ -12,7 +12,7 @@ use agent_tools::{
     create_private_dir, Jail, ResourceLimits, Sandbox, SandboxConfig, ToolCall, ToolLimits,
     ToolOutput, Toolbox, Workspace,
 };
-use env_api::observation::{BashData, EditData, GlobData, ReadData, ToolData, WriteData};
+use env_api::observation::{BashData, EditData, GlobData, GrepData, ReadData, ToolData, WriteData};
 use serde_json::Value;
 
 /// The details of a call of the tool the function is named for; panics on any other.
@@ -33,6 +33,7 @@ details! {
     write_data: Write => WriteData,
     read_data: Read => ReadData,
     glob_data: Glob => GlobData,
+    grep_data: Grep => GrepData,
 }
 
 /// Python's installation prefixes, which the sandbox must be able to read.
