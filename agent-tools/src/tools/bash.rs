@@ -9,6 +9,7 @@ use env_api::observation::{BashData, StreamLayout, ToolData};
 use tokio::io::AsyncReadExt;
 
 use super::{ToolError, ToolOutput, Toolbox};
+use crate::sandbox::{Outcome, SandboxedChild};
 
 /// The wrapper records the final working directory on exit, whatever way the command ends.
 const WRAPPER: &str = r#"trap 'pwd -P > "$CUDA_AGENT_CWD_FILE" 2>/dev/null' EXIT
@@ -107,10 +108,102 @@ pub(super) async fn run(
         ));
     }
     let cwd_file = tb.state_dir.join("bash.cwd");
-    let _ = std::fs::remove_file(&cwd_file);
+    let (mut child, started) = spawn(tb, command, &cwd_file)?;
+    let cap = tb.limits.max_output_chars;
+    // Readers keep draining so a chatty process never blocks on a full pipe.
+    let out_task = child
+        .stdout
+        .take()
+        .map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
+    let err_task = child
+        .stderr
+        .take()
+        .map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
+    // Whatever happened, nothing the command started outlives the step. Its deadline is in
+    // charged time (wall time less its wait for a CPU), up to a cap in wall time.
+    let outcome = child
+        .wait_charged(timeout, timeout.saturating_mul(WALL_CAP_FACTOR))
+        .await;
+    let elapsed = started.elapsed();
+    let cpu_wait = outcome.cpu_wait.min(elapsed);
+    let stdout = collect(out_task).await;
+    let stderr = collect(err_task).await;
+    let exit_code = outcome.status.map(|s| {
+        use std::os::unix::process::ExitStatusExt;
+        s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
+    });
+    let cwd_note = follow_cwd(tb, &cwd_file);
+
+    let (out_text, out_cut) = stdout.render(cap);
+    let (err_text, err_cut) = stderr.render(cap);
+    let mut text = out_text;
+    if !err_text.is_empty() {
+        end_line(&mut text);
+        text.push_str("[stderr]\n");
+        text.push_str(&err_text);
+    }
+    let limit = Limit {
+        timeout,
+        by_budget,
+        may_raise_to,
+    };
+    if let Some(line) = ending(&outcome, exit_code, elapsed, &limit) {
+        end_line(&mut text);
+        text.push_str(&line);
+    }
+    if let Some(n) = cwd_note {
+        text.push('\n');
+        text.push_str(n);
+    }
+    if cpu_wait >= WAIT_WORTH_SAYING {
+        tracing::debug!(
+            wall_s = elapsed.as_secs_f64(),
+            cpu_wait_s = cpu_wait.as_secs_f64(),
+            "the host kept a command waiting for a CPU"
+        );
+        end_line(&mut text);
+        text.push_str(&format!(
+            "[the host was busy: {:.1} s of this command's {:.1} s were spent waiting for a CPU and not charged]",
+            cpu_wait.as_secs_f64(),
+            elapsed.as_secs_f64()
+        ));
+    }
+    if text.is_empty() {
+        text.push_str("(no output)");
+    }
+    let timed_out = outcome.timed_out;
+    Ok(ToolOutput {
+        text,
+        is_error: timed_out || outcome.breach.is_some() || exit_code != Some(0),
+        data: ToolData::Bash(BashData {
+            breach: outcome.breach.map(|b| b.reason().to_string()),
+            budget_cut: timed_out && by_budget,
+            cwd: tb.workspace.display(&tb.cwd),
+            duration_ms: elapsed.as_millis() as u64,
+            exit_code,
+            processes_killed: outcome.killed,
+            stderr_bytes: stderr.total as u64,
+            stdout: StreamLayout::Separate,
+            stdout_bytes: stdout.total as u64,
+            timed_out,
+            truncated: out_cut || err_cut,
+        })
+        .into(),
+        cpu_wait,
+    })
+}
+
+/// Starts the command in the sandbox from the episode's working directory, the shell's exit
+/// trap recording the directory it ended in (`cwd_file`); also when it started.
+fn spawn(
+    tb: &Toolbox,
+    command: &str,
+    cwd_file: &Path,
+) -> Result<(SandboxedChild, Instant), ToolError> {
+    let _ = std::fs::remove_file(cwd_file);
     let mut jail = tb.jail.clone();
     jail.env
-        .push(("CUDA_AGENT_CWD_FILE".into(), cwd_file.clone().into()));
+        .push(("CUDA_AGENT_CWD_FILE".into(), cwd_file.to_path_buf().into()));
     // The recorded directory is the agent's to shape (it can write the record): it is kept
     // only while it is a directory beneath the workspace reached without a link.
     let cwd = match tb.cwd.strip_prefix(tb.workspace.root()) {
@@ -131,155 +224,97 @@ pub(super) async fn run(
         .sandbox
         .command(&jail, Path::new("/bin/bash"), &args, &cwd)?;
     let started = Instant::now();
-    // Dropping `child` (the step's future cancelled, say by a client that went away) kills
+    // Dropping the child (the step's future cancelled, say by a client that went away) kills
     // the command and everything it started.
-    let mut child = sc
+    let child = sc
         .spawn()
         .map_err(|e| ToolError::io(Path::new("/bin/bash"), e))?;
-    let cap = tb.limits.max_output_chars;
-    // Readers keep draining so a chatty process never blocks on a full pipe.
-    let out_task = child
-        .stdout
-        .take()
-        .map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
-    let err_task = child
-        .stderr
-        .take()
-        .map(|s| AbortOnDrop(tokio::spawn(read_capped(s, cap))));
-    // Whatever happened, nothing the command started outlives the step. Its deadline is in
-    // charged time (wall time less its wait for a CPU), up to a cap in wall time.
-    let outcome = child
-        .wait_charged(timeout, timeout.saturating_mul(WALL_CAP_FACTOR))
-        .await;
-    let (timed_out, killed, breach) = (outcome.timed_out, outcome.killed, outcome.breach);
-    let elapsed = started.elapsed();
-    let cpu_wait = outcome.cpu_wait.min(elapsed);
-    let collect = |t: Option<AbortOnDrop<Capped>>| async move {
-        match t {
-            Some(mut t) => tokio::time::timeout(Duration::from_secs(5), &mut t.0)
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default(),
-            None => Capped::default(),
-        }
-    };
-    let stdout = collect(out_task).await;
-    let stderr = collect(err_task).await;
-    let exit_code = outcome.status.map(|s| {
-        use std::os::unix::process::ExitStatusExt;
-        s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
-    });
+    Ok((child, started))
+}
 
-    let mut note = None;
-    if let Some(new_cwd) =
-        crate::workspace::read_state_file(&cwd_file, 8192).map(|s| PathBuf::from(s.trim_end()))
-    {
-        if new_cwd.starts_with(tb.workspace.root()) {
-            tb.cwd = new_cwd;
-        } else {
-            tb.cwd = tb.workspace.root().to_path_buf();
-            note =
-                Some("[working directory was outside the workspace; reset to the workspace root]");
-        }
+/// What a reader collected, waiting a little for the last of it (a grandchild may hold the
+/// pipe open after the command was killed).
+async fn collect(t: Option<AbortOnDrop<Capped>>) -> Capped {
+    match t {
+        Some(mut t) => tokio::time::timeout(Duration::from_secs(5), &mut t.0)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default(),
+        None => Capped::default(),
     }
+}
 
-    let (out_text, out_cut) = stdout.render(cap);
-    let (err_text, err_cut) = stderr.render(cap);
-    let mut text = out_text;
-    if !err_text.is_empty() {
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
-        }
-        text.push_str("[stderr]\n");
-        text.push_str(&err_text);
+/// Takes the directory the command ended in as the episode's working directory when it is
+/// inside the workspace; else goes back to the workspace root and says so.
+fn follow_cwd(tb: &mut Toolbox, cwd_file: &Path) -> Option<&'static str> {
+    let new_cwd =
+        crate::workspace::read_state_file(cwd_file, 8192).map(|s| PathBuf::from(s.trim_end()))?;
+    if new_cwd.starts_with(tb.workspace.root()) {
+        tb.cwd = new_cwd;
+        None
+    } else {
+        tb.cwd = tb.workspace.root().to_path_buf();
+        Some("[working directory was outside the workspace; reset to the workspace root]")
     }
-    if let Some(b) = breach {
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
-        }
-        text.push_str(&format!(
+}
+
+/// The call's time limit and where it came from.
+struct Limit {
+    timeout: Duration,
+    /// The episode's remaining tool-time budget set it, not the call.
+    by_budget: bool,
+    /// The largest `timeout` the call could have asked for instead, if larger.
+    may_raise_to: Option<Duration>,
+}
+
+/// The line that says why the command ended, unless it simply exited 0: a limit it broke,
+/// the wall-clock cap, the budget, its timeout, or its exit code.
+fn ending(
+    outcome: &Outcome,
+    exit_code: Option<i32>,
+    elapsed: Duration,
+    limit: &Limit,
+) -> Option<String> {
+    let timeout_s = limit.timeout.as_secs_f64();
+    if let Some(b) = outcome.breach {
+        return Some(format!(
             "[stopped: {b}; the command and every process it started were killed]"
         ));
-    } else if outcome.wall_capped {
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
-        }
-        text.push_str(&format!(
-            "[stopped after {:.1} s of wall time, {WALL_CAP_FACTOR}x its {:.1} s limit, before its tool time ran out: the host kept it waiting for a CPU; the command and every process it started were killed]",
+    }
+    if outcome.wall_capped {
+        return Some(format!(
+            "[stopped after {:.1} s of wall time, {WALL_CAP_FACTOR}x its {timeout_s:.1} s limit, before its tool time ran out: the host kept it waiting for a CPU; the command and every process it started were killed]",
             elapsed.as_secs_f64(),
-            timeout.as_secs_f64()
         ));
-    } else if timed_out && by_budget {
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
-        }
-        text.push_str(&format!(
-            "[cut after {:.1} s: the episode's tool-time budget ran out; the command and every process it started were killed]",
-            timeout.as_secs_f64()
+    }
+    if outcome.timed_out && limit.by_budget {
+        return Some(format!(
+            "[cut after {timeout_s:.1} s: the episode's tool-time budget ran out; the command and every process it started were killed]"
         ));
-    } else if timed_out {
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
-        }
-        text.push_str(&format!(
-            "[timed out after {:.1} s; the command and every process it started were killed",
-            timeout.as_secs_f64()
-        ));
-        match may_raise_to {
-            Some(max) => text.push_str(&format!(
-                "; a longer command needs a larger `timeout` (milliseconds, at most {})]",
+    }
+    if outcome.timed_out {
+        let raise = match limit.may_raise_to {
+            Some(max) => format!(
+                "; a longer command needs a larger `timeout` (milliseconds, at most {})",
                 max.as_millis()
-            )),
-            None => text.push(']'),
-        }
-    } else if let Some(code) = exit_code.filter(|c| *c != 0) {
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
-        }
-        text.push_str(&format!("[exit code {code}{}]", signal_note(code)));
-    }
-    if let Some(n) = note {
-        text.push('\n');
-        text.push_str(n);
-    }
-    if cpu_wait >= WAIT_WORTH_SAYING {
-        tracing::debug!(
-            wall_s = elapsed.as_secs_f64(),
-            cpu_wait_s = cpu_wait.as_secs_f64(),
-            "the host kept a command waiting for a CPU"
-        );
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
-        }
-        text.push_str(&format!(
-            "[the host was busy: {:.1} s of this command's {:.1} s were spent waiting for a CPU and not charged]",
-            cpu_wait.as_secs_f64(),
-            elapsed.as_secs_f64()
+            ),
+            None => String::new(),
+        };
+        return Some(format!(
+            "[timed out after {timeout_s:.1} s; the command and every process it started were killed{raise}]"
         ));
     }
-    if text.is_empty() {
-        text.push_str("(no output)");
+    exit_code
+        .filter(|c| *c != 0)
+        .map(|code| format!("[exit code {code}{}]", signal_note(code)))
+}
+
+/// Ends the text's last line, if it has an unfinished one, so the next note starts a line.
+fn end_line(text: &mut String) {
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
     }
-    Ok(ToolOutput {
-        text,
-        is_error: timed_out || breach.is_some() || exit_code != Some(0),
-        data: ToolData::Bash(BashData {
-            breach: breach.map(|b| b.reason().to_string()),
-            budget_cut: timed_out && by_budget,
-            cwd: tb.workspace.display(&tb.cwd),
-            duration_ms: elapsed.as_millis() as u64,
-            exit_code,
-            processes_killed: killed,
-            stderr_bytes: stderr.total as u64,
-            stdout: StreamLayout::Separate,
-            stdout_bytes: stdout.total as u64,
-            timed_out,
-            truncated: out_cut || err_cut,
-        })
-        .into(),
-        cpu_wait,
-    })
 }
 
 /// What an exit code above 128 means (a process killed by a signal, as the shell reports it),
