@@ -372,4 +372,71 @@ mod tests {
         assert!(text.contains("bytes of output truncated"));
         assert!(text.len() < 1100);
     }
+
+    /// Each way a command ends has its line, in the order the observation checks them.
+    #[test]
+    fn the_ending_line_says_why_in_order() {
+        use super::{ending, Limit, Outcome};
+        use crate::sandbox::Breach;
+        use std::time::Duration;
+        let ended = |code: i32| Outcome {
+            status: Some(std::os::unix::process::ExitStatusExt::from_raw(code << 8)),
+            timed_out: false,
+            breach: None,
+            killed: 0,
+            cpu_wait: Duration::ZERO,
+            wall_capped: false,
+        };
+        let limit = |by_budget, may_raise_to| Limit {
+            timeout: Duration::from_secs(120),
+            by_budget,
+            may_raise_to,
+        };
+        let secs = Duration::from_secs;
+        assert_eq!(
+            ending(&ended(0), Some(0), secs(1), &limit(false, None)),
+            None
+        );
+        assert_eq!(
+            ending(&ended(3), Some(3), secs(1), &limit(false, None)).as_deref(),
+            Some("[exit code 3]")
+        );
+        let timed_out = Outcome {
+            timed_out: true,
+            status: None,
+            ..ended(0)
+        };
+        assert_eq!(
+            ending(&timed_out, None, secs(120), &limit(false, Some(secs(600)))).as_deref(),
+            Some("[timed out after 120.0 s; the command and every process it started were killed; a longer command needs a larger `timeout` (milliseconds, at most 600000)]")
+        );
+        assert_eq!(
+            ending(&timed_out, None, secs(120), &limit(false, None)).as_deref(),
+            Some("[timed out after 120.0 s; the command and every process it started were killed]")
+        );
+        let budget = ending(&timed_out, None, secs(120), &limit(true, Some(secs(600)))).unwrap();
+        assert!(
+            budget.starts_with("[cut after 120.0 s: the episode's tool-time budget ran out"),
+            "{budget}"
+        );
+        let capped = Outcome {
+            wall_capped: true,
+            ..timed_out
+        };
+        let line = ending(&capped, None, secs(360), &limit(true, None)).unwrap();
+        assert!(
+            line.starts_with("[stopped after 360.0 s of wall time, 3x its 120.0 s limit"),
+            "{line}"
+        );
+        // A broken limit is named first, whatever else happened.
+        let breach = Outcome {
+            breach: Some(Breach::Memory),
+            ..capped
+        };
+        let line = ending(&breach, Some(137), secs(5), &limit(false, None)).unwrap();
+        assert!(
+            line.starts_with("[stopped: ") && line.ends_with("were killed]"),
+            "{line}"
+        );
+    }
 }
