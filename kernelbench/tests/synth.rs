@@ -9,29 +9,17 @@ use std::process::Command;
 
 use kernelbench::TaskSet;
 
+mod common;
+
 #[test]
 fn synth_tasks_on_cpu() {
-    let python = std::env::var("CUDA_AGENT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = common::python();
     let out = tempfile::tempdir().unwrap();
     let run = |count: &str, seed: &str| {
         let o = Command::new(env!("CARGO_BIN_EXE_kernelbench"))
-            .args([
-                "synth",
-                "--count",
-                count,
-                "--seed",
-                seed,
-                "--device",
-                "cpu",
-                "--min-ms",
-                "0",
-                "--compile-backend",
-                "eager",
-                "--plant-bad",
-                "--python",
-                &python,
-                "--out",
-            ])
+            .args(["synth", "--count", count, "--seed", seed])
+            .args(common::CPU_FILTERS)
+            .args(["--plant-bad", "--python", &python, "--out"])
             .arg(out.path())
             .output()
             .unwrap();

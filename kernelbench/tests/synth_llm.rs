@@ -167,24 +167,11 @@ async fn scripted_server(script: Shared) -> String {
 /// `kernelbench synth` with the CPU filters kept cheap (any runtime, compile only traced).
 fn synth(url: &str, out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kernelbench"));
-    c.args([
-        "synth",
-        "--llm-url",
-        url,
-        "--device",
-        "cpu",
-        "--min-ms",
-        "0",
-    ])
-    .args([
-        "--compile-backend",
-        "eager",
-        "--python",
-        &common::python(),
-        "--out",
-    ])
-    .arg(out)
-    .args(extra);
+    c.args(["synth", "--llm-url", url])
+        .args(common::CPU_FILTERS)
+        .args(["--python", &common::python(), "--out"])
+        .arg(out)
+        .args(extra);
     c
 }
 
