@@ -198,14 +198,67 @@ pub fn update<B: AutodiffBackend>(
         1.0
     };
     let mut prepared = prepare(learner, samples, temperature, reference);
-    // Advantages are whitened over the whole batch's policy tokens.
-    let masks: Vec<Vec<bool>> = prepared.iter().map(|p| p.sample.shifted_mask()).collect();
-    let mut advs: Vec<Vec<f32>> = prepared.iter().map(|p| p.advantages.clone()).collect();
-    if ppo.normalize_advantages {
-        whiten(&mut advs, &masks);
+    let explained = whiten_and_explain(&mut prepared, ppo.normalize_advantages);
+    let lr_a = cfg.optim.lr_at(cfg.optim.actor_lr, step, total);
+    let lr_c = cfg.optim.lr_at(cfg.optim.critic_lr, step, total);
+    let micro = cfg.optim.micro_batch.max(1);
+    let mb = ppo.minibatch.max(1).min(prepared.len());
+    let mut sums = Losses::default();
+    let mut n_mb = 0usize;
+    let (mut gn_a, mut gn_c) = (Vec::new(), Vec::new());
+    for epoch in 0..ppo.epochs.max(1) {
+        let order = permutation(
+            prepared.len(),
+            seed_of(cfg.run.seed, step as u64, 1_000 + epoch as u64),
+        );
+        for chunk in order.chunks(mb) {
+            // Losses are sums over the minibatch's policy tokens, whatever its micro-batches.
+            let tokens: f32 = chunk
+                .iter()
+                .map(|&i| prepared[i].sample.policy_tokens() as f32)
+                .sum();
+            for micro_rows in chunk.chunks(micro) {
+                let rows: Vec<&Prepared> = micro_rows.iter().map(|&i| &prepared[i]).collect();
+                sums.add(&backward(learner, &rows, tokens, temperature, ppo));
+            }
+            if let Some(n) = learner.policy_step(lr_a) {
+                gn_a.push(n as f64);
+            }
+            if let Some(n) = learner.critic_step(lr_c) {
+                gn_c.push(n as f64);
+            }
+            n_mb += 1;
+        }
     }
-    for (p, a) in prepared.iter_mut().zip(advs) {
-        p.advantages = a;
+    let n = n_mb.max(1) as f64;
+    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+    PpoUpdate {
+        trained_episodes: prepared.len(),
+        policy_loss: Some(sums.policy / n),
+        value_loss: Some(sums.value / n),
+        entropy: Some(sums.entropy / n),
+        approx_kl: Some(sums.kl / n),
+        ref_kl: (ppo.kl_coef > 0.0).then_some(sums.ref_kl / n),
+        clip_fraction: Some(sums.clipped / n),
+        explained_variance: explained,
+        grad_norm_actor: mean(&gn_a),
+        grad_norm_critic: mean(&gn_c),
+        lr_actor: Some(lr_a),
+        lr_critic: Some(lr_c),
+        sampling_logprob_mismatch: logprob_mismatch(&prepared),
+    }
+}
+
+/// Whitens the advantages over the whole batch's policy tokens (when asked), and returns how
+/// much of the returns' variance the pre-update values explained.
+fn whiten_and_explain(prepared: &mut [Prepared], normalize: bool) -> Option<f64> {
+    let masks: Vec<Vec<bool>> = prepared.iter().map(|p| p.sample.shifted_mask()).collect();
+    if normalize {
+        let mut advs: Vec<Vec<f32>> = prepared.iter().map(|p| p.advantages.clone()).collect();
+        whiten(&mut advs, &masks);
+        for (p, a) in prepared.iter_mut().zip(advs) {
+            p.advantages = a;
+        }
     }
     let (mut v_all, mut r_all) = (Vec::new(), Vec::new());
     for (p, m) in prepared.iter().zip(&masks) {
@@ -216,158 +269,104 @@ pub fn update<B: AutodiffBackend>(
             }
         }
     }
-    let explained = explained_variance(&v_all, &r_all);
-    let lr_a = cfg.optim.lr_at(cfg.optim.actor_lr, step, total);
-    let lr_c = cfg.optim.lr_at(cfg.optim.critic_lr, step, total);
-    let micro = cfg.optim.micro_batch.max(1);
-    let mb = ppo.minibatch.max(1).min(prepared.len());
-    let (mut pg_sum, mut vl_sum, mut ent_sum, mut kl_sum, mut ref_kl_sum, mut clip_sum, mut n_mb) =
-        (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0usize);
-    let (mut gn_a, mut gn_c) = (Vec::new(), Vec::new());
-    let device = learner.device.clone();
-    for epoch in 0..ppo.epochs.max(1) {
-        let order = permutation(
-            prepared.len(),
-            seed_of(cfg.run.seed, step as u64, 1_000 + epoch as u64),
-        );
-        for chunk in order.chunks(mb) {
-            let tokens: f32 = chunk
-                .iter()
-                .map(|&i| prepared[i].sample.policy_tokens() as f32)
-                .sum();
-            let (mut pg, mut vl, mut ent, mut kl, mut rkl, mut clip) =
-                (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
-            for micro_rows in chunk.chunks(micro) {
-                let rows: Vec<&Prepared> = micro_rows.iter().map(|&i| &prepared[i]).collect();
-                let samples: Vec<&Sample> = rows.iter().map(|p| &p.sample).collect();
-                let batch = TokenBatch::<B>::new(&samples, &device);
-                let old_lp = batch.shifted(
-                    &rows
-                        .iter()
-                        .map(|p| p.old_logprobs.as_slice())
-                        .collect::<Vec<_>>(),
-                    &device,
-                );
-                let adv = batch.shifted(
-                    &rows
-                        .iter()
-                        .map(|p| p.advantages.as_slice())
-                        .collect::<Vec<_>>(),
-                    &device,
-                );
-                let ref_lp = (ppo.kl_coef > 0.0 && rows[0].ref_logprobs.is_some()).then(|| {
-                    batch.shifted(
-                        &rows
-                            .iter()
-                            .map(|p| p.ref_logprobs.as_deref().unwrap_or(&[]))
-                            .collect::<Vec<_>>(),
-                        &device,
-                    )
-                });
-                let mask = batch.mask.clone();
-                learner.policy_backward_stats(
-                    batch.tokens.clone(),
-                    batch.valid.clone(),
-                    temperature,
-                    |stats| {
-                        let surrogate = clipped_surrogate(
-                            stats.logprobs.clone(),
-                            old_lp.clone(),
-                            adv,
-                            ppo.clip_low,
-                            ppo.clip_high,
-                        );
-                        let pg_loss = masked_sum(surrogate, mask.clone(), tokens);
-                        let entropy = masked_sum(stats.entropy, mask.clone(), tokens);
-                        let mut loss = pg_loss.clone() - entropy.clone() * ppo.entropy_coef;
-                        if let Some(ref_lp) = ref_lp {
-                            let ref_kl = masked_sum(
-                                kl_k3(stats.logprobs.clone(), ref_lp),
-                                mask.clone(),
-                                tokens,
-                            );
-                            rkl += scalar(ref_kl.clone().detach());
-                            loss = loss + ref_kl * ppo.kl_coef;
-                        }
-                        kl += scalar(masked_sum(
-                            kl_k3(stats.logprobs.clone().detach(), old_lp.clone()),
-                            mask.clone(),
-                            tokens,
-                        ));
-                        clip += scalar(masked_sum(
-                            clipped_mask(
-                                stats.logprobs.detach(),
-                                old_lp,
-                                ppo.clip_low,
-                                ppo.clip_high,
-                            ),
-                            mask,
-                            tokens,
-                        ));
-                        pg += scalar(pg_loss.detach());
-                        ent += scalar(entropy.detach());
-                        loss
-                    },
-                );
+    explained_variance(&v_all, &r_all)
+}
 
-                let old_v = batch.shifted(
-                    &rows
-                        .iter()
-                        .map(|p| p.old_values.as_slice())
-                        .collect::<Vec<_>>(),
-                    &device,
-                );
-                let ret = batch.shifted(
-                    &rows
-                        .iter()
-                        .map(|p| p.returns.as_slice())
-                        .collect::<Vec<_>>(),
-                    &device,
-                );
-                let mask = batch.mask;
-                learner.critic_backward_values(batch.tokens, batch.valid, |values| {
-                    let values = values.narrow(1, 0, batch.width - 1);
-                    let v_loss = masked_sum(
-                        clipped_value_loss(values, old_v, ret, ppo.value_clip),
-                        mask,
-                        tokens,
-                    ) * ppo.vf_coef;
-                    vl += scalar(v_loss.clone().detach());
-                    v_loss
-                });
-            }
-            if let Some(n) = learner.policy_step(lr_a) {
-                gn_a.push(n as f64);
-            }
-            if let Some(n) = learner.critic_step(lr_c) {
-                gn_c.push(n as f64);
-            }
-            pg_sum += pg;
-            vl_sum += vl;
-            ent_sum += ent;
-            kl_sum += kl;
-            ref_kl_sum += rkl;
-            clip_sum += clip;
-            n_mb += 1;
-        }
+/// One minibatch's loss terms, summed over its micro-batches (each already divided by the
+/// minibatch's policy tokens).
+#[derive(Default)]
+struct Losses {
+    policy: f64,
+    value: f64,
+    entropy: f64,
+    kl: f64,
+    ref_kl: f64,
+    clipped: f64,
+}
+
+impl Losses {
+    fn add(&mut self, o: &Losses) {
+        self.policy += o.policy;
+        self.value += o.value;
+        self.entropy += o.entropy;
+        self.kl += o.kl;
+        self.ref_kl += o.ref_kl;
+        self.clipped += o.clipped;
     }
-    let n = n_mb.max(1) as f64;
-    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
-    PpoUpdate {
-        trained_episodes: prepared.len(),
-        policy_loss: Some(pg_sum / n),
-        value_loss: Some(vl_sum / n),
-        entropy: Some(ent_sum / n),
-        approx_kl: Some(kl_sum / n),
-        ref_kl: (ppo.kl_coef > 0.0).then_some(ref_kl_sum / n),
-        clip_fraction: Some(clip_sum / n),
-        explained_variance: explained,
-        grad_norm_actor: mean(&gn_a),
-        grad_norm_critic: mean(&gn_c),
-        lr_actor: Some(lr_a),
-        lr_critic: Some(lr_c),
-        sampling_logprob_mismatch: logprob_mismatch(&prepared),
-    }
+}
+
+/// One micro-batch's backward passes, the policy's (clipped surrogate, entropy bonus, KL to the
+/// reference) then the critic's (clipped value loss), gradients accumulated for the
+/// minibatch's step; its loss terms.
+fn backward<B: AutodiffBackend>(
+    learner: &mut Learner<B>,
+    rows: &[&Prepared],
+    tokens: f32,
+    temperature: f64,
+    ppo: &crate::config::PpoSection,
+) -> Losses {
+    let device = learner.device.clone();
+    let samples: Vec<&Sample> = rows.iter().map(|p| &p.sample).collect();
+    let batch = TokenBatch::<B>::new(&samples, &device);
+    let column = |f: fn(&Prepared) -> &[f32]| {
+        batch.shifted(&rows.iter().map(|p| f(p)).collect::<Vec<_>>(), &device)
+    };
+    let old_lp = column(|p| &p.old_logprobs);
+    let adv = column(|p| &p.advantages);
+    let ref_lp = (ppo.kl_coef > 0.0 && rows[0].ref_logprobs.is_some())
+        .then(|| column(|p| p.ref_logprobs.as_deref().unwrap_or(&[])));
+    let old_v = column(|p| &p.old_values);
+    let ret = column(|p| &p.returns);
+    let mut l = Losses::default();
+    let mask = batch.mask.clone();
+    learner.policy_backward_stats(
+        batch.tokens.clone(),
+        batch.valid.clone(),
+        temperature,
+        |stats| {
+            let surrogate = clipped_surrogate(
+                stats.logprobs.clone(),
+                old_lp.clone(),
+                adv,
+                ppo.clip_low,
+                ppo.clip_high,
+            );
+            let pg_loss = masked_sum(surrogate, mask.clone(), tokens);
+            let entropy = masked_sum(stats.entropy, mask.clone(), tokens);
+            let mut loss = pg_loss.clone() - entropy.clone() * ppo.entropy_coef;
+            if let Some(ref_lp) = ref_lp {
+                let ref_kl =
+                    masked_sum(kl_k3(stats.logprobs.clone(), ref_lp), mask.clone(), tokens);
+                l.ref_kl = scalar(ref_kl.clone().detach());
+                loss = loss + ref_kl * ppo.kl_coef;
+            }
+            l.kl = scalar(masked_sum(
+                kl_k3(stats.logprobs.clone().detach(), old_lp.clone()),
+                mask.clone(),
+                tokens,
+            ));
+            l.clipped = scalar(masked_sum(
+                clipped_mask(stats.logprobs.detach(), old_lp, ppo.clip_low, ppo.clip_high),
+                mask,
+                tokens,
+            ));
+            l.policy = scalar(pg_loss.detach());
+            l.entropy = scalar(entropy.detach());
+            loss
+        },
+    );
+    let mask = batch.mask;
+    learner.critic_backward_values(batch.tokens, batch.valid, |values| {
+        let values = values.narrow(1, 0, batch.width - 1);
+        let v_loss = masked_sum(
+            clipped_value_loss(values, old_v, ret, ppo.value_clip),
+            mask,
+            tokens,
+        ) * ppo.vf_coef;
+        l.value = scalar(v_loss.clone().detach());
+        v_loss
+    });
+    l
 }
 
 /// Scores the batch with the pre-update models and computes GAE.
