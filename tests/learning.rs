@@ -213,7 +213,12 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
         dir.disable_cleanup(true);
         eprintln!("run directory kept: {}", dir.path().display());
     }
-    let server = Server::start(&dir.path().join("data"), &["--skip-compile"]);
+    // Room for fewer episodes than a PPO step opens (32), on any host: the rollout must wait
+    // for room as the batch's first episodes end, not drop the rest.
+    let server = Server::start(
+        &dir.path().join("data"),
+        &["--skip-compile", "--max-episodes", "12"],
+    );
     let (good, flawed) = demonstrations(&server.client()).await;
     let model = tiny_model(dir.path());
     let seed = std::env::var("LEARNING_SEED")
@@ -319,6 +324,12 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines.len(), 6);
+    // Every episode of every step ran: those the server had no room for at first waited for
+    // it (before, 17 of each step's 32 resets failed with host_busy and were left out).
+    for l in &lines {
+        assert_eq!(l["failed"], 0, "episodes failed: {l}");
+        assert_eq!(l["trained_episodes"], 32, "{l}");
+    }
     for key in [
         "reward_mean",
         "entropy",

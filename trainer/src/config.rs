@@ -118,6 +118,10 @@ pub struct ServerSection {
     pub concurrency: usize,
     /// Seconds between resolutions of `dns+http` names.
     pub resolve_every_s: f64,
+    /// Seconds a multi-turn episode whose reset every server refused for want of room (503
+    /// `host_busy`, `at_capacity`; 429) keeps trying, while the rest of the batch runs and
+    /// frees room; past it the episode fails (left out of training).
+    pub room_wait_s: f64,
 }
 
 impl Default for ServerSection {
@@ -129,6 +133,7 @@ impl Default for ServerSection {
             retries: 3,
             concurrency: 64,
             resolve_every_s: 30.0,
+            room_wait_s: 300.0,
         }
     }
 }

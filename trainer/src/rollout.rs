@@ -101,6 +101,8 @@ pub struct EnvPool {
     fleet: Fleet,
     sources: usize,
     permits: Arc<Semaphore>,
+    /// How long a reset refused for want of room keeps trying (multi-turn rollouts).
+    room_wait: Duration,
 }
 
 impl EnvPool {
@@ -122,6 +124,7 @@ impl EnvPool {
             fleet,
             sources: section.urls.len(),
             permits: Arc::new(Semaphore::new(section.concurrency.max(1))),
+            room_wait: Duration::from_secs_f64(section.room_wait_s.max(0.0)),
         })
     }
 
@@ -245,6 +248,8 @@ struct Live {
     lost: bool,
     done: bool,
     last_turn: Vec<u32>,
+    /// Its reset was refused for want of room: it is opened again while the batch runs.
+    waiting_for_room: bool,
 }
 
 /// What a rollout round needs besides the conversations.
@@ -378,43 +383,70 @@ fn open(
     opened
         .into_iter()
         .enumerate()
-        .map(|(i, r)| match r {
-            Ok((server, resp)) => {
-                let episode = if keep { resp.episode_id.as_str() } else { "" };
-                let mut sample = Sample::new(&resp.info.task.id, episode);
-                match prompt(round.renderer, &resp) {
-                    Ok(p) => sample.push_context(&p),
-                    Err(e) => {
-                        let e = error_chain(&e);
-                        tracing::warn!(episode = %resp.episode_id, "prompt rendering failed: {e}");
-                        sample.outcome = Some(Outcome::Failed);
-                        sample.reason = Some(e);
-                    }
-                }
-                Live {
-                    done: sample.outcome.is_some(),
-                    sample,
-                    server: Some(server),
-                    lost: false,
-                    last_turn: Vec::new(),
-                }
-            }
-            Err(e) => {
-                let e = error_chain(&e);
-                tracing::warn!(reset = i, "reset failed: {e}");
-                let mut sample = Sample::new(resets[i].task.as_deref().unwrap_or(""), "");
-                sample.outcome = Some(Outcome::Failed);
-                sample.reason = Some(e);
-                Live {
-                    sample,
-                    server: None,
-                    lost: false,
-                    done: true,
-                    last_turn: Vec::new(),
-                }
-            }
-        })
+        .map(|(i, r)| opened_live(round.renderer, &resets[i], r, prompt, keep, keep))
         .collect()
+}
+
+/// The conversation a reset's answer starts: its prompt rendered, or born done (`Failed`)
+/// where the reset or the prompt failed. An episode every server refused for want of room
+/// waits for room instead (`waiting_for_room`) when it `may_wait`.
+fn opened_live(
+    renderer: &Renderer,
+    req: &ResetRequest,
+    r: Result<(ServerHandle, ResetResponse), ClientError>,
+    prompt: Prompt,
+    keep: bool,
+    may_wait: bool,
+) -> Live {
+    match r {
+        Ok((server, resp)) => {
+            let episode = if keep { resp.episode_id.as_str() } else { "" };
+            let mut sample = Sample::new(&resp.info.task.id, episode);
+            match prompt(renderer, &resp) {
+                Ok(p) => sample.push_context(&p),
+                Err(e) => {
+                    let e = error_chain(&e);
+                    tracing::warn!(episode = %resp.episode_id, "prompt rendering failed: {e}");
+                    sample.outcome = Some(Outcome::Failed);
+                    sample.reason = Some(e);
+                }
+            }
+            Live {
+                done: sample.outcome.is_some(),
+                sample,
+                server: Some(server),
+                lost: false,
+                last_turn: Vec::new(),
+                waiting_for_room: false,
+            }
+        }
+        Err(e) => {
+            let waiting = may_wait && e.is_full();
+            let e = error_chain(&e);
+            let task = req.task.as_deref().unwrap_or("");
+            if waiting {
+                tracing::debug!(
+                    task,
+                    "reset refused for want of room; it waits for room: {e}"
+                );
+            } else {
+                tracing::warn!(task, "reset failed: {e}");
+            }
+            let mut sample = Sample::new(task, "");
+            if !waiting {
+                sample.outcome = Some(Outcome::Failed);
+            }
+            sample.reason = Some(e);
+            Live {
+                sample,
+                server: None,
+                lost: false,
+                done: !waiting,
+                last_turn: Vec::new(),
+                waiting_for_room: waiting,
+            }
+        }
+    }
 }
 
 /// One turn for each of `rows`, generated in batches of `generation_batch`; each batch is
@@ -678,6 +710,33 @@ async fn reset_all(
         });
     }
     collect(set, resets.len()).await
+}
+
+/// Sends `req` until a server has room for it (every try refused with 503 `host_busy`,
+/// `at_capacity` or 429 waits and tries again, a little longer each time) or `until` has
+/// passed; the last answer then. One key for every try: a try whose answer is lost never
+/// leaves a second episode behind (a refused reset frees its key on the server).
+async fn reset_when_room(
+    pool: &EnvPool,
+    req: &ResetRequest,
+    until: Instant,
+) -> Result<(ServerHandle, ResetResponse), ClientError> {
+    let mut req = req.clone();
+    req.request_id = Some(env_client::new_request_id());
+    let mut wait = Duration::from_millis(250);
+    loop {
+        let answer = {
+            let _permit = pool.permits.acquire().await;
+            pool.fleet.reset(&req).await.map_err(client_error)
+        };
+        match answer {
+            Err(e) if e.is_full() && Instant::now() + wait < until => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
 }
 
 async fn collect<T: Send + 'static>(

@@ -8,19 +8,30 @@ use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::time::Instant;
 
-use env_api::{ResetRequest, StepResponse};
-use env_client::ClientError;
+use env_api::{ResetRequest, ResetResponse, StepResponse};
+use env_client::{ClientError, ServerHandle};
 use serde_json::Value;
 
 use super::{
-    apply_answer, close_by_trainer, finish, multi_turn_prompt, open, parse_turn, Generator, Live,
-    RolloutStats, Round, TurnStart,
+    apply_answer, close_by_trainer, finish, multi_turn_prompt, open, opened_live, parse_turn,
+    reset_when_room, Generator, Live, RolloutStats, Round, TurnStart,
 };
 use crate::sample::{Outcome, Sample};
 
 /// A server's answer to one tool call: the episode, the call, and the answer with how long
 /// the request took.
 type Answer = (usize, String, Value, Result<StepResponse, ClientError>, f64);
+
+/// What the servers send back while the batch decodes.
+enum Event {
+    /// A tool call's answer.
+    Answer(Box<Answer>),
+    /// The reset of an episode that waited for room, at last answered (or given up on).
+    Opened(
+        usize,
+        Box<Result<(ServerHandle, ResetResponse), ClientError>>,
+    ),
+}
 
 /// Runs one multi-turn episode per reset request until every one ends; `tag` makes request
 /// ids unique across the steps of a run.
@@ -42,17 +53,39 @@ pub(super) fn rollout(
         ..Default::default()
     };
     let mut live = open(round, resets, multi_turn_prompt, true, &mut stats);
-    let (answers_tx, answers) = mpsc::channel::<Answer>();
+    let (answers_tx, answers) = mpsc::channel::<Event>();
     let mut closes = Vec::new();
     let mut released = vec![false; live.len()];
-    let mut ready: VecDeque<usize> = (0..live.len()).filter(|&i| !live[i].done).collect();
-    // Tool calls sent and not yet answered.
+    let mut ready: VecDeque<usize> = (0..live.len())
+        .filter(|&i| !live[i].done && !live[i].waiting_for_room)
+        .collect();
+    // Tool calls and resets sent and not yet answered.
     let mut at_server = 0usize;
+    // Episodes every server refused for want of room keep trying while the others run (and,
+    // as they end, free room); one that never finds room fails as before.
+    let until = Instant::now() + round.pool.room_wait;
+    let waiting: Vec<usize> = (0..live.len())
+        .filter(|&i| live[i].waiting_for_room)
+        .collect();
+    if !waiting.is_empty() {
+        tracing::info!(
+            episodes = waiting.len(),
+            "resets refused for want of room; they are tried again as the batch runs"
+        );
+    }
+    for i in waiting {
+        let (pool, req, tx) = (round.pool.clone(), resets[i].clone(), answers_tx.clone());
+        at_server += 1;
+        rt.spawn(async move {
+            let opened = reset_when_room(&pool, &req, until).await;
+            let _ = tx.send(Event::Opened(i, Box::new(opened)));
+        });
+    }
     loop {
         // Answers that came in while the batch decoded.
-        while let Ok(answer) = answers.try_recv() {
+        while let Ok(event) = answers.try_recv() {
             at_server -= 1;
-            answered(round, &mut live, &mut ready, &mut stats, answer);
+            on_event(round, resets, &mut live, &mut ready, &mut stats, event);
         }
         release(round, generator, &mut live, &mut released, &mut closes);
         // Ready turns join while the batch has room.
@@ -90,10 +123,10 @@ pub(super) fn rollout(
             }
             // Nothing to decode: wait for the servers.
             let tw = Instant::now();
-            let Ok(answer) = answers.recv() else { break };
+            let Ok(event) = answers.recv() else { break };
             stats.env_s += tw.elapsed().as_secs_f64();
             at_server -= 1;
-            answered(round, &mut live, &mut ready, &mut stats, answer);
+            on_event(round, resets, &mut live, &mut ready, &mut stats, event);
             continue;
         }
         let ended = generator.step();
@@ -124,7 +157,10 @@ pub(super) fn rollout(
                     .step_with_id(&id, &name, arguments.clone(), &request_id)
                     .await;
                 // The loop may have ended early (it never does while calls are out).
-                let _ = tx.send((i, name, arguments, answer, t0.elapsed().as_secs_f64()));
+                let seconds = t0.elapsed().as_secs_f64();
+                let _ = tx.send(Event::Answer(Box::new((
+                    i, name, arguments, answer, seconds,
+                ))));
             });
         }
     }
@@ -163,6 +199,35 @@ fn release(
                     tracing::warn!(episode = %id, "close failed: {}", env_api::ErrorChain(&e));
                 }
             }));
+        }
+    }
+}
+
+/// What came back from the servers, applied: a tool call's answer, or a late reset.
+fn on_event(
+    round: &Round<'_>,
+    resets: &[ResetRequest],
+    live: &mut [Live],
+    ready: &mut VecDeque<usize>,
+    stats: &mut RolloutStats,
+    event: Event,
+) {
+    match event {
+        Event::Answer(answer) => answered(round, live, ready, stats, *answer),
+        Event::Opened(i, opened) => {
+            // No more waiting: a refusal now fails the episode.
+            let renderer = round.renderer;
+            live[i] = opened_live(
+                renderer,
+                &resets[i],
+                *opened,
+                multi_turn_prompt,
+                true,
+                false,
+            );
+            if !live[i].done {
+                ready.push_back(i);
+            }
         }
     }
 }
