@@ -608,16 +608,22 @@ fn evaluate_answers(round: &Round<'_>, live: &mut [Live], rows: &[usize]) -> f64
         })
         .collect();
     let te = Instant::now();
+    // An evaluation every server refuses for want of room (its queue full) waits for room.
+    let until = te + round.pool.room_wait;
     let results = round.rt.block_on(async {
         let mut set = tokio::task::JoinSet::new();
         for (k, (_, req)) in jobs.iter().enumerate() {
-            // Any server judges it (the fleet adds the idempotency key).
-            let fleet = round.pool.fleet.clone();
-            let permits = round.pool.permits.clone();
-            let req = req.clone();
+            // Any server judges it, under one key for every try.
+            let pool = round.pool.clone();
+            let mut req = req.clone();
+            req.options.get_or_insert_with(Default::default).request_id =
+                Some(env_client::new_request_id());
             set.spawn(async move {
-                let _permit = permits.acquire_owned().await;
-                (k, fleet.evaluate(&req).await.map_err(client_error))
+                let req = &req;
+                (
+                    k,
+                    when_room(&pool, until, || pool.fleet.evaluate(req)).await,
+                )
             });
         }
         collect(set, jobs.len()).await
@@ -712,10 +718,9 @@ async fn reset_all(
     collect(set, resets.len()).await
 }
 
-/// Sends `req` until a server has room for it (every try refused with 503 `host_busy`,
-/// `at_capacity` or 429 waits and tries again, a little longer each time) or `until` has
-/// passed; the last answer then. One key for every try: a try whose answer is lost never
-/// leaves a second episode behind (a refused reset frees its key on the server).
+/// Sends `req` until a server has room for it, or `until` has passed; the last answer then.
+/// One key for every try: a try whose answer is lost never leaves a second episode behind
+/// (a refused reset frees its key on the server).
 async fn reset_when_room(
     pool: &EnvPool,
     req: &ResetRequest,
@@ -723,11 +728,23 @@ async fn reset_when_room(
 ) -> Result<(ServerHandle, ResetResponse), ClientError> {
     let mut req = req.clone();
     req.request_id = Some(env_client::new_request_id());
+    let req = &req;
+    when_room(pool, until, || pool.fleet.reset(req)).await
+}
+
+/// Makes `call` (within the pool's bound on requests in flight) until it is not refused for
+/// want of room (503 `host_busy`, `at_capacity`; 429 on every server) or `until` has passed,
+/// waiting a little longer after each refusal; the last answer then.
+async fn when_room<T, F, Fut>(pool: &EnvPool, until: Instant, call: F) -> Result<T, ClientError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, FleetError>>,
+{
     let mut wait = Duration::from_millis(250);
     loop {
         let answer = {
             let _permit = pool.permits.acquire().await;
-            pool.fleet.reset(&req).await.map_err(client_error)
+            call().await.map_err(client_error)
         };
         match answer {
             Err(e) if e.is_full() && Instant::now() + wait < until => {
@@ -760,4 +777,73 @@ async fn collect<T: Send + 'static>(
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    use env_client::{ClientError, FleetError};
+
+    use super::{when_room, EnvPool};
+    use crate::config::ServerSection;
+
+    fn refused(status: u16, code: &str) -> FleetError {
+        FleetError::Server {
+            server: "http://127.0.0.1:1".into(),
+            source: ClientError::Api {
+                status,
+                code: code.into(),
+                message: "retry later".into(),
+            },
+        }
+    }
+
+    fn pool(room_wait_s: f64) -> EnvPool {
+        EnvPool::new(&ServerSection {
+            urls: vec!["http://127.0.0.1:1".into()],
+            room_wait_s,
+            ..ServerSection::default()
+        })
+        .expect("pool")
+    }
+
+    /// Refusals for want of room are tried again until one is taken; any other failure, or the
+    /// deadline, ends the wait with that answer.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_call_refused_for_room_is_tried_until_room_or_the_deadline() {
+        let pool = pool(300.0);
+        let tries = AtomicUsize::new(0);
+        let until = Instant::now() + Duration::from_secs(300);
+        let call = || async {
+            match tries.fetch_add(1, Ordering::SeqCst) {
+                0 => Err(refused(503, "host_busy")),
+                1 => Err(refused(503, "at_capacity")),
+                2 => Err(refused(429, "queue_full")),
+                n => Ok(n),
+            }
+        };
+        assert_eq!(when_room(&pool, until, call).await.unwrap(), 3);
+
+        // A failure that more time does not mend is the answer at once.
+        let tries = AtomicUsize::new(0);
+        let call = || async {
+            tries.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(refused(400, "bad_request"))
+        };
+        let e = when_room(&pool, until, call).await.unwrap_err();
+        assert!(matches!(e, ClientError::Api { status: 400, .. }));
+        assert_eq!(tries.load(Ordering::SeqCst), 1);
+
+        // Past the deadline, the refusal is the answer.
+        let tries = AtomicUsize::new(0);
+        let call = || async {
+            tries.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(refused(503, "host_busy"))
+        };
+        let e = when_room(&pool, Instant::now(), call).await.unwrap_err();
+        assert!(e.is_full());
+        assert_eq!(tries.load(Ordering::SeqCst), 1);
+    }
 }
