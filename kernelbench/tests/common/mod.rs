@@ -31,16 +31,7 @@ pub async fn cpu_worker(timeout: Duration, limits: RunLimits) -> (tempfile::Temp
     let worker = JudgeWorker::start(WorkerConfig {
         python: python().into(),
         script,
-        args: [
-            "--device",
-            "cpu",
-            "--min-ms",
-            "0",
-            "--compile-backend",
-            "eager",
-        ]
-        .map(String::from)
-        .to_vec(),
+        args: CPU_FILTERS.map(String::from).to_vec(),
         timeout,
         start_timeout: Duration::from_secs(300),
         limits,
