@@ -15,6 +15,7 @@ last one). Prints one JSON object on stdout (and writes it to --out when given).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -34,6 +35,8 @@ def main() -> int:
     c.add_argument("--task", required=True)
     c.add_argument("--candidate", required=True, help="directory holding model_new.py (and kernels/)")
     c.add_argument("--device", default="auto")
+    c.add_argument("--size", choices=["small", "full"],
+                   help="the task's input size (CUDA_AGENT_TASK_SIZE; default: that variable where it is set, as the server sets it, else small on CPU and full on CUDA, as the server picks)")
     c.add_argument("--seeds", help="comma-separated model seeds of the checked input sets (default: 5 random)")
     c.add_argument("--allow-ops", help="comma-separated aten operators the candidate may also dispatch")
     c.add_argument("--atol", type=float)
@@ -54,6 +57,15 @@ def main() -> int:
     c.add_argument("--gate", action="store_true",
                    help="start the workers, then wait for a line on stdin before anything runs on the device or any candidate code runs (the server's device lease)")
     args = p.parse_args()
+    # The workers import the task too: they inherit the size through the environment. A task
+    # at its full size on the CPU is gigabytes of inputs per call.
+    if args.size:
+        os.environ["CUDA_AGENT_TASK_SIZE"] = args.size
+    elif "CUDA_AGENT_TASK_SIZE" not in os.environ:
+        device = args.device
+        if device == "auto":
+            device = "cuda" if h.torch.cuda.is_available() else "cpu"
+        os.environ["CUDA_AGENT_TASK_SIZE"] = "small" if device == "cpu" else "full"
     opts = judge.Options(device=args.device, atol=args.atol, rtol=args.rtol, compile=not args.no_compile, time=not args.no_time,
                          budget_s=args.budget_s, setup_timeout=args.setup_timeout, call_timeout=args.call_timeout, allow_ops=args.allow_ops)
     if args.seeds:

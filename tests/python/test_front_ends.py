@@ -244,3 +244,48 @@ def test_the_compile_baselines_first_call_gets_the_setup_timeout(tmp_path, ext_d
     if verdict["details"]["compile_first_call_s"] <= call_timeout:
         pytest.skip(f"the first torch.compile call took {verdict['details']['compile_first_call_s']:.3f} s, "
                     f"under the {call_timeout} s call timeout: the slow-compile case did not occur")
+
+
+SIZE_TASK = """import os
+from pathlib import Path
+
+Path(__file__).with_name(f"size-{os.getpid()}").write_text(os.environ.get("CUDA_AGENT_TASK_SIZE", "unset"))
+
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def get_inputs():
+    return [torch.randn(8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize("flag, env, want", [(None, None, "small"), ("full", None, "full"), (None, "full", "full"), ("small", "full", "small")])
+def test_the_judge_run_by_hand_picks_the_servers_task_size(tmp_path, flag, env, want):
+    # Run by hand on the CPU, a task at its full size is gigabytes of inputs a call (L1/2_Add:
+    # 2 GiB each): without the variable the server sets, the judge takes the server's default
+    # for the device, and passes it to both workers; --size overrides either.
+    (tmp_path / "task.py").write_text(SIZE_TASK)
+    cand = tmp_path / "cand"
+    cand.mkdir()
+    (cand / "model_new.py").write_text('raise SystemExit("not a candidate")\n')
+    e = {k: v for k, v in os.environ.items() if k != "CUDA_AGENT_TASK_SIZE"}
+    if env:
+        e["CUDA_AGENT_TASK_SIZE"] = env
+    argv = [sys.executable, str(SKILLS / "evaluate.py"), "candidate", "--task", str(tmp_path / "task.py"), "--candidate", str(cand),
+            "--device", "cpu", "--no-time"] + (["--size", flag] if flag else [])
+    out = subprocess.run(argv, capture_output=True, text=True, env=e, timeout=300)
+    verdict = json.loads(out.stdout.strip().splitlines()[-1])
+    assert verdict["correct"] is False, verdict
+    seen = sorted(p.read_text() for p in tmp_path.glob("size-*"))
+    # The judge and both workers imported the task.
+    assert len(seen) == 3 and set(seen) == {want}, seen
