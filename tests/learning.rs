@@ -317,6 +317,14 @@ async fn four_stages_raise_the_reward_of_a_tiny_policy() {
     ]))
     .await;
 
+    // The warm-up's 32 resets, too, each closed as soon as it opened, all found room.
+    let warmup: Vec<Value> = std::fs::read_to_string(runs.join("warmup/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(warmup.iter().all(|l| l["failed"] == 0), "{warmup:?}");
+
     let ppo_metrics = runs.join("ppo/metrics.jsonl");
     let lines: Vec<Value> = std::fs::read_to_string(&ppo_metrics)
         .unwrap()

@@ -357,7 +357,8 @@ type Prompt = fn(&Renderer, &ResetResponse) -> Result<Vec<u32>, ModelError>;
 
 /// Resets every episode and renders its `prompt`; an episode whose reset or prompt failed is
 /// born done (`Outcome::Failed`, left out of training). Without `keep`, episodes are closed on
-/// the server at once (the warm-up only needs the task's text).
+/// the server as soon as they open (the warm-up only needs the task's text); with it, one
+/// refused for want of room is left `waiting_for_room`.
 fn open(
     round: &Round<'_>,
     resets: &[ResetRequest],
@@ -366,19 +367,7 @@ fn open(
     stats: &mut RolloutStats,
 ) -> Vec<Live> {
     let t0 = Instant::now();
-    let opened = round.rt.block_on(reset_all(round.pool, resets));
-    if !keep {
-        let closes: Vec<(ServerHandle, String)> = opened
-            .iter()
-            .filter_map(|r| r.as_ref().ok())
-            .map(|(s, r)| (s.clone(), r.episode_id.clone()))
-            .collect();
-        round.rt.block_on(async {
-            for (s, id) in closes {
-                let _ = s.client().close(&id).await;
-            }
-        });
-    }
+    let opened = round.rt.block_on(reset_all(round.pool, resets, !keep));
     stats.env_s += t0.elapsed().as_secs_f64();
     opened
         .into_iter()
@@ -687,25 +676,37 @@ fn append_observation(
     }
 }
 
+/// Resets every request at once. An episode wanted only for its prompt (`close_at_once`: the
+/// single-turn warm-up) is closed as soon as it opens, which gives its room back, and its reset
+/// waits for room like an evaluation. A kept episode is tried a few times: one still refused
+/// for want of room is answered so, and the rollout opens it later, as its batch frees room.
 async fn reset_all(
     pool: &EnvPool,
     resets: &[ResetRequest],
+    close_at_once: bool,
 ) -> Vec<Result<(ServerHandle, ResetResponse), ClientError>> {
+    let until = Instant::now() + pool.room_wait;
     let mut set = tokio::task::JoinSet::new();
     for (k, req) in resets.iter().enumerate() {
-        let fleet = pool.fleet.clone();
-        let permits = pool.permits.clone();
+        let pool = pool.clone();
         let mut req = req.clone();
         // One key for every try: a server that got the reset answers a retry with the same
         // episode, so no retry leaves a second one behind.
         req.request_id
             .get_or_insert_with(env_client::new_request_id);
         set.spawn(async move {
-            let _permit = permits.acquire_owned().await;
+            if close_at_once {
+                let opened = when_room(&pool, until, || pool.fleet.reset(&req)).await;
+                if let Ok((server, resp)) = &opened {
+                    let _ = server.client().close(&resp.episode_id).await;
+                }
+                return (k, opened);
+            }
+            let _permit = pool.permits.acquire().await;
             // The fleet tries every server; when all are full, wait a little and try again.
             let mut attempt = 0;
             loop {
-                match fleet.reset(&req).await.map_err(client_error) {
+                match pool.fleet.reset(&req).await.map_err(client_error) {
                     Err(e) if e.is_retryable() && attempt < 2 => {
                         attempt += 1;
                         tokio::time::sleep(Duration::from_millis(300 << attempt)).await;
